@@ -1,0 +1,67 @@
+# The front door. `make demo` runs the whole pipeline on the default corpus; `make test` runs the tests.
+# Both create the virtual environment first (.venv, pinned by requirements.lock).
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+export PREFECT_HOME ?= $(CURDIR)/.prefect
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export MLFLOW_DISABLE_TELEMETRY := true
+export DVC_NO_ANALYTICS := 1
+export DO_NOT_TRACK := 1
+PREFECT_PORT ?= 4200
+MLFLOW_PORT ?= 5000
+POOL ?= astrai-local
+
+.PHONY: setup demo test pipeline repro server worker deploy run-deployment stop mlflow-ui bench clean
+
+$(BIN)/astrai: pyproject.toml requirements.lock
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -c requirements.lock -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/astrai  ## create .venv with every dependency
+
+demo: setup  ## the main job: full pipeline on the default corpus, then where to look
+	$(BIN)/astrai pipeline
+
+test: setup  ## the test suite
+	$(BIN)/python -m pytest -q
+
+repro: setup  ## the same stages through DVC
+	$(BIN)/dvc repro
+
+# A long-lived Prefect server + process worker for `prefect deployment run` (stop both with `make stop`).
+server: setup
+	mkdir -p $(PREFECT_HOME)
+	nohup $(BIN)/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT) > $(PREFECT_HOME)/server.log 2>&1 & echo $$! > $(PREFECT_HOME)/server.pid
+	for i in $$(seq 60); do curl -sf http://127.0.0.1:$(PREFECT_PORT)/api/health >/dev/null && break; sleep 1; done
+	@echo "Prefect UI: http://127.0.0.1:$(PREFECT_PORT)"
+
+worker: setup
+	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(BIN)/prefect work-pool create $(POOL) --type process --overwrite >/dev/null
+	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api nohup $(BIN)/prefect worker start --pool $(POOL) > $(PREFECT_HOME)/worker.log 2>&1 & echo $$! > $(PREFECT_HOME)/worker.pid
+	@echo "worker for pool $(POOL) started (log: $(PREFECT_HOME)/worker.log)"
+
+deploy: setup
+	ASTRAI_PROJECT_DIR=$(CURDIR) PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(BIN)/prefect --no-prompt deploy --all
+
+run-deployment:
+	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(BIN)/prefect deployment run 'astrai-pipeline/default' --watch
+
+stop:  ## stop the worker (SIGTERM, then SIGINT) and the server started above
+	-@if [ -f $(PREFECT_HOME)/worker.pid ]; then pid=$$(cat $(PREFECT_HOME)/worker.pid); kill -TERM $$pid 2>/dev/null; sleep 2; kill -INT $$pid 2>/dev/null; rm -f $(PREFECT_HOME)/worker.pid; fi
+	-@if [ -f $(PREFECT_HOME)/server.pid ]; then kill -TERM $$(cat $(PREFECT_HOME)/server.pid) 2>/dev/null; rm -f $(PREFECT_HOME)/server.pid; fi
+	@echo stopped
+
+mlflow-ui: setup  ## the MLflow UI on http://127.0.0.1:$(MLFLOW_PORT)
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow server --host 127.0.0.1 --port $(MLFLOW_PORT) --workers 1 \
+	  --backend-store-uri sqlite:///$(CURDIR)/mlflow/mlflow.db --default-artifact-root $(CURDIR)/mlflow/artifacts
+
+bench: setup
+	$(BIN)/python bench/throughput.py
+
+clean:  ## remove generated data, the MLflow store and Prefect's home (not the venv)
+	rm -rf data/corpus data/tokenizer data/packed data/pretrain data/evaluate data/register mlflow/mlflow.db mlflow/artifacts .prefect

@@ -1,0 +1,66 @@
+"""Run a child process in its own process group, stream its output line by line, never leave it orphaned."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+from typing import Callable, Mapping, Sequence
+
+
+def kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM the child's whole process group (torchrun and every rank), then SIGKILL after `grace` s."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def stream_process(
+    cmd: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    on_line: Callable[[str], None] = print,
+    what: str | None = None,
+) -> None:
+    """Run `cmd`, passing each output line (stdout and stderr merged) to `on_line`.
+
+    The child starts a new session so that on any exception here (failure, Ctrl-C, a Prefect cancellation or
+    timeout raised into this thread) the whole group is killed, grandchildren included. A non-zero exit raises
+    RuntimeError with the exit code and the last lines of output.
+    """
+    proc = subprocess.Popen(
+        list(cmd),
+        env=dict(env) if env is not None else None,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+        bufsize=1,
+        start_new_session=True,
+    )
+    tail: collections.deque[str] = collections.deque(maxlen=20)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            on_line(line)
+        code = proc.wait()
+    except BaseException:
+        kill_group(proc)
+        raise
+    if code != 0:
+        name = what or os.path.basename(cmd[0])
+        last = " | ".join(tail)[-2000:]
+        raise RuntimeError(f"{name} exited with code {code}; last output: {last}")
