@@ -1,0 +1,68 @@
+"""Byte-level BPE tokenizer (the `tokenizers` library), the GPT-2/Llama-3 recipe.
+
+Text is mapped to bytes before merging, and all 256 bytes are in the initial alphabet, so any UTF-8 string
+(Chinese, emoji, leading spaces, newlines) encodes without an unknown token and decodes back exactly.
+The special tokens take ids 0..6 in the order of SPECIAL_TOKENS, so they are the same for every vocabulary size.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from astrai_core.errors import AstraiError
+
+SPECIAL_TOKENS = {
+    "bos": "<|begin_of_text|>",
+    "eos": "<|end_of_text|>",
+    "pad": "<|pad|>",
+    "system": "<|system|>",
+    "user": "<|user|>",
+    "assistant": "<|assistant|>",
+    "end_of_turn": "<|end_of_turn|>",
+}
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
+    """Train on `texts` (any iterable: streamed, never held in memory at once by this function)."""
+    n_base = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
+    if vocab_size < n_base:
+        raise AstraiError(f"tokenizer vocab_size {vocab_size} is too small: it needs at least {n_base} (7 special + 256 bytes)")
+    tok = Tokenizer(models.BPE())
+    # add_prefix_space=False: a leading space stays a real character, so decode(encode(s)) == s exactly.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS.values()),  # the trainer assigns these ids 0..6 first
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte has an id even if unseen in training
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    path = Path(path)
+    if not path.is_file():
+        raise AstraiError(f"{path}: tokenizer file not found; run the tokenizer stage")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises a bare Exception with a multi-line serde message
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise AstraiError(f"{path}: not a valid tokenizer file ({first})") from None
+    for name, text in SPECIAL_TOKENS.items():
+        if tok.token_to_id(text) is None:
+            raise AstraiError(f"{path}: tokenizer lacks the special token {text} ({name}); re-run the tokenizer stage")
+    return tok
+
+
+def special_id(tok: Tokenizer, name: str) -> int:
+    """Id of a special token by its short name ("eos", "pad", ...)."""
+    token_id = tok.token_to_id(SPECIAL_TOKENS[name])
+    assert token_id is not None, f"tokenizer has no {SPECIAL_TOKENS[name]}"
+    return token_id
