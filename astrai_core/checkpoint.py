@@ -1,0 +1,120 @@
+"""Checkpoint directories: everything needed to use (and audit) a trained model, written atomically.
+
+    model.safetensors   weights (a tied lm_head is stored once, as embed_tokens.weight)
+    config.json         ModelConfig
+    tokenizer.json      the tokenizer the model was trained with
+    train_config.json   the resolved TrainConfig (when given)
+    train_state.pt      step, tokens seen, optimizer and scheduler state (when given; loads with weights_only=True)
+    summary.json        run summary: final losses, throughput, ... (when given)
+    <extra files>       copied in as they are (e.g. metrics.jsonl)
+    manifest.json       sha256 of every file above
+
+The directory is built beside `out_dir` and renamed into place, so readers never see a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from pydantic import BaseModel
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+
+from astrai_core.config import ModelConfig
+from astrai_core.errors import AstraiError
+from astrai_core.io import atomic_path, sha256_file
+from astrai_core.model import Transformer
+
+REQUIRED_FILES = ("model.safetensors", "config.json", "tokenizer.json")
+
+
+def save_checkpoint(
+    out_dir: str | os.PathLike,
+    model: Transformer,
+    model_cfg: ModelConfig,
+    tokenizer_path: str | os.PathLike,
+    extra: dict | None = None,
+    *,
+    train_config: BaseModel | None = None,
+    train_state: dict[str, Any] | None = None,
+    files: Iterable[str | os.PathLike] = (),
+) -> Path:
+    """Write the checkpoint directory `out_dir` (replacing any previous one) and return its path.
+
+    `model` must be the bare Transformer (not DDP- or compile-wrapped) so the state dict keys are plain.
+    """
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if model_cfg.tie_embeddings:
+        # safetensors refuses tensors that share storage; load_model re-ties lm_head to embed_tokens.
+        del state["lm_head.weight"]
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        _write_json(tmp / "config.json", model_cfg.model_dump())
+        shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+        if train_config is not None:
+            _write_json(tmp / "train_config.json", train_config.model_dump())
+        if train_state is not None:
+            torch.save(train_state, tmp / "train_state.pt")
+        if extra is not None:
+            _write_json(tmp / "summary.json", extra)
+        for f in files:
+            shutil.copyfile(f, tmp / Path(f).name)
+        manifest = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
+        _write_json(tmp / "manifest.json", {"files": manifest})
+    return Path(out_dir)
+
+
+def verify_checkpoint(ckpt_dir: str | os.PathLike) -> dict[str, str]:
+    """Check every file against manifest.json; return the manifest's {name: sha256}. AstraiError on any mismatch."""
+    ckpt_dir = Path(ckpt_dir)
+    manifest_path = ckpt_dir / "manifest.json"
+    if not manifest_path.is_file():
+        raise AstraiError(f"{ckpt_dir}: not a checkpoint (manifest.json missing)")
+    try:
+        hashes: dict[str, str] = json.loads(manifest_path.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise AstraiError(f"{manifest_path}: unreadable manifest ({e})") from None
+    for name in REQUIRED_FILES:
+        if name not in hashes:
+            raise AstraiError(f"{manifest_path}: {name} is not listed; the checkpoint is incomplete")
+    for name, expected in hashes.items():
+        path = ckpt_dir / name
+        if not path.is_file():
+            raise AstraiError(f"{path}: missing (listed in manifest.json)")
+        if sha256_file(path) != expected:
+            raise AstraiError(f"{path}: sha256 does not match manifest.json; the file was modified or corrupted")
+    return hashes
+
+
+def load_model(
+    ckpt_dir: str | os.PathLike, device: str | torch.device = "cpu"
+) -> tuple[Transformer, Tokenizer, ModelConfig]:
+    """Verify and load a checkpoint: (model in eval mode on `device`, tokenizer, model config)."""
+    ckpt_dir = Path(ckpt_dir)
+    verify_checkpoint(ckpt_dir)
+    cfg = ModelConfig.model_validate_json((ckpt_dir / "config.json").read_text())
+    model = Transformer(cfg)
+    state = load_file(ckpt_dir / "model.safetensors")
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatch
+        detail = " ".join(str(e).split())[:300]  # one line
+        raise AstraiError(f"{ckpt_dir / 'model.safetensors'}: does not match config.json ({detail})") from None
+    if cfg.tie_embeddings:
+        missing = [k for k in missing if k != "lm_head.weight"]  # shared with embed_tokens.weight
+    if missing or unexpected:
+        raise AstraiError(f"{ckpt_dir / 'model.safetensors'}: does not match config.json "
+                          f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    assert not cfg.tie_embeddings or model.lm_head.weight is model.embed_tokens.weight
+    tokenizer = Tokenizer.from_file(str(ckpt_dir / "tokenizer.json"))
+    return model.to(device).eval(), tokenizer, cfg
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,112 @@
+"""Distributed setup in one place: the rank's view (init_distributed/cleanup) and the launcher (run_torchrun).
+
+Inside a rank, torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) says who we are; without
+torchrun the same code runs as a single process with world_size 1 and no process group.
+The launcher starts torchrun in its own process group so that a failure, Ctrl-C or a Prefect cancellation in
+the caller kills every rank, never leaving orphans holding cores.
+
+Multi-node is configuration, not code: run `python -m torch.distributed.run --nnodes=N --node_rank=i
+--rdzv_endpoint=HOST:PORT --nproc_per_node=G -m astrai_core.train --config cfg.json` on each node.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal, Mapping
+
+import torch
+import torch.distributed as dist
+
+from astrai_core.proc import stream_process
+
+# A rank's own error line: `error: ...` (AstraiError, see train.main) or the last line of a traceback.
+_ERROR_LINE = re.compile(r"^(error: |[A-Za-z_][\w.]*(Error|Exception): )")
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(backend: str = "auto", device: str = "auto") -> Dist:
+    """Join the process group torchrun set up (if any) and pick this rank's device."""
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch_device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(torch_device)
+    else:
+        torch_device = torch.device(device)
+    if backend == "auto":
+        backend = "nccl" if torch_device.type == "cuda" else "gloo"
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend, device_id=torch_device if torch_device.type == "cuda" else None)
+    return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=torch_device)
+
+
+def cleanup() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def resolve_nproc(nproc: int | Literal["auto"], device: str = "auto") -> int:
+    """auto: one rank per GPU, else one per CPU core."""
+    if nproc != "auto":
+        return int(nproc)
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return os.cpu_count() or 1
+
+
+def run_torchrun(
+    config_path: str | os.PathLike,
+    nproc: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    on_line: Callable[[str], None] = print,
+) -> None:
+    """Run `astrai_core.train --config config_path` on `nproc` local ranks; stream every output line to on_line.
+
+    `env` entries are added to this process's environment. Raises RuntimeError (exit code and last lines) if any
+    rank fails; on any exception while waiting (including KeyboardInterrupt) the whole process group is killed.
+    """
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        "-m", "astrai_core.train", "--config", str(config_path),
+    ]
+    child_env = {**os.environ, **(env or {})}
+    # torchrun would set 1 thread per rank; share the cores instead (2 ranks on 8 cores: 4 threads each).
+    child_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    child_env.setdefault("PYTHONUNBUFFERED", "1")  # progress lines arrive as they are printed
+    # The ranks must import this very package, installed or not.
+    root = str(Path(__file__).resolve().parents[1])
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH")) if p)
+
+    errors: list[str] = []
+
+    def watch(line: str) -> None:
+        if _ERROR_LINE.match(line):
+            errors.append(line)
+        on_line(line)
+
+    try:
+        stream_process(cmd, env=child_env, on_line=watch, what=f"torchrun ({nproc} ranks)")
+    except RuntimeError as e:
+        # torchrun's failure report fills the tail; the first error a rank printed says what actually went wrong.
+        if errors:
+            raise RuntimeError(f"{errors[0]} ({e})") from None
+        raise

@@ -1,0 +1,80 @@
+"""The training core's only link to MLflow, used by rank 0; every other rank gets a logger that does nothing.
+
+The run belongs to whoever launched training (the Prefect task, the CLI): it starts the run and passes
+MLFLOW_RUN_ID (and MLFLOW_TRACKING_URI, which MLflow reads itself) through the environment. This module only
+logs into that run and never starts or ends one. Without MLFLOW_RUN_ID, metrics go to metrics.jsonl only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+MAX_PARAM_CHARS = 500  # MLflow's limit on a param value
+PARAMS_PER_BATCH = 100  # MLflow's limit on params per log_batch call
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}"""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(flatten(v, f"{key}."))
+        else:
+            out[key] = v
+    return out
+
+
+class MetricLogger:
+    """Append metrics to `out_dir`/metrics.jsonl and, if MLFLOW_RUN_ID is set, to that MLflow run.
+
+    `enabled=False` (non-zero ranks) turns every method into a no-op, so the training loop calls it unconditionally.
+    The file is truncated when the logger is created: one file per training run.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, enabled: bool = True) -> None:
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.enabled = enabled
+        self.run_id = os.environ.get("MLFLOW_RUN_ID") or None
+        self._client = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+
+    @property
+    def client(self):
+        if self._client is None:
+            from mlflow.tracking import MlflowClient  # imported lazily: ~1 s, and only when a run is attached
+
+            self._client = MlflowClient()
+        return self._client
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if not self.enabled:
+            return
+        now_ms = int(time.time() * 1000)
+        with self.path.open("a") as f:  # open per call: every line is on disk even if the run is killed
+            f.write(json.dumps({"step": step, "time": now_ms / 1000, **metrics}) + "\n")
+        if self.run_id:
+            from mlflow.entities import Metric
+
+            batch = [Metric(key=k, value=float(v), timestamp=now_ms, step=step) for k, v in metrics.items()]
+            self.client.log_batch(self.run_id, metrics=batch)
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        if not self.enabled or not self.run_id:
+            return
+        from mlflow.entities import Param
+
+        flat = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in flatten(params).items()]
+        for i in range(0, len(flat), PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=flat[i : i + PARAMS_PER_BATCH])
+
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        if not self.enabled or not self.run_id:
+            return
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
