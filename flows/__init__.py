@@ -1,0 +1,1 @@
+"""Prefect flows that chain the stages, and the `astrai` command line."""

