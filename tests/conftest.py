@@ -1,5 +1,69 @@
 """Shared pytest fixtures. Each helper area prefixes its fixtures (data_: corpus, tokenizer and pack stages)."""
 
+# --- pipeline (end-to-end tests): a throwaway git + DVC project ------------------------------------------------
+
+import os as _os
+import shutil as _shutil
+import subprocess as _subprocess
+import sys as _sys
+from pathlib import Path as _Path
+
+# Telemetry off before anything imports Prefect, MLflow or DVC: the network here is closed.
+for _k, _v in {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
+               "DVC_NO_ANALYTICS": "1", "DO_NOT_TRACK": "1"}.items():
+    _os.environ.setdefault(_k, _v)
+
+PROJECT_ROOT = _Path(__file__).resolve().parents[1]
+VENV_BIN = _Path(_sys.executable).parent
+
+# A pipeline small enough for CI: 8 works cut to 30k characters, a 32-wide model, 30 steps on 2 torchrun ranks.
+TINY_PARAMS = {
+    "corpus": {"source": "shakespeare", "max_documents": 8, "max_chars_per_document": 30000,
+               "validation_fraction": 0.15, "test_fraction": 0.15},
+    "tokenizer": {"vocab_size": 384},
+    "model": {"vocab_size": 384, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64},
+    "pretrain": {"nproc": 2, "seq_len": 64, "batch_size": 8, "max_steps": 30, "dtype": "fp32",
+                 "log_every": 5, "eval_every": 15, "eval_batches": 2,
+                 "optim": {"lr": 0.01, "min_lr": 0.001, "warmup_steps": 5}},
+    "evaluate": {"batch_size": 8, "max_new_tokens": 12, "prompts": ["ROMEO.\n"]},
+}
+
+
+def run_ok(cmd, cwd, env) -> str:
+    out = _subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, f"{cmd} failed:\n{out.stdout}\n{out.stderr}"
+    return out.stdout + out.stderr
+
+
+def make_project(repo: _Path, remote: _Path, model_name: str) -> dict:
+    """Copy the pipeline's definition into `repo`, make it a git + DVC repo with tiny params; returns its env."""
+    import yaml
+
+    repo.mkdir(parents=True, exist_ok=True)
+    for name in ("dvc.yaml", ".gitignore", "prefect.yaml"):
+        _shutil.copy(PROJECT_ROOT / name, repo / name)
+    for pkg in ("astrai_core", "tasks", "flows"):  # dvc.yaml lists code files as deps
+        _shutil.copytree(PROJECT_ROOT / pkg, repo / pkg, ignore=_shutil.ignore_patterns("__pycache__"))
+    params = yaml.safe_load((PROJECT_ROOT / "params.yaml").read_text())
+    for section, values in {**TINY_PARAMS, "register": {"model_name": model_name}}.items():
+        for key, value in values.items():
+            if isinstance(value, dict):
+                params[section][key].update(value)
+            else:
+                params[section][key] = value
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    env = dict(_os.environ)
+    env.update({"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                "GIT_COMMITTER_EMAIL": "t@t", "PATH": f"{VENV_BIN}{_os.pathsep}{env['PATH']}"})
+    run_ok(["git", "init", "-q", "-b", "main"], repo, env)
+    run_ok([VENV_BIN / "dvc", "init", "-q"], repo, env)
+    run_ok([VENV_BIN / "dvc", "config", "core.analytics", "false"], repo, env)
+    run_ok([VENV_BIN / "dvc", "remote", "add", "-d", "local", str(remote)], repo, env)
+    run_ok(["git", "add", "-A"], repo, env)
+    run_ok(["git", "commit", "-q", "-m", "pipeline"], repo, env)
+    return env
+
+
 # --- data stages (corpus, tokenizer, pack): fixtures prefixed data_ ---------------------------------------------
 
 import json

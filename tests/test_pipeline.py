@@ -8,67 +8,27 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import mlflow
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-MODEL_NAME = "astrai-test"
+from conftest import VENV_BIN as BIN
+from conftest import make_project
+from conftest import run_ok as run
 
-TINY = {
-    "corpus": {"source": "shakespeare", "max_documents": 8, "max_chars_per_document": 30000,
-               "validation_fraction": 0.15, "test_fraction": 0.15},
-    "tokenizer": {"vocab_size": 384},
-    "model": {"vocab_size": 384, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64},
-    "pretrain": {"nproc": 2, "seq_len": 64, "batch_size": 8, "max_steps": 30, "dtype": "fp32",
-                 "log_every": 5, "eval_every": 15, "eval_batches": 2,
-                 "optim": {"lr": 0.01, "min_lr": 0.001, "warmup_steps": 5}},
-    "evaluate": {"batch_size": 8, "max_new_tokens": 12, "prompts": ["ROMEO.\n"]},
-    "register": {"model_name": MODEL_NAME},
-}
+MODEL_NAME = "astrai-test"
 
 pytestmark = pytest.mark.integration
 
 
-def run(cmd: list[str], cwd: Path, env: dict) -> str:
-    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    assert out.returncode == 0, f"{cmd} failed:\n{out.stdout}\n{out.stderr}"
-    return out.stdout + out.stderr
-
-
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
-    """A fresh git + DVC repo holding the pipeline's definition files and a tiny params.yaml."""
-    repo = tmp_path_factory.mktemp("project")
-    for name in ("dvc.yaml", ".gitignore"):
-        shutil.copy(ROOT / name, repo / name)
-    for pkg in ("astrai_core", "tasks", "flows"):  # dvc.yaml lists code files as deps
-        shutil.copytree(ROOT / pkg, repo / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    for section, values in TINY.items():
-        for key, value in values.items():
-            if isinstance(value, dict):
-                params[section][key].update(value)
-            else:
-                params[section][key] = value
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-
-    env = dict(os.environ)
-    env.update({"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
-                "PATH": f"{BIN}{os.pathsep}{env['PATH']}"})
-    run(["git", "init", "-q", "-b", "main"], repo, env)
-    run([str(BIN / "dvc"), "init", "-q"], repo, env)
-    run([str(BIN / "dvc"), "config", "core.analytics", "false"], repo, env)
-    run([str(BIN / "dvc"), "remote", "add", "-d", "local", str(repo.parent / "remote")], repo, env)
-    run(["git", "add", "-A"], repo, env)
-    run(["git", "commit", "-q", "-m", "pipeline"], repo, env)
-    return repo, env
+    root = tmp_path_factory.mktemp("e2e")
+    env = make_project(root / "project", root / "remote", MODEL_NAME)
+    return root / "project", env
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,89 @@
+"""`prefect deployment run 'astrai-pipeline/default'` against a real Prefect server and process worker, started
+and stopped with the commands the README documents (the Makefile's `server`, `worker`, `deploy`, `stop`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+
+import mlflow
+import pytest
+
+from conftest import VENV_BIN, make_project, run_ok
+
+pytestmark = pytest.mark.integration
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float = 120.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(url)
+
+
+def stop(proc: subprocess.Popen, *signals: int) -> None:
+    for sig in signals:
+        if proc.poll() is not None:
+            return
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            continue
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_deployment_run_on_server_and_process_worker(tmp_path):
+    repo = tmp_path / "project"
+    env = make_project(repo, tmp_path / "remote", "astrai-deploy-test")
+    port = free_port()
+    env.update({"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+                "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "ASTRAI_PROJECT_DIR": str(repo)})
+    prefect = str(VENV_BIN / "prefect")
+    server = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], cwd=repo,
+                              env=env, stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    worker = None
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/api/health")
+        run_ok([prefect, "work-pool", "create", "astrai-local", "--type", "process", "--overwrite"], repo, env)
+        worker = subprocess.Popen([prefect, "worker", "start", "--pool", "astrai-local"], cwd=repo, env=env,
+                                  stdout=open(tmp_path / "worker.log", "w"), stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        run_ok([prefect, "--no-prompt", "deploy", "--all"], repo, env)
+        out = subprocess.run([prefect, "deployment", "run", "astrai-pipeline/default", "--watch",
+                              "--watch-timeout", "600"], cwd=repo, env=env, capture_output=True, text=True)
+        worker_log = (tmp_path / "worker.log").read_text()
+        assert out.returncode == 0, f"{out.stdout}\n{out.stderr}\n--- worker log ---\n{worker_log[-5000:]}"
+        assert "Completed" in out.stdout + out.stderr
+    finally:
+        if worker is not None:
+            stop(worker, signal.SIGTERM, signal.SIGINT)  # a worker needs SIGTERM then SIGINT
+        stop(server, signal.SIGTERM)
+
+    # The deployment ran in this project: DVC's record is complete and the model is registered.
+    assert "up to date" in run_ok([VENV_BIN / "dvc", "status"], repo, env)
+    registration = json.loads((repo / "data/register/registration.json").read_text())
+    assert registration["version"] == 1 and "champion" in registration["aliases"]
+    assert registration["tags"]["prefect_flow_run_id"] != "none"
+    client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])
+    assert str(client.get_model_version_by_alias("astrai-deploy-test", "champion").version) == "1"
+    assert worker.poll() is not None and server.poll() is not None
