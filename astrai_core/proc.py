@@ -6,6 +6,7 @@ import collections
 import os
 import signal
 import subprocess
+import threading
 from typing import Callable, Mapping, Sequence
 
 
@@ -50,6 +51,19 @@ def stream_process(
         start_new_session=True,
     )
     tail: collections.deque[str] = collections.deque(maxlen=20)
+    # SIGTERM to this process (a Prefect worker cancelling the flow run, `kill`, a batch scheduler) must not
+    # orphan the child's group: kill the group first, then do what this process would have done anyway.
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum, frame):
+            kill_group(proc)
+            if callable(previous):
+                previous(signum, frame)
+            raise SystemExit(128 + signum)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -60,6 +74,9 @@ def stream_process(
     except BaseException:
         kill_group(proc)
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if code != 0:
         name = what or os.path.basename(cmd[0])
         last = " | ".join(tail)[-2000:]

@@ -11,8 +11,8 @@ Sources (`corpus.source` in params.yaml):
 Documents are split whole, never cut: each id is ranked by sha256("{seed}:{id}"), so the split depends only on the
 seed and the names, not on the order files are listed or on how many other documents exist.
 
-Run alone:  python -c "from pathlib import Path; from tasks.params import CorpusParams; \
-from tasks.corpus import build_corpus; build_corpus(CorpusParams(), Path('data/corpus'))"
+Run alone: `astrai stage corpus` (what dvc.yaml runs; paths in tasks/stages.py), or call the
+function above from Python.
 """
 
 from __future__ import annotations

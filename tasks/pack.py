@@ -4,8 +4,8 @@ Each document becomes its token ids followed by <|end_of_text|>, appended end to
 the file format). Text is read line by line and encoded `batch_documents` at a time, so memory stays flat however
 large the corpus.
 
-Run alone:  python -c "from pathlib import Path; from tasks.params import PackParams; from tasks.pack import pack; \
-pack(PackParams(), Path('data/corpus'), Path('data/tokenizer/tokenizer.json'), Path('data/packed'))"
+Run alone: `astrai stage pack` (what dvc.yaml runs; paths in tasks/stages.py), or call the
+function above from Python.
 """
 
 from __future__ import annotations

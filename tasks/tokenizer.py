@@ -2,8 +2,8 @@
 
 Trained on the train split only, so validation and test text never shapes the vocabulary.
 
-Run alone:  python -c "from pathlib import Path; from tasks.params import TokenizerParams; \
-from tasks.tokenizer import build_tokenizer; build_tokenizer(TokenizerParams(), Path('data/corpus'), Path('data/tokenizer'))"
+Run alone: `astrai stage tokenizer` (what dvc.yaml runs; paths in tasks/stages.py), or call the
+function above from Python.
 """
 
 from __future__ import annotations
