@@ -27,7 +27,7 @@ def test_shipped_params_are_valid():
     ({"pretrain.max_stepz": 3}, "pretrain.max_stepz: unknown key"),
     ({"pretrain.optim.lr": -1}, "pretrain.optim.lr: Input should be greater than 0"),
     ({"model.n_kv_heads": 3}, "n_heads (4) must be divisible by n_kv_heads (3)"),
-    ({"tokenizer.vocab_size": 4096}, "model.vocab_size (2048) must be >= tokenizer.vocab_size (4096)"),
+    ({"tokenizer.vocab_size": 4096}, "must be >= tokenizer.vocab_size (4096)"),
     ({"pretrain.dtype": "fp8"}, "pretrain.dtype"),
     ({"corpuss": {}}, "corpuss: unknown key"),
 ])
