@@ -6,7 +6,8 @@ Each variant is params.yaml plus overrides. The corpus comes from data/corpus (r
 each vocabulary size gets its own tokenizer and packed files under bench/out/. Steps are set from a short probe
 of the variant's throughput so every variant gets the same wall-clock budget (what the demo has), then the
 validation split's bits per character is measured (the test split stays untouched for the final report).
-Prints one JSON line per variant and writes bench/out/tune_results.json.
+Prints one JSON line per variant and writes bench/out/tune_results.json. `--steps N` trains every variant for
+exactly N steps instead (for variants of one shape, e.g. learning rates, at equal tokens).
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ VARIANTS = {
     "d384_l4_v2048": {"model.dim": 384, "model.n_layers": 4, "model.n_heads": 6, "model.n_kv_heads": 2},
     "d256_l4_v1024": {"tokenizer.vocab_size": 1024, "model.vocab_size": 1024},
     "d256_l4_v4096": {"tokenizer.vocab_size": 4096, "model.vocab_size": 4096},
+    "d256_l4_v512": {"tokenizer.vocab_size": 512, "model.vocab_size": 512},
+    "d256_l4_v1024_lr1.5e-3": {"tokenizer.vocab_size": 1024, "model.vocab_size": 1024,
+                               "pretrain.optim.lr": 1.5e-3, "pretrain.optim.min_lr": 1.5e-4},
+    "d256_l4_v512_lr1.5e-3": {"tokenizer.vocab_size": 512, "model.vocab_size": 512,
+                              "pretrain.optim.lr": 1.5e-3, "pretrain.optim.min_lr": 1.5e-4},
+    "d256_l4_v1024_lr6e-3": {"tokenizer.vocab_size": 1024, "model.vocab_size": 1024,
+                             "pretrain.optim.lr": 6e-3, "pretrain.optim.min_lr": 6e-4},
     "d256_l4_v2048_seq128_b32": {"pretrain.seq_len": 128, "pretrain.batch_size": 32},
 }
 
@@ -83,6 +91,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=5.0, help="training wall-clock budget per variant")
     ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--steps", type=int, default=None, help="fixed step count instead of the wall-clock budget "
+                    "(compares variants of one shape at equal tokens, immune to machine load)")
     args = ap.parse_args()
     corpus = ROOT / "data" / "corpus"
     results = json.loads((OUT / "tune_results.json").read_text()) if (OUT / "tune_results.json").exists() else {}
@@ -91,10 +101,14 @@ def main() -> None:
             continue
         params = load_params(ROOT / "params.yaml", overrides)
         tok, packed = data_for(params, corpus)
-        probe = train(params.model_copy(deep=True), packed, tok, OUT / f"{name}_probe", 12)
-        # The probe's wall time includes ~8 s of startup; scale steps to fill the budget with the measured speed.
-        tokens_per_step = params.pretrain.batch_size * params.pretrain.seq_len * params.pretrain.grad_accum * probe["world_size"]
-        steps = max(20, int(args.minutes * 60 * probe["tokens_per_sec"] / tokens_per_step))
+        if args.steps:
+            steps = args.steps
+        else:
+            # Scale steps to fill the budget at the speed a short probe run measured (startup excluded).
+            probe = train(params.model_copy(deep=True), packed, tok, OUT / f"{name}_probe", 12)
+            tokens_per_step = (params.pretrain.batch_size * params.pretrain.seq_len * params.pretrain.grad_accum
+                               * probe["world_size"])
+            steps = max(20, int(args.minutes * 60 * probe["tokens_per_sec"] / tokens_per_step))
         summary = train(params, packed, tok, OUT / name, steps)
         result = {"variant": name, "overrides": overrides, "steps": steps, "n_params": summary["n_params"],
                   "tokens_per_sec": round(summary["tokens_per_sec"]), "train_wall_s": round(summary["wall"], 1),
