@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 
 class Strict(BaseModel):
@@ -16,33 +16,76 @@ class Strict(BaseModel):
 
 
 class ModelConfig(Strict):
-    """A Llama-family decoder: RMSNorm, RoPE (rotate-half), SwiGLU, grouped-query attention."""
+    """A Llama-family decoder: RMSNorm, RoPE (rotate-half), SwiGLU, grouped-query attention. The defaults are plain
+    Llama; the options add the Qwen2/Qwen3/DeepSeek variants described in astrai_core/model.py."""
 
     vocab_size: PositiveInt = 2048
     dim: PositiveInt = 256
     n_layers: PositiveInt = 4
     n_heads: PositiveInt = 4
-    n_kv_heads: PositiveInt = 2
+    n_kv_heads: PositiveInt = 2  # any divisor of n_heads: 1 = multi-query, n_heads = full multi-head (unused by mla)
+    attn_head_dim: PositiveInt | None = None  # width of one head; None: dim / n_heads (Qwen3 sets its own)
     ffn_dim: PositiveInt | None = None  # None: 8/3 * dim rounded up to a multiple of 64 (the Llama rule)
     max_seq_len: PositiveInt = 256
     rope_theta: PositiveFloat = 10000.0
+    rope_scaling: Literal["none", "linear", "ntk"] = "none"  # linear: positions / rope_factor; ntk: NTK-aware base
+    rope_factor: PositiveFloat = 1.0  # context extension factor of rope_scaling
     norm_eps: PositiveFloat = 1e-5
     tie_embeddings: bool = True
     init_std: PositiveFloat = 0.02
+    # Attention variants
+    attention: Literal["gqa", "mla"] = "gqa"  # mla: DeepSeek-V2 multi-head latent attention
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm per head on queries and keys before RoPE (Qwen3)
+    attn_gate: bool = False  # sigmoid gate on the attention output, per channel, computed from the block input
+    mla_kv_rank: PositiveInt = 64  # mla: width of the compressed key/value latent
+    mla_rope_dim: PositiveInt = 16  # mla: width of the decoupled RoPE part of queries and keys (one key for all heads)
+    # Mixture of experts (DeepSeekMoE): n_experts = 0 keeps the dense SwiGLU MLP
+    n_experts: int = 0  # routed experts per layer
+    n_shared_experts: int = 0  # experts every token goes through
+    moe_top_k: PositiveInt = 2  # routed experts per token
+    moe_ffn_dim: PositiveInt | None = None  # hidden width of one expert; None: the dense hidden width
+    moe_aux_loss_coef: float = 0.01  # weight of the load-balancing loss (Transformer.aux_loss)
 
     @model_validator(mode="after")
     def _check_heads(self) -> "ModelConfig":
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.attn_head_dim is None and self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}), or set attn_head_dim")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head dim dim/n_heads ({self.dim // self.n_heads}) must be even for RoPE")
+        if self.head_dim % 2:
+            raise ValueError(f"head dim ({self.head_dim}: attn_head_dim or dim/n_heads) must be even for RoPE")
+        if (self.rope_scaling == "none") != (self.rope_factor == 1.0):
+            raise ValueError(f"rope_factor ({self.rope_factor}) and rope_scaling ({self.rope_scaling!r}) go together: "
+                             "rope_scaling linear or ntk with rope_factor > 1, or none with rope_factor 1")
+        if self.rope_scaling == "ntk" and self.rope_head_dim <= 2:
+            raise ValueError("rope_scaling 'ntk' needs a RoPE width above 2 (attn_head_dim, or mla_rope_dim with mla)")
+        if self.attention == "mla":
+            if self.qk_norm or self.qkv_bias:
+                raise ValueError("attention 'mla' does not support qk_norm or qkv_bias: set them to false")
+            if self.mla_rope_dim % 2:
+                raise ValueError(f"mla_rope_dim ({self.mla_rope_dim}) must be even for RoPE")
+        for name in ("n_experts", "n_shared_experts", "moe_aux_loss_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0")
+        if self.n_experts and self.moe_top_k > self.n_experts:
+            raise ValueError(f"moe_top_k ({self.moe_top_k}) exceeds n_experts ({self.n_experts})")
+        if self.n_shared_experts and not self.n_experts:
+            raise ValueError("n_shared_experts needs routed experts: set n_experts > 0 (or n_shared_experts to 0)")
         return self
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
+
+    @property
+    def rope_head_dim(self) -> int:
+        """The width RoPE rotates: the whole head, or only the decoupled part with mla."""
+        return self.mla_rope_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def expert_hidden_dim(self) -> int:
+        return self.moe_ffn_dim or self.hidden_dim
 
     @property
     def hidden_dim(self) -> int:
@@ -52,7 +95,10 @@ class ModelConfig(Strict):
 
 
 class OptimConfig(Strict):
-    """AdamW (weight decay on matrices only), linear warmup then cosine decay to min_lr."""
+    """AdamW (weight decay on matrices only) and the learning-rate schedule (astrai_core/schedules.py):
+    cosine = linear warmup then cosine decay to min_lr; sgdr = warmup then cosine warm restarts, the first cycle
+    `restart_period` steps, each next one `restart_mult` times longer; wsd = warmup, constant lr, then a linear
+    decay to min_lr over the last `decay_fraction` of the run."""
 
     lr: PositiveFloat = 3e-3
     min_lr: float = 3e-4
@@ -61,6 +107,11 @@ class OptimConfig(Strict):
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 disables clipping
+    schedule: Literal["cosine", "sgdr", "wsd"] = "cosine"
+    restart_period: PositiveInt = 100  # sgdr: optimizer steps in the first cycle (after warmup)
+    restart_mult: float = Field(2.0, ge=1.0)  # sgdr: each cycle is this many times longer than the one before
+    decay_fraction: float = Field(0.2, gt=0.0, le=1.0)  # wsd: the share of steps spent decaying
+    fused: Literal["auto", "on", "off"] = "auto"  # fused AdamW kernel; auto: on where the device has one
 
 
 class TrainConfig(Strict):
@@ -76,14 +127,28 @@ class TrainConfig(Strict):
     batch_size: PositiveInt = 16  # sequences per rank per micro-step
     grad_accum: PositiveInt = 1
     max_steps: PositiveInt = 200  # optimizer steps
+    # A token budget instead of a step count: when set, steps = ceil(max_tokens / tokens per step), max_steps unused.
+    max_tokens: PositiveInt | None = None
     dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 = autocast; weights and optimizer stay fp32
     device: Literal["auto", "cpu", "cuda"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    parallel: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 fully_shard per decoder block (models too big for one device)
     seed: int = 1337
     log_every: PositiveInt = 10
     eval_every: int = 0  # 0: validate only at the end
     eval_batches: PositiveInt = 8
+    early_stopping_patience: int = Field(0, ge=0)  # stop after this many validations without improvement; 0: off
+    early_stopping_min_delta: float = Field(0.0, ge=0.0)  # an improvement must lower val loss by more than this
+    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
+    activation_checkpointing: bool = False  # recompute each decoder block in backward: less memory, ~30% more compute
     compile: bool = False
+    compile_cache_dir: str | None = None  # TORCHINDUCTOR_CACHE_DIR for compile (None: torch's default under /tmp)
+    # Checkpoints for resuming: every `checkpoint_every` steps (0: only at a SIGTERM stop) into checkpoint_dir
+    # (None: `<out_dir>.ckpts` beside out_dir), keeping the newest `keep_checkpoints`.
+    checkpoint_every: int = Field(0, ge=0)
+    checkpoint_dir: str | None = None
+    keep_checkpoints: PositiveInt = 2
+    resume: Literal["auto", "never"] = "never"  # auto: continue from the newest valid checkpoint of the same run
 
     @model_validator(mode="after")
     def _check_lengths(self) -> "TrainConfig":
@@ -92,3 +157,8 @@ class TrainConfig(Strict):
         if self.optim.min_lr > self.optim.lr:
             raise ValueError(f"optim.min_lr ({self.optim.min_lr}) exceeds optim.lr ({self.optim.lr})")
         return self
+
+    @property
+    def checkpoints(self) -> str:
+        """Where the resumable checkpoints live."""
+        return self.checkpoint_dir or f"{self.out_dir}.ckpts"

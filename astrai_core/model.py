@@ -1,12 +1,18 @@
 """A Llama-family decoder-only Transformer, readable in one sitting.
 
     token ids -> embed_tokens -> n_layers x Block -> norm -> lm_head -> logits
-    Block:  x = x + self_attn(input_layernorm(x))          grouped-query attention with RoPE
-            x = x + mlp(post_attention_layernorm(x))       SwiGLU
+    Block:  x = x + self_attn(input_layernorm(x))          grouped-query attention with RoPE (or latent attention)
+            x = x + mlp(post_attention_layernorm(x))       SwiGLU (or a mixture of SwiGLU experts)
 
-Parameter names follow Hugging Face's LlamaForCausalLM (`model.` prefix dropped), and RoPE uses the same
-rotate-half convention, so a state dict maps 1:1 onto an HF checkpoint (add `model.` to every key but lm_head).
-No biases, no dropout: small models trained for one epoch do not need it.
+The defaults are plain Llama. ModelConfig options add, each a few lines below:
+    qkv_bias      biases on q/k/v (Qwen2)                  qk_norm    RMSNorm per head on q and k before RoPE (Qwen3)
+    attn_gate     sigmoid gate on the attention output     rope_scaling linear or NTK-aware (rope_tables)
+    attention=mla DeepSeek-V2 multi-head latent attention (LatentAttention)
+    n_experts     DeepSeekMoE: shared + top-k routed experts with a load-balancing loss (MoE)
+
+Parameter names follow Hugging Face's LlamaForCausalLM / Qwen3 / DeepSeek-V2 (`model.` prefix dropped), and RoPE
+uses the same rotate-half convention, so astrai_core/hf.py maps a state dict onto an HF checkpoint by renaming.
+No dropout: small models trained for one epoch do not need it.
 """
 
 from __future__ import annotations
@@ -20,9 +26,18 @@ import torch.nn.functional as F
 from astrai_core.config import ModelConfig
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each (max_seq_len, head_dim), computed in fp32 exactly as HF LlamaRotaryEmbedding does."""
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, scaling: str = "none",
+                factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each (max_seq_len, head_dim), computed in fp32 exactly as HF's rotary embeddings do.
+
+    linear: positions divided by `factor` (HF rope_type "linear"). ntk: NTK-aware scaling, the base raised to
+    theta * factor ** (d / (d - 2)) so the lowest frequency stretches by `factor` while the highest stays put; HF
+    has no static NTK type, so hf.py exports it as a plain rope_theta of that value (the same numbers)."""
+    if scaling == "ntk":
+        theta = theta * factor ** (head_dim / (head_dim - 2))
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling == "linear":
+        inv_freq = inv_freq / factor
     freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # (T, head_dim / 2)
     emb = torch.cat((freqs, freqs), dim=-1)  # rotate-half: dimension i pairs with i + head_dim / 2
     return emb.cos(), emb.sin()
@@ -39,51 +54,190 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool = False) -> torch.Tensor:
+    """Queries (B, h, T, d) are the last T of the S = k.shape[-2] positions (S > T when a cache holds the rest)."""
+    T, S = q.shape[-2], k.shape[-2]
+    if T == S:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+    mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)  # query t sees keys <= S - T + t
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
+
+
+class KVCache:
+    """What incremental decoding keeps per layer, time on dim -2: (k, v) after RoPE for grouped-query attention,
+    2 * n_kv_heads * head_dim numbers per token; (normed latent, RoPE key) for MLA, mla_kv_rank + mla_rope_dim.
+    Use: cache = KVCache(); logits = model(prompt, cache); then model(next_ids, cache) per step."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.length = 0  # positions cached (the next token's position)
+
+    def extend(self, layer: int, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        old = self.layers.get(layer)
+        self.layers[layer] = new if old is None else tuple(torch.cat([o, n], dim=-2) for o, n in zip(old, new))
+        return self.layers[layer]
+
+    def numbers_per_token(self) -> int:
+        """Cached numbers per token and batch row, summed over layers."""
+        return sum(t.numel() // (t.shape[0] * t.shape[-2]) for ts in self.layers.values() for t in ts)
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention: n_kv_heads key/value heads, each shared by n_heads / n_kv_heads queries."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # QK-norm (Qwen3): bounds the attention logits, which keeps training stable at higher learning rates.
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        # Gated attention (Qiu et al. 2025): y * sigmoid(W x) per channel lets a head output nothing, which removes
+        # the attention sink and the loss spikes that come with it.
+        self.gate_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False) if cfg.attn_gate else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
+                layer: int = 0) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, nh, T, hd)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, nkv, T, hd)
+        if cache is not None:
+            k, v = cache.extend(layer, k, v)  # (B, nkv, S, hd): every position so far
         # enable_gqa: query head h reads kv head h // (n_heads / n_kv_heads), the same grouping as HF's repeat_kv.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        y = causal_attention(q, k, v, enable_gqa=self.n_kv_heads != self.n_heads)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        if self.gate_proj is not None:
+            y = y * torch.sigmoid(self.gate_proj(x))
+        return self.o_proj(y)
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2, q_lora_rank = None as in V2-Lite).
+
+    Keys and values of all heads are expanded from one compressed latent c (B, T, mla_kv_rank) per token, plus one
+    decoupled RoPE key (B, T, mla_rope_dim) shared by the heads: a generator's cache holds only these two, not
+    full keys and values. Each head's query/key is [no-RoPE part (head_dim) | RoPE part (mla_rope_dim)]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.nope_dim, self.rope_dim, self.v_dim = cfg.n_heads, cfg.head_dim, cfg.mla_rope_dim, cfg.head_dim
+        self.kv_rank = cfg.mla_kv_rank
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * (self.nope_dim + self.rope_dim), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.dim, self.kv_rank + self.rope_dim, bias=False)  # latent | RoPE key
+        self.kv_a_layernorm = nn.RMSNorm(self.kv_rank, eps=1e-6)  # HF DeepSeek-V2 fixes this eps
+        self.kv_b_proj = nn.Linear(self.kv_rank, cfg.n_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * self.v_dim, cfg.dim, bias=False)
+        self.gate_proj = nn.Linear(cfg.dim, cfg.n_heads * self.v_dim, bias=False) if cfg.attn_gate else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
+                layer: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.nope_dim + self.rope_dim).transpose(1, 2)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        latent, k_rope = self.kv_a_layernorm(latent), apply_rope(k_rope.unsqueeze(1), cos, sin)  # (B, 1, T, rope)
+        if cache is not None:  # the cache holds only these: kv_rank + rope_dim numbers per token and layer
+            latent, k_rope = cache.extend(layer, latent, k_rope)
+        S = latent.shape[1]
+        # Expanded from the latent at every step (no weight absorption: simple, and fine for small models).
+        kv = self.kv_b_proj(latent).view(B, S, self.n_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.transpose(1, 2).split([self.nope_dim, self.v_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(B, self.n_heads, S, self.rope_dim)], dim=-1)
+        y = causal_attention(q, k, v)  # scale 1/sqrt(nope + rope), as HF
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim)
+        if self.gate_proj is not None:
+            y = y * torch.sigmoid(self.gate_proj(x))
+        return self.o_proj(y)
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
-        self.down_proj = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """n_experts SwiGLU experts as two stacked weights (HF transformers 5 layout): gate_up_proj (E, 2 * h, dim)
+    and down_proj (E, dim, h). One parameter for all experts also keeps DDP happy: it always gets a gradient,
+    zero in the slices of experts that received no tokens."""
+
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+
+    def forward(self, x: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x (N, dim); expert_idx, weights (N, k) -> sum over the k chosen experts of weight * expert(x)."""
+        out = torch.zeros_like(x)
+        for e in range(self.gate_up_proj.shape[0]):
+            token, slot = torch.where(expert_idx == e)  # may be empty: the matmuls then run on 0 rows
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    """DeepSeekMoE (Dai et al. 2024): shared experts every token uses + routed experts, each token sent to the
+    top-k by softmax router score and weighted by that score (not renormalized). Load-balancing loss
+    (their eq. 12-14): coef * sum_i f_i * P_i with f_i = E / (k N) * tokens routed to i, P_i = mean score of i;
+    it is 1 * coef when the load is uniform."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k, self.coef = cfg.moe_top_k, cfg.moe_aux_loss_coef
+        self.gate = nn.Linear(cfg.dim, cfg.n_experts, bias=False)  # the router
+        self.experts = Experts(cfg.n_experts, cfg.dim, cfg.expert_hidden_dim)
+        # n shared experts of width h act as one SwiGLU of width n * h (the sum of their outputs is that MLP).
+        self.shared_experts = (MLP(cfg.dim, cfg.n_shared_experts * cfg.expert_hidden_dim)
+                               if cfg.n_shared_experts else None)
+        # Set by each forward. Plain attributes, not buffers: DDP would broadcast buffers from rank 0 every step.
+        self.aux_loss = torch.zeros(())
+        self.tokens_per_expert = torch.zeros(cfg.n_experts, dtype=torch.long)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        flat = x.reshape(-1, D)
+        scores = F.softmax(self.gate(flat).float(), dim=-1)  # (N, E), fp32 as HF
+        weights, expert_idx = scores.topk(self.top_k, dim=-1)  # (N, k)
+        out = self.experts(flat, expert_idx, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        n_experts = scores.shape[-1]
+        counts = torch.bincount(expert_idx.flatten(), minlength=n_experts)
+        self.tokens_per_expert = counts.detach()
+        load = counts.float() * n_experts / (self.top_k * flat.shape[0])  # f_i
+        self.aux_loss = self.coef * (load * scores.mean(0)).sum()
+        return out.view(B, T, D)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = LatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.post_attention_layernorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg.dim, cfg.hidden_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
+                layer: int = 0) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -98,30 +252,59 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one tensor: (vocab, dim) serves both ends
         # Non-persistent: derived from the config, so they stay out of the state dict and the checkpoint.
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.rope_head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # The MoE load-balancing loss of the last forward (0 without experts); the training loop adds it to the loss.
+        self.aux_loss = torch.zeros(())
 
         self.apply(self._init_weights)
         # nanoGPT/GPT-2: each block adds two outputs to the residual stream, so scale the projections that write
         # into it by 1/sqrt(2 * n_layers) to keep the stream's variance independent of depth.
         for name, p in self.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                 nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, Experts):
+            nn.init.normal_(module.gate_up_proj, mean=0.0, std=self.cfg.init_std)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx: (B, T) token ids, T <= max_seq_len -> logits (B, T, vocab_size)."""
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """idx: (B, T) token ids -> logits (B, T, vocab_size). Sets self.aux_loss. With a cache, idx continues
+        the cached positions (and the cache grows by T); cached + new positions must fit in max_seq_len."""
         T = idx.shape[1]
-        assert T <= self.cfg.max_seq_len, f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}"
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        start = cache.length if cache is not None else 0
+        assert start + T <= self.cfg.max_seq_len, f"sequence length {start + T} exceeds max_seq_len {self.cfg.max_seq_len}"
+        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
         x = self.embed_tokens(idx)  # (B, T, dim); the residual stream stays fp32 under autocast
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i)
+        if cache is not None:
+            cache.length += T
+        moe = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+        self.aux_loss = sum(m.aux_loss for m in moe) if moe else torch.zeros((), device=x.device)
         return self.lm_head(self.norm(x))
+
+    def expert_token_counts(self) -> torch.Tensor | None:
+        """(n_layers, n_experts) tokens routed to each expert in the last forward, or None without experts.
+        Local to this rank: all-reduce it (SUM) before router_metrics to get the global picture."""
+        if not self.cfg.n_experts:
+            return None
+        return torch.stack([layer.mlp.tokens_per_expert for layer in self.layers])
+
+    def router_metrics(self, counts: torch.Tensor | None = None) -> dict[str, float]:
+        """moe/load_imbalance: max over mean tokens per expert (1 = perfectly balanced), averaged over layers;
+        moe/dead_expert_fraction: share of (layer, expert) pairs that got no token. {} without experts."""
+        counts = self.expert_token_counts() if counts is None else counts
+        if counts is None:
+            return {}
+        counts = counts.float()
+        imbalance = counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-9)
+        return {"moe/load_imbalance": imbalance.mean().item(), "moe/dead_expert_fraction": (counts == 0).float().mean().item()}
 
     def num_params(self) -> int:
         """Distinct parameters (a tied embedding counts once)."""

@@ -147,6 +147,35 @@ def generate(model: str = typer.Option(..., help="A checkpoint directory or an M
     print(prompt + text)
 
 
+@app.command("export-hf")
+def export_hf(checkpoint: Path = typer.Argument(..., help="An astrai checkpoint directory (e.g. data/pretrain)."),
+              out: Path = typer.Argument(..., help="Directory to write (replaced if it exists).")) -> None:
+    """Write CHECKPOINT as a Hugging Face model directory OUT (config.json, model.safetensors, tokenizer files,
+    generation_config.json) that transformers' AutoModelForCausalLM / AutoTokenizer load. Options with no
+    matching transformers architecture are refused."""
+    from astrai_core.hf import export_hf as export
+
+    try:
+        path = export(checkpoint, out)
+    except AstraiError as e:
+        _fail(str(e))
+    print(f"wrote {path} ({json.loads((path / 'config.json').read_text())['architectures'][0]})")
+
+
+@app.command("import-hf")
+def import_hf(hf_dir: Path = typer.Argument(..., help="A Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, ...)."),
+              out: Path = typer.Argument(..., help="Checkpoint directory to write (replaced if it exists).")) -> None:
+    """Convert the Hugging Face model in HF_DIR into an astrai checkpoint directory OUT, a starting point for
+    any stage (safetensors weights and tokenizer.json needed; nothing is downloaded)."""
+    from astrai_core.hf import import_hf as import_
+
+    try:
+        path = import_(hf_dir, out)
+    except AstraiError as e:
+        _fail(str(e))
+    print(f"wrote {path}")
+
+
 def main() -> None:
     try:
         app()

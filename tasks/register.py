@@ -1,7 +1,8 @@
 """Stage `register`: log the checkpoint as an MLflow pyfunc model, register a version, move the aliases.
 
 Every new version gets alias `candidate`. Alias `champion` moves to it only if its test bits per character beat
-the current champion's (or there is none). Alone: `astrai stage register` (what dvc.yaml runs).
+the current champion's (or there is none). The model's artifacts are the checkpoint and its Hugging Face export
+(`hf`, see astrai_core/hf.py), so a version loads with transformers too. Alone: `astrai stage register`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
@@ -18,6 +20,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import infer_signature
 
 import astrai_core
+from astrai_core.errors import AstraiError
+from astrai_core.hf import export_hf
 from astrai_core.io import write_json
 from tasks.params import Params
 from tasks.tracking import FLOW_RUN_ENV
@@ -63,15 +67,25 @@ def register(params: Params, checkpoint_dir: Path, metrics_path: Path, out_dir: 
     client = mlflow.MlflowClient()
     champ_version, champ_bpc = champion_bpc(client, name)
 
-    info = mlflow.pyfunc.log_model(
-        name="model",
-        python_model=str(Path(__file__).with_name("pyfunc_model.py")),
-        artifacts={"checkpoint": str(checkpoint_dir)},
-        code_paths=[str(Path(astrai_core.__file__).parent)],
-        signature=infer_signature(["ROMEO.\n"], ["text"], params=PREDICT_PARAMS),
-        pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "safetensors", "tokenizers", "numpy", "pydantic")],
-        registered_model_name=name,
-    )
+    # The Hugging Face export travels with the version as the model artifact "hf" (transformers loads it directly:
+    # download_artifacts("models:/NAME@champion") has artifacts/hf). Options transformers lacks are registered
+    # without it, and the tag hf_export says why.
+    with tempfile.TemporaryDirectory() as tmp:
+        artifacts = {"checkpoint": str(checkpoint_dir)}
+        try:
+            artifacts["hf"] = str(export_hf(checkpoint_dir, Path(tmp) / "hf"))
+            hf_export = json.loads((Path(tmp) / "hf" / "config.json").read_text())["architectures"][0]
+        except AstraiError as e:
+            hf_export = f"none: {e}"
+        info = mlflow.pyfunc.log_model(
+            name="model",
+            python_model=str(Path(__file__).with_name("pyfunc_model.py")),
+            artifacts=artifacts,
+            code_paths=[str(Path(astrai_core.__file__).parent)],
+            signature=infer_signature(["ROMEO.\n"], ["text"], params=PREDICT_PARAMS),
+            pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "safetensors", "tokenizers", "numpy", "pydantic")],
+            registered_model_name=name,
+        )
     mv = info.registered_model_version
     tags = {
         "git_commit": git_commit(project_dir),
@@ -79,6 +93,7 @@ def register(params: Params, checkpoint_dir: Path, metrics_path: Path, out_dir: 
         "prefect_flow_run_id": os.environ.get(FLOW_RUN_ENV, "none"),
         "mlflow_run_id": mlflow.active_run().info.run_id,
         "test_bits_per_char": f"{bpc:.6f}",
+        "hf_export": hf_export,
         **dvc_hashes(project_dir),
     }
     for key, value in tags.items():
