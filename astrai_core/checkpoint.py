@@ -4,21 +4,33 @@
     config.json         ModelConfig
     tokenizer.json      the tokenizer the model was trained with
     train_config.json   the resolved TrainConfig (when given)
-    train_state.pt      step, tokens seen, optimizer and scheduler state (when given; loads with weights_only=True)
+    train_state.pt      step, epoch, consumed samples/tokens, sampler position, optimizer, scheduler and callback
+                        state, every rank's RNG states (when given; loads with torch.load(weights_only=True))
     summary.json        run summary: final losses, throughput, ... (when given)
     <extra files>       copied in as they are (e.g. metrics.jsonl)
     manifest.json       sha256 of every file above
 
 The directory is built beside `out_dir` and renamed into place, so readers never see a half-written checkpoint.
+
+Resumable checkpoints of a run live in one directory (TrainConfig.checkpoints):
+
+    step_00000100/      a checkpoint directory as above, with train_state.pt
+    step_00000200/
+    latest              the name of the newest complete one ("step_00000200"), replaced after it is in place
+
+save_resumable writes one, moves `latest`, then deletes all but the newest K; find_resumable returns the newest
+one whose manifest verifies, skipping (with a warning) any that is corrupt or incomplete.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import warnings
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 from pydantic import BaseModel
@@ -43,15 +55,17 @@ def save_checkpoint(
     train_config: BaseModel | None = None,
     train_state: dict[str, Any] | None = None,
     files: Iterable[str | os.PathLike] = (),
+    model_state: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the checkpoint directory `out_dir` (replacing any previous one) and return its path.
 
-    `model` must be the bare Transformer (not DDP- or compile-wrapped) so the state dict keys are plain.
+    `model` must be the bare Transformer (not DDP- or compile-wrapped) so the state dict keys are plain;
+    `model_state` (e.g. a sharded model's gathered full state dict) replaces model.state_dict() when given.
     """
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().contiguous() for k, v in (model.state_dict() if model_state is None else model_state).items()}
     if model_cfg.tie_embeddings:
         # safetensors refuses tensors that share storage; load_model re-ties lm_head to embed_tokens.
-        del state["lm_head.weight"]
+        state.pop("lm_head.weight", None)
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
@@ -68,6 +82,50 @@ def save_checkpoint(
         manifest = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
         _write_json(tmp / "manifest.json", {"files": manifest})
     return Path(out_dir)
+
+
+STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+
+def save_resumable(root: str | os.PathLike, step: int, keep: int, **checkpoint) -> Path:
+    """Write checkpoint `root/step_<step>` (save_checkpoint's arguments), point `root/latest` at it, then delete
+    all but the newest `keep` checkpoints. A crash at any point leaves `latest` naming a complete checkpoint."""
+    root = Path(root)
+    path = save_checkpoint(root / f"step_{step:08d}", **checkpoint)
+    with atomic_path(root / "latest") as tmp:
+        tmp.write_text(path.name + "\n")
+    for old in _step_dirs(root)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def find_resumable(root: str | os.PathLike) -> Path | None:
+    """The newest checkpoint under `root` whose files match its manifest and that holds a training state, or None.
+    Corrupt or incomplete ones are skipped with a warning."""
+    for path in _step_dirs(Path(root)):
+        try:
+            if "train_state.pt" not in verify_checkpoint(path):
+                raise AstraiError(f"{path}: no train_state.pt; not resumable")
+            return path
+        except AstraiError as e:
+            warnings.warn(f"skipping checkpoint: {e}", stacklevel=2)
+    return None
+
+
+def clear_resumable(root: str | os.PathLike) -> None:
+    """Delete every checkpoint under `root` (a fresh run must not later resume from another run's state)."""
+    root = Path(root)
+    for path in _step_dirs(root):
+        shutil.rmtree(path, ignore_errors=True)
+    (root / "latest").unlink(missing_ok=True)
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """step_* directories, newest first (staging directories start with a dot and never match)."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, reverse=True)]
 
 
 def verify_checkpoint(ckpt_dir: str | os.PathLike) -> dict[str, str]:

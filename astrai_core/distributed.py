@@ -6,7 +6,9 @@ The launcher starts torchrun in its own process group so that a failure, Ctrl-C 
 the caller kills every rank, never leaving orphans holding cores.
 
 Multi-node is configuration, not code: run `python -m torch.distributed.run --nnodes=N --node_rank=i
---rdzv_endpoint=HOST:PORT --nproc_per_node=G -m astrai_core.train --config cfg.json` on each node.
+--rdzv_backend=c10d --rdzv_endpoint=HOST:PORT --rdzv_id=RUN --nproc_per_node=G -m astrai_core.train
+--config cfg.json --resume auto` on each node (checkpoint_dir on a filesystem every node can read: each rank
+loads the checkpoint it resumes from; only global rank 0 writes).
 """
 
 from __future__ import annotations
@@ -78,15 +80,18 @@ def run_torchrun(
     *,
     env: Mapping[str, str] | None = None,
     on_line: Callable[[str], None] = print,
+    max_restarts: int = 0,
 ) -> None:
     """Run `astrai_core.train --config config_path` on `nproc` local ranks; stream every output line to on_line.
 
-    `env` entries are added to this process's environment. Raises RuntimeError (exit code and last lines) if any
-    rank fails; on any exception while waiting (including KeyboardInterrupt) the whole process group is killed.
+    `env` entries are added to this process's environment. With max_restarts > 0 torchrun restarts the whole
+    group when a rank dies (the config's `resume: auto` makes the new group continue from the last checkpoint).
+    Raises RuntimeError (exit code and last lines) if any rank fails for good; on any exception while waiting
+    (including KeyboardInterrupt) the whole process group is killed.
     """
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "-m", "astrai_core.train", "--config", str(config_path),
+        f"--max-restarts={max_restarts}", "-m", "astrai_core.train", "--config", str(config_path),
     ]
     child_env = {**os.environ, **(env or {})}
     # torchrun would set 1 thread per rank; share the cores instead (2 ranks on 8 cores: 4 threads each).

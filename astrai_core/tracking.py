@@ -33,17 +33,22 @@ class MetricLogger:
     """Append metrics to `out_dir`/metrics.jsonl and, if MLFLOW_RUN_ID is set, to that MLflow run.
 
     `enabled=False` (non-zero ranks) turns every method into a no-op, so the training loop calls it unconditionally.
-    The file is truncated when the logger is created: one file per training run.
+    The file is truncated when the logger is created (one file per training run), except that a run resumed
+    at step `resume_step` keeps the lines up to that step and appends after them.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, enabled: bool = True) -> None:
+    def __init__(self, out_dir: str | os.PathLike, enabled: bool = True, resume_step: int | None = None) -> None:
         self.path = Path(out_dir) / "metrics.jsonl"
         self.enabled = enabled
         self.run_id = os.environ.get("MLFLOW_RUN_ID") or None
         self._client = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
+            kept = ""
+            if resume_step is not None and self.path.is_file():
+                lines = self.path.read_text().splitlines(keepends=True)
+                kept = "".join(line for line in lines if line.endswith("\n") and json.loads(line)["step"] <= resume_step)
+            self.path.write_text(kept)
 
     @property
     def client(self):

@@ -48,15 +48,25 @@ class PretrainParams(Strict):
     batch_size: PositiveInt = 16
     grad_accum: PositiveInt = 1
     max_steps: PositiveInt = 300
+    max_tokens: PositiveInt | None = None  # a token budget instead of max_steps
     optim: OptimConfig = OptimConfig()
     dtype: Literal["fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    parallel: Literal["ddp", "fsdp"] = "ddp"
     seed: int = 1337
     log_every: PositiveInt = 10
     eval_every: int = Field(0, ge=0)
     eval_batches: PositiveInt = 8
-    compile: bool = False
+    early_stopping_patience: int = Field(0, ge=0)
+    early_stopping_min_delta: float = Field(0.0, ge=0.0)
+    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
+    activation_checkpointing: bool = False
+    compile: bool = False  # compiled kernels are cached in .cache/torchinductor
+    checkpoint_every: int = Field(0, ge=0)  # resumable checkpoints in data/pretrain.ckpts (deleted on success)
+    keep_checkpoints: PositiveInt = 2
+    resume: Literal["auto", "never"] = "auto"  # auto: a re-run after a crash continues from the last checkpoint
+    max_restarts: int = Field(0, ge=0)  # torchrun restarts the ranks this many times after a failure (they resume)
 
 
 class EvaluateParams(Strict):

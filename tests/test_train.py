@@ -1,5 +1,6 @@
-"""The training loop: schedule, batch sampling, data checks, a real 2-rank torchrun run (with MLflow attached),
-and 2 ranks x batch B against 1 process x batch 2B."""
+"""The training loop: batch sampling, the loss, data checks, a real 2-rank torchrun run (with MLflow attached),
+2 ranks x batch B against 1 process x batch 2B, and token-normalized loss under uneven masks (4x1 accumulation
+= 1x4 batch = 2 ranks x 2 micro-steps)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from astrai_core.config import OptimConfig, TrainConfig
+from astrai_core.config import TrainConfig
 from astrai_core.distributed import resolve_nproc, run_torchrun
 from astrai_core.errors import AstraiError
 from astrai_core.io import sha256_file
 from astrai_core.tracking import MetricLogger, flatten
-from astrai_core.train import get_batch, lr_at, open_tokens, train
+from astrai_core import train as train_module
+from astrai_core.train import IGNORE_INDEX, WindowSampler, open_tokens, read_windows, token_loss_sum, train
 
 MODEL = dict(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 
@@ -29,30 +31,38 @@ def make_cfg(data: dict, out_dir, **kw) -> TrainConfig:
     return TrainConfig.model_validate({**base, **kw})
 
 
-def test_lr_schedule():
-    optim = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10)
-    lrs = [lr_at(s, optim, 100) for s in range(101)]
-    warm = lrs[:11]
-    assert all(b > a for a, b in zip(warm, warm[1:]))
-    assert np.allclose(np.diff(warm), warm[0])  # linear, starting above zero
-    assert lrs[10] == pytest.approx(1e-3) and max(lrs) == lrs[10]  # peak at warmup_steps
-    decay = lrs[10:]
-    assert all(b <= a for a, b in zip(decay, decay[1:]))  # monotone cosine decay
-    assert lrs[55] == pytest.approx((1e-3 + 1e-4) / 2)  # halfway: midpoint
-    assert lrs[100] == pytest.approx(1e-4) and lr_at(500, optim, 100) == pytest.approx(1e-4)
-    assert lr_at(0, OptimConfig(lr=1e-3, min_lr=0.0, warmup_steps=0), 10) == pytest.approx(1e-3)
+def test_sampler_visits_every_window_once_per_epoch_and_resumes():
+    s = WindowSampler(1001, 10, seed=7)  # 100 windows of 11 tokens
+    a, b = s.starts(0, 100), s.starts(100, 100)
+    assert sorted(a) == sorted(b) == list(range(0, 1000, 10))  # each window once per epoch
+    assert not np.array_equal(a, b)  # reshuffled every epoch
+    np.testing.assert_array_equal(s.starts(95, 10), np.concatenate([a[95:], b[:5]]))  # a batch across epochs
+    s.next_starts(130)
+    assert s.epoch == 1 and s.state_dict() == {"consumed_samples": 130}
+    t = WindowSampler(1001, 10, seed=7)
+    t.load_state_dict(s.state_dict())
+    np.testing.assert_array_equal(t.next_starts(8), s.next_starts(8))
+    assert not np.array_equal(WindowSampler(1001, 10, seed=8).starts(0, 100), a)
 
 
-def test_batches_do_not_depend_on_rank_layout():
+def test_read_windows():
     tokens = np.arange(1000, dtype=np.uint16)
-    cpu = torch.device("cpu")
-    x1, y1 = get_batch(tokens, [7, 3, 0], 16, 8, rank=0, world_size=1, device=cpu)
-    parts = [get_batch(tokens, [7, 3, 0], 16, 4, rank=r, world_size=2, device=cpu) for r in range(2)]
-    torch.testing.assert_close(x1, torch.cat([p[0] for p in parts]))
-    torch.testing.assert_close(y1, torch.cat([p[1] for p in parts]))
-    assert x1.dtype == torch.int64 and x1.shape == (8, 16)
-    torch.testing.assert_close(y1[:, :-1], x1[:, 1:])  # y is x shifted by one
-    assert not torch.equal(x1, get_batch(tokens, [7, 4, 0], 16, 8, 0, 1, cpu)[0])  # another step, another batch
+    x, y = read_windows(tokens, np.array([0, 500]), 16, torch.device("cpu"))
+    assert x.dtype == torch.int64 and x.shape == (2, 16)
+    assert x[1, 0] == 500 and y[1, -1] == 516
+    torch.testing.assert_close(y[:, :-1], x[:, 1:])  # y is x shifted by one
+
+
+def test_token_loss_sum_by_hand():
+    logits = torch.tensor([[[0.0, 0.0], [2.0, 0.0]], [[0.0, 1.0], [0.0, 0.0]]])  # (B=2, T=2, V=2)
+    targets = torch.tensor([[0, 0], [1, IGNORE_INDEX]])
+    expected = math.log(2) + math.log(1 + math.exp(-2)) + math.log(1 + math.exp(-1))  # the masked one adds 0
+    assert token_loss_sum(logits, targets).item() == pytest.approx(expected)
+    # label smoothing eps: (1 - eps) * nll + eps * mean over classes of -log p
+    eps, lp = 0.1, torch.log_softmax(logits, -1)
+    by_hand = sum((1 - eps) * -lp[b, t, targets[b, t]] + eps * -lp[b, t].mean()
+                  for b, t in [(0, 0), (0, 1), (1, 0)])
+    assert token_loss_sum(logits, targets, eps).item() == pytest.approx(by_hand.item())
 
 
 def test_data_checks(tmp_path, core_tiny_data, core_write_packed):
@@ -179,3 +189,106 @@ def test_torchrun_interrupt_kills_every_rank(core_tiny_data, tmp_path):
             continue
     assert not alive, f"left running: {alive}"
     assert not (tmp_path / "ckpt").exists()
+
+
+# ---- loss normalization: uneven masks, accumulation and ranks never change the gradient ----------------------
+
+MASKING_WRAPPER = '''
+"""torchrun entry for the test: astrai_core.train with targets masked unevenly (a function of each window)."""
+import astrai_core.train as t
+
+_read = t.read_windows
+
+def masked(tokens, starts, seq_len, device):
+    x, y = _read(tokens, starts, seq_len, device)
+    y = y.clone()
+    for i, s in enumerate(starts):
+        y[i, : int(s) % (seq_len - 1)] = t.IGNORE_INDEX  # 0 .. seq_len - 2 of seq_len targets masked
+    return x, y
+
+t.read_windows = masked
+t.main()
+'''
+
+
+def _final_weights(cfg):
+    return load_file(Path(cfg.out_dir) / "model.safetensors")
+
+
+@pytest.mark.integration
+def test_uneven_masks_accumulation_and_ranks_give_the_same_update(core_tiny_data, tmp_path, monkeypatch):
+    """One global batch of 4 windows per step, masked unevenly, split as 1x4 (one batch), 4x1 (accumulation) and
+    2 ranks x 2 micro-steps of 1: the same weights after 8 steps, since every micro-batch's summed loss is
+    divided by the step's target count over all micro-steps and ranks."""
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    namespace: dict = {}
+    exec(compile(MASKING_WRAPPER.replace("t.main()", ""), "wrapper", "exec"), namespace)
+    monkeypatch.setattr(train_module, "read_windows", namespace["masked"])
+
+    def cfg(name, **kw):
+        return make_cfg(core_tiny_data, tmp_path / name, max_steps=8, log_every=4, eval_every=0, **kw)
+
+    batch, accum = cfg("batch", batch_size=4), cfg("accum", batch_size=1, grad_accum=4)
+    train(batch)
+    train(accum)
+    ranks = cfg("ranks", batch_size=1, grad_accum=2)
+    (tmp_path / "wrapper.py").write_text(MASKING_WRAPPER)
+    (tmp_path / "ranks.json").write_text(ranks.model_dump_json())
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(tmp_path / "wrapper.py"), "--config", str(tmp_path / "ranks.json")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+    reference = _final_weights(batch)
+    for other in (accum, ranks):
+        w = _final_weights(other)
+        for k in reference:
+            torch.testing.assert_close(w[k], reference[k], atol=1e-5, rtol=1e-4, msg=f"{other.out_dir}: {k}")
+    # The masks really are uneven: a per-micro-batch mean would have weighted these windows differently.
+    starts = WindowSampler(len(open_tokens(batch.train_data, sha256_file(batch.tokenizer), 300, 32)), 32,
+                           batch.seed).starts(0, 4)
+    assert len({int(s) % 31 for s in starts}) > 1
+
+
+def test_activation_checkpointing_and_token_budget(core_tiny_data, tmp_path, monkeypatch):
+    """Recomputing the blocks in backward changes memory, not numbers; max_tokens sets the number of steps."""
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    runs = {}
+    for ac in (False, True):
+        cfg = make_cfg(core_tiny_data, tmp_path / f"ac_{ac}", max_tokens=700, activation_checkpointing=ac,
+                       label_smoothing=0.1, val_data=None)  # 8 x 32 = 256 tokens per step: 3 steps
+        assert train(cfg)["steps"] == 3
+        runs[ac] = load_file(Path(cfg.out_dir) / "model.safetensors")
+    for k in runs[False]:
+        torch.testing.assert_close(runs[True][k], runs[False][k], atol=0, rtol=0, msg=k)
+
+
+def test_callback_lifecycle(core_tiny_data, tmp_path, monkeypatch):
+    from astrai_core.callbacks import Callback
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    hooks = [h for h in vars(Callback) if h.startswith("on_")]
+
+    class Record(Callback):
+        def __init__(self):
+            self.calls = []
+
+    for h in hooks:
+        setattr(Record, h, lambda self, run, *a, _h=h: self.calls.append(_h.removeprefix("on_")))
+    rec = Record()
+    train(make_cfg(core_tiny_data, tmp_path / "ok", max_steps=2, grad_accum=2, val_data=None), callbacks=[rec])
+    step = ["batch_begin", "batch_end"] * 2 + ["optimizer_step_begin", "optimizer_step_end"]
+    assert rec.calls == ["train_begin", "epoch_begin", *step, *step, "epoch_end", "train_end"]
+    assert not (tmp_path / "ok").exists()  # no Checkpointing callback in the list: nothing written
+
+    rec = Record()
+    bad = make_cfg(core_tiny_data, tmp_path / "bad", optim=dict(lr=1e6, min_lr=0, warmup_steps=0, grad_clip=0),
+                   max_steps=50, val_data=None)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        train(bad, callbacks=[rec])
+    assert rec.calls[-1] == "error"

@@ -1,0 +1,209 @@
+"""Training throughput and model FLOP utilization, side by side with Hugging Face's LlamaForCausalLM.
+
+    python bench/throughput.py                      # everything; writes bench/throughput_report.json
+    python bench/throughput.py --quick              # fewer repeats and steps: a smoke run
+
+What is measured, in one run on one machine:
+
+* peak: a large matmul's FLOP/s in fp32 and bf16 with every core (the denominator of MFU);
+* ours: the real training loop (astrai_core.train.train on synthetic packed tokens, fused AdamW, grad clipping),
+  fp32 and bf16 autocast, eager and with torch.compile (kernels cached in .cache/torchinductor, so only the first
+  run of a shape compiles; compilation falls in the untimed first step), on 1 rank using every core and on
+  2 torchrun ranks (DDP, gloo, one core each) with the same global batch;
+* peer: LlamaForCausalLM of the same shape (SDPA attention, tied embeddings), the same batch, dtype policy
+  (autocast bf16, fp32 weights), optimizer (AdamW, weight decay on matrices, the same fused setting) and
+  gradient clipping, in a plain loop on 1 rank using every core.
+
+tokens/s is the median over --repeats runs, each timing --steps steps after one warm-up step. FLOPs per token
+follow nanoGPT: 6N (N = parameters, the tied embedding counted once, as lm_head) + 12 * layers * dim * seq_len
+for attention scores and values. MFU = tokens/s * FLOPs per token / peak of the dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from astrai_core.config import ModelConfig, TrainConfig  # noqa: E402
+from astrai_core.data import PackedWriter  # noqa: E402
+from astrai_core.distributed import run_torchrun  # noqa: E402
+from astrai_core.io import sha256_file  # noqa: E402
+
+SHAPES = {
+    # the demo's model (params.yaml) and batch
+    "demo": dict(model=dict(vocab_size=2048, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256),
+                 seq_len=256, batch_size=16),
+    # twice as wide, twice as deep, twice the context; batch 4 keeps a step around a second or two
+    "large": dict(model=dict(vocab_size=2048, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, max_seq_len=512),
+                  seq_len=512, batch_size=4),
+}
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), [])
+    import transformers
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "amx": any(f.startswith("amx") for f in flags),
+            "avx512_bf16": "avx512_bf16" in flags, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "load_average_at_start": os.getloadavg()}  # anything else running skews every number below
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
+    """FLOP/s of an n x n x n matmul with every core (median of reps)."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    from astrai_core.model import Transformer
+
+    with torch.device("meta"):
+        n = Transformer(cfg).num_params()
+    return 6 * n + 12 * cfg.n_layers * cfg.dim * seq_len
+
+
+def synthetic_data(root: Path, vocab: int, n_tokens: int = 1 << 20) -> dict:
+    tok = root / "tokenizer.json"
+    tok.write_text('{"synthetic": true}')
+    sha = sha256_file(tok)
+    ids = np.random.default_rng(0).integers(0, vocab, n_tokens)
+    with PackedWriter(root / "train.h5", vocab_size=vocab, tokenizer_sha256=sha, source_manifest_sha256="0" * 64,
+                      split="train") as w:
+        w.add_document(ids)
+    return {"train": root / "train.h5", "tokenizer": tok}
+
+
+def ours(shape: str, dtype: str, nproc: int, compile: bool, steps: int, data: dict, root: Path) -> float:
+    """tokens/s of one training run (the loop's own measurement, the first step excluded)."""
+    s = SHAPES[shape]
+    batch = s["batch_size"] // nproc  # the same global batch on 1 and 2 ranks
+    cfg = TrainConfig(model=s["model"], train_data=str(data["train"]), tokenizer=str(data["tokenizer"]),
+                      out_dir=str(root / f"out_{shape}_{dtype}_{nproc}"), seq_len=s["seq_len"], batch_size=batch,
+                      max_steps=steps + 1, dtype=dtype, device="cpu", log_every=10**6, eval_every=0,
+                      compile=compile, compile_cache_dir=str(ROOT / ".cache" / "torchinductor"))
+    if nproc == 1:
+        from astrai_core.train import train
+
+        return train(cfg)["tokens_per_sec"]
+    path = root / "cfg.json"
+    path.write_text(cfg.model_dump_json())
+    run_torchrun(path, nproc, on_line=lambda line: None, env={"OMP_NUM_THREADS": "1"})
+    return json.loads((Path(cfg.out_dir) / "summary.json").read_text())["tokens_per_sec"]
+
+
+def peer(shape: str, dtype: str, steps: int) -> float:
+    """tokens/s of LlamaForCausalLM's training step at the same shape, batch, dtype policy and optimizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    s, m = SHAPES[shape], ModelConfig(**SHAPES[shape]["model"])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.dim, intermediate_size=m.hidden_dim, num_hidden_layers=m.n_layers,
+        num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, max_position_embeddings=m.max_seq_len,
+        rms_norm_eps=m.norm_eps, tie_word_embeddings=True, attn_implementation="sdpa"))
+    model.train()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=3e-3, betas=(0.9, 0.95), fused=True)  # what TrainConfig's optim.fused=auto picks on CPU
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(steps + 1):
+        ids = torch.randint(0, m.vocab_size, (s["batch_size"], s["seq_len"] + 1), generator=gen)
+        t0 = time.perf_counter()
+        with autocast:
+            loss = model(input_ids=ids[:, :-1], labels=ids[:, :-1]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return s["batch_size"] * s["seq_len"] * steps / sum(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per run (after one warm-up step)")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--out", default=str(ROOT / "bench" / "throughput_report.json"))
+    parser.add_argument("--quick", action="store_true", help="1 repeat of 2 steps, nothing written")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.steps = 1, 2
+    os.environ.pop("MLFLOW_RUN_ID", None)
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(cores)
+
+    report = {"machine": machine(), "method": __doc__.split("What is measured", 1)[1].strip(),
+              "repeats": args.repeats, "timed_steps": args.steps}
+    peak = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
+    report["matmul_peak_flops"] = peak
+    print(json.dumps({"matmul_peak_gflops": {k: v / 1e9 for k, v in peak.items()}}), flush=True)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = synthetic_data(Path(tmp), 2048)
+        for shape in args.shapes:
+            fpt = flops_per_token(ModelConfig(**SHAPES[shape]["model"]), SHAPES[shape]["seq_len"])
+            for dtype in ("fp32", "bf16"):
+                runs = {}
+                for compile in (False, True):
+                    for nproc in (1, 2):
+                        runs[f"ours_{'compiled' if compile else 'eager'}_{nproc}rank"] = [
+                            ours(shape, dtype, nproc, compile, args.steps, data, Path(tmp)) for _ in range(args.repeats)]
+                runs["hf_llama_1rank"] = [peer(shape, dtype, args.steps) for _ in range(args.repeats)]
+                row = {"shape": shape, **SHAPES[shape], "dtype": dtype, "flops_per_token": fpt}
+                for name, values in runs.items():
+                    tps = statistics.median(values)
+                    row[name] = {"tokens_per_sec": round(tps, 1), "mfu": round(tps * fpt / peak[dtype], 4),
+                                 "runs": [round(v, 1) for v in values]}
+                tps = {name: row[name]["tokens_per_sec"] for name in runs}
+                for mode in ("eager", "compiled"):
+                    row[f"ratio_vs_peer_{mode}"] = round(tps[f"ours_{mode}_1rank"] / tps["hf_llama_1rank"], 3)
+                    row[f"ratio_2ranks_vs_1rank_{mode}"] = round(tps[f"ours_{mode}_2rank"] / tps[f"ours_{mode}_1rank"], 3)
+                print(json.dumps(row), flush=True)
+                results.append(row)
+    report["results"] = results
+    report["machine"]["load_average_at_end"] = os.getloadavg()
+    report["targets"] = {
+        "bf16 >= 1.5x peer": {f'{r["shape"]}/{m}': r[f"ratio_vs_peer_{m}"] for r in results if r["dtype"] == "bf16"
+                              for m in ("eager", "compiled")},
+        "fp32 >= 1.0x peer": {f'{r["shape"]}/{m}': r[f"ratio_vs_peer_{m}"] for r in results if r["dtype"] == "fp32"
+                              for m in ("eager", "compiled")},
+        "2 ranks >= 0.9x 1 rank": {f'{r["shape"]}/{r["dtype"]}/{m}': r[f"ratio_2ranks_vs_1rank_{m}"] for r in results
+                                   for m in ("eager", "compiled")},
+    }
+    print(json.dumps(report["targets"], indent=2))
+    if not args.quick:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+"""Exact resume: checkpoints (manifest, `latest`, keep-K, corrupt ones skipped) and real interrupted runs —
+SIGTERM inside an accumulation window, SIGKILL of a torchrun group, a rank killed under --max-restarts, FSDP2 —
+each resumed run's final weights compared bit for bit with an uninterrupted run's. Also two single-rank "nodes"
+joined by c10d rendezvous."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from astrai_core.callbacks import Callback
+from astrai_core.checkpoint import find_resumable, save_resumable
+from astrai_core.config import ModelConfig, TrainConfig
+from astrai_core.io import sha256_file
+from astrai_core.model import Transformer
+from astrai_core.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = dict(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
+
+
+def make_cfg(data: dict, out_dir, **kw) -> TrainConfig:
+    base = dict(model=MODEL, optim=dict(lr=3e-3, min_lr=3e-4, warmup_steps=3), train_data=str(data["train"]),
+                val_data=str(data["val"]), tokenizer=str(data["tokenizer"]), out_dir=str(out_dir), seq_len=32,
+                batch_size=4, grad_accum=2, max_steps=16, log_every=1, eval_every=8, eval_batches=1, device="cpu",
+                checkpoint_every=4, keep_checkpoints=2, resume="auto")
+    return TrainConfig.model_validate({**base, **kw})
+
+
+def weights_sha(cfg: TrainConfig) -> str:
+    return sha256_file(Path(cfg.out_dir) / "model.safetensors")
+
+
+# ---- checkpoint directory: latest pointer, keep-K, corrupt or incomplete checkpoints skipped ----------------
+
+def test_resumable_checkpoints_keep_k_and_skip_corrupt(tmp_path, core_tiny_data):
+    cfg = ModelConfig(**MODEL)
+    model = Transformer(cfg)
+    root = tmp_path / "ckpts"
+    for step in (2, 4, 6, 8):
+        save_resumable(root, step, keep=3, model=model, model_cfg=cfg, tokenizer_path=core_tiny_data["tokenizer"],
+                       train_state={"step": step})
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004", "step_00000006", "step_00000008"]
+    assert (root / "latest").read_text().strip() == "step_00000008"
+    assert find_resumable(root) == root / "step_00000008"
+    state = torch.load(root / "step_00000008" / "train_state.pt", weights_only=True)
+    assert state == {"step": 8}
+
+    # A corrupted file: the manifest catches it, the one before is used.
+    weights = root / "step_00000008" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="step_00000008.*sha256"):
+        assert find_resumable(root) == root / "step_00000006"
+    # An incomplete one (no manifest: e.g. copied by hand, or a staging dir renamed by mistake) is skipped too.
+    (root / "step_00000006" / "manifest.json").unlink()
+    with pytest.warns(UserWarning) as caught:
+        assert find_resumable(root) == root / "step_00000004"
+    assert [("sha256" in str(w.message), "manifest.json missing" in str(w.message)) for w in caught] == \
+        [(True, False), (False, True)]
+    # A staging directory of an interrupted write is never a candidate.
+    (root / ".step_00000010.abc.tmp").mkdir()
+    with pytest.warns(UserWarning) as caught:
+        assert find_resumable(root) == root / "step_00000004"
+    assert len(caught) == 2
+    assert find_resumable(tmp_path / "nothing") is None
+
+
+# ---- in-process: SIGTERM inside an accumulation window, early stopping ---------------------------------------
+
+class SigtermAt(Callback):
+    """Send this process SIGTERM after micro-step `micro` of step `step` (0-based), i.e. inside the window."""
+
+    def __init__(self, step: int, micro: int) -> None:
+        self.step, self.micro = step, micro
+
+    def on_batch_end(self, run) -> None:
+        if run.step == self.step and run.micro == self.micro:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_inside_accumulation_window_then_resume_is_exact(core_tiny_data, tmp_path, monkeypatch):
+    from astrai_core.train import default_callbacks
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    ref = make_cfg(core_tiny_data, tmp_path / "ref" / "out", grad_accum=3, checkpoint_every=0)
+    assert train(ref)["steps"] == 16
+
+    cfg = make_cfg(core_tiny_data, tmp_path / "run" / "out", grad_accum=3, checkpoint_every=0)
+    stopped = train(cfg, callbacks=default_callbacks(cfg) + [SigtermAt(step=6, micro=1)])
+    assert stopped["stopped"] == "SIGTERM" and stopped["steps"] == 7  # the step in flight was finished
+    assert not Path(cfg.out_dir).exists()  # not a finished model
+    assert (Path(cfg.checkpoints) / "latest").read_text().strip() == "step_00000007"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is restored
+
+    resumed = train(cfg)
+    assert resumed["resumed_from_step"] == 7 and resumed["steps"] == 16 and resumed["stopped"] is None
+    assert weights_sha(cfg) == weights_sha(ref)
+    # The metric curve continues where it stopped: one line per step, no duplicates.
+    import json
+
+    steps = [json.loads(line)["step"] for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 17))
+    state = torch.load(Path(cfg.out_dir) / "train_state.pt", weights_only=True)
+    assert state["step"] == 16 and state["consumed_samples"] == 16 * 3 * 4
+    assert state["consumed_tokens"] == 16 * 3 * 4 * 32 and len(state["rng"]) == 1
+    assert set(state["rng"][0]) >= {"python", "numpy", "torch"}
+
+
+def test_early_stopping_stops(core_tiny_data, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    # lr ~ 0: the validation loss cannot improve by min_delta, so patience 2 stops at the 3rd validation (step 6).
+    cfg = make_cfg(core_tiny_data, tmp_path / "out", max_steps=40, eval_every=2, early_stopping_patience=2,
+                   early_stopping_min_delta=1e-3, optim=dict(lr=1e-12, min_lr=0.0, warmup_steps=0),
+                   checkpoint_every=0, grad_accum=1)
+    summary = train(cfg)
+    assert summary["stopped"].startswith("early stopping") and summary["steps"] == 6
+    assert (Path(cfg.out_dir) / "model.safetensors").is_file()  # a finished run: final checkpoint written
+
+
+# ---- real torchrun runs --------------------------------------------------------------------------------------
+
+# Long enough that a kill at a "random" step lands well before the end (a step takes a few tens of ms).
+RUN = dict(max_steps=40, checkpoint_every=5, eval_every=20)
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(cfg: TrainConfig, *args: str, nproc: int = 2) -> subprocess.Popen:
+    """Start `torchrun ... -m astrai_core.train --config CFG --resume auto` in its own process group."""
+    cfg_path = Path(cfg.out_dir).parent / f"{Path(cfg.out_dir).name}.cfg.json"
+    cfg_path.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path.write_text(cfg.model_dump_json())
+    if not any(a.startswith("--nnodes") for a in args):
+        args = ("--standalone", *args)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    env.pop("MLFLOW_RUN_ID", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *args,
+           "-m", "astrai_core.train", "--config", str(cfg_path), "--resume", "auto"]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def wait_ok(proc: subprocess.Popen, timeout: float = 120) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def read_until(proc: subprocess.Popen, prefix: str) -> list[str]:
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            return lines
+    raise AssertionError(f"never saw {prefix!r}:\n{''.join(lines)[-3000:]}")
+
+
+def run_pids(cfg: TrainConfig) -> list[int]:
+    """torchrun and its ranks (the ranks run in sessions of their own, so a process-group kill misses them)."""
+    marker = f"{Path(cfg.out_dir).name}.cfg.json".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(Path(cfg.out_dir).parent).encode() in (proc / "cmdline").read_bytes() \
+                    and marker in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def kill_run(proc: subprocess.Popen, cfg: TrainConfig, sig: int) -> str:
+    """Send `sig` to torchrun and every rank at once (a node going down, or a scheduler preempting the job)."""
+    pids = run_pids(cfg)
+    assert len(pids) >= 3, pids
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    out, _ = proc.communicate(timeout=60)
+    deadline = time.monotonic() + 30
+    while run_pids(cfg) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not run_pids(cfg)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(core_tiny_data, tmp_path_factory) -> dict:
+    """Uninterrupted 2-rank runs (DDP and FSDP) of the config every interrupted run below repeats."""
+    root = tmp_path_factory.mktemp("resume_ref")
+    cfgs = {mode: make_cfg(core_tiny_data, root / mode / "out", parallel=mode, **RUN) for mode in ("ddp", "fsdp")}
+    procs = {mode: torchrun(cfg) for mode, cfg in cfgs.items()}
+    for proc in procs.values():
+        wait_ok(proc)
+    return cfgs
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_torchrun_stopped_and_resumed_is_bitwise_exact(reference, core_tiny_data, tmp_path, sig):
+    cfg = make_cfg(core_tiny_data, tmp_path / "out", **RUN)
+    at = random.Random(int(sig)).randint(8, 25)  # a "random" but reproducible step
+    proc = torchrun(cfg)
+    read_until(proc, f"step {at}/")
+    out = kill_run(proc, cfg, sig)
+    if sig == signal.SIGTERM:  # graceful: the ranks finish the step and checkpoint
+        assert "stopped at step" in out and "SIGTERM" in out, out[-3000:]
+    assert not Path(cfg.out_dir).exists()
+    latest = find_resumable(cfg.checkpoints)
+    assert latest is not None or sig == signal.SIGKILL
+    out = wait_ok(torchrun(cfg))
+    if latest is not None:
+        assert f"resuming from {latest}" in out
+    assert weights_sha(cfg) == weights_sha(reference["ddp"])
+
+
+def rank_pid(cfg: TrainConfig, rank: int) -> int | None:
+    for pid in run_pids(cfg):
+        try:
+            if f"\0RANK={rank}\0".encode() in b"\0" + Path(f"/proc/{pid}/environ").read_bytes():
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.integration
+def test_dead_rank_restarts_group_which_resumes(reference, core_tiny_data, tmp_path):
+    cfg = make_cfg(core_tiny_data, tmp_path / "out", **RUN)
+    proc = torchrun(cfg, "--max-restarts=3")  # spare restarts: a restart's rendezvous can fail on a loaded machine
+    read_until(proc, "step 12/")
+    pid = rank_pid(cfg, rank=1)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    out = wait_ok(proc)
+    assert "resuming from" in out, out[-3000:]
+    assert weights_sha(cfg) == weights_sha(reference["ddp"])
+
+
+@pytest.mark.integration
+def test_fsdp_matches_ddp_and_resumes_exactly(reference, core_tiny_data, tmp_path):
+    from safetensors.torch import load_file
+
+    ddp = load_file(Path(reference["ddp"].out_dir) / "model.safetensors")
+    fsdp = load_file(Path(reference["fsdp"].out_dir) / "model.safetensors")
+    assert ddp.keys() == fsdp.keys()
+    for k in ddp:
+        torch.testing.assert_close(fsdp[k], ddp[k], atol=1e-5, rtol=1e-4, msg=k)
+
+    cfg = make_cfg(core_tiny_data, tmp_path / "out", parallel="fsdp", **RUN)
+    proc = torchrun(cfg)
+    read_until(proc, "step 13/")
+    kill_run(proc, cfg, signal.SIGKILL)
+    assert find_resumable(cfg.checkpoints) is not None
+    assert "resuming from" in wait_ok(torchrun(cfg))
+    assert weights_sha(cfg) == weights_sha(reference["fsdp"])
+
+
+@pytest.mark.integration
+def test_two_single_rank_nodes_with_c10d_rendezvous(reference, core_tiny_data, tmp_path):
+    cfg = make_cfg(core_tiny_data, tmp_path / "out", **{**RUN, "checkpoint_every": 0})
+    rdzv = ["--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=t"]
+    nodes = [torchrun(cfg, *rdzv, f"--node_rank={i}", nproc=1) for i in range(2)]
+    for node in nodes:
+        wait_ok(node)
+    assert weights_sha(cfg) == weights_sha(reference["ddp"])

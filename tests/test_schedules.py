@@ -1,0 +1,70 @@
+"""Each learning-rate schedule's shape: warmup, peak, decay, restarts, floor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from astrai_core.config import OptimConfig
+from astrai_core.schedules import SCHEDULES, lr_at
+
+
+def lrs(n: int, **kw) -> list[float]:
+    optim = OptimConfig(**{"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 10, **kw})
+    return [lr_at(s, optim, n) for s in range(n + 1)]
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_every_schedule_warms_up_linearly_to_the_peak_and_stays_in_range(schedule):
+    lr = lrs(100, schedule=schedule, restart_period=30)
+    warm = lr[:11]
+    assert all(b > a for a, b in zip(warm, warm[1:]))
+    assert np.allclose(np.diff(warm), warm[0])  # linear, starting above zero
+    assert lr[10] == pytest.approx(1e-3) and max(lr) == pytest.approx(1e-3)
+    assert min(lr[10:]) >= 1e-4 - 1e-12  # after warmup, never below min_lr
+
+
+def test_cosine():
+    lr = lrs(100)
+    decay = lr[10:]
+    assert all(b <= a for a, b in zip(decay, decay[1:]))  # monotone cosine decay
+    assert lr[55] == pytest.approx((1e-3 + 1e-4) / 2)  # halfway: midpoint
+    assert lr[100] == pytest.approx(1e-4)
+    assert lr_at(500, OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10), 100) == pytest.approx(1e-4)
+    assert lr_at(0, OptimConfig(lr=1e-3, min_lr=0.0, warmup_steps=0), 10) == pytest.approx(1e-3)
+
+
+def test_sgdr_restarts_with_growing_periods():
+    lr = lrs(200, schedule="sgdr", restart_period=20, restart_mult=2.0)
+    # cycles start (at the peak) after warmup at 10, then 10 + 20 = 30, then 30 + 40 = 70, then 70 + 80 = 150
+    restarts = [s for s in range(11, 201) if lr[s] > lr[s - 1]]
+    assert restarts == [30, 70, 150]
+    for start in (10, 30, 70, 150):
+        assert lr[start] == pytest.approx(1e-3)
+    assert lr[50] == pytest.approx((1e-3 + 1e-4) / 2)  # the middle of the 40-step cycle starting at 30
+    assert lr[69] < 1.1e-4  # the end of a cycle is near min_lr
+    same = lrs(100, schedule="sgdr", restart_period=30, restart_mult=1.0)
+    assert [s for s in range(11, 101) if same[s] > same[s - 1]] == [40, 70, 100]  # fixed period
+
+
+def test_warmup_stable_decay():
+    lr = lrs(100, schedule="wsd", decay_fraction=0.2)
+    assert all(x == pytest.approx(1e-3) for x in lr[10:80])  # stable
+    decay = lr[80:]
+    assert all(b < a for a, b in zip(decay, decay[1:]))
+    assert np.allclose(np.diff(decay), np.diff(decay)[0])  # linear
+    assert lr[90] == pytest.approx((1e-3 + 1e-4) / 2) and lr[100] == pytest.approx(1e-4)
+
+
+def test_schedules_drive_lambda_lr():
+    """The loop's wiring: LambdaLR over lr_at gives optimizer step s the schedule's lr at s."""
+    optim = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=3, schedule="wsd")
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=optim.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, optim, 20) / optim.lr)
+    seen = []
+    for _ in range(20):
+        seen.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([lr_at(s, optim, 20) for s in range(20)])
