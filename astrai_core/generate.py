@@ -1,5 +1,9 @@
-"""Autoregressive sampling: greedy (temperature 0) or temperature / top-k sampling. No KV cache yet: each new
-token re-runs the (cropped) context, which is fine for the short samples of evaluation."""
+"""Autoregressive sampling: greedy (temperature 0) or temperature / top-k sampling, with a KV cache.
+
+The prompt is encoded once (prefill) and each new token costs one single-position forward against the cache
+(for MLA the cache holds the compressed latent). Once the context fills max_seq_len, every step re-encodes the
+last max_seq_len tokens, exactly what a model without a cache would see.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from typing import Iterable
 import torch
 from tokenizers import Tokenizer
 
-from astrai_core.model import Transformer
+from astrai_core.model import KVCache, Transformer
 
 
 @torch.no_grad()
@@ -30,10 +34,18 @@ def generate(
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    window = model.cfg.max_seq_len
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     new: list[int] = []
-    for _ in range(max_new_tokens):
-        logits = model(idx[:, -model.cfg.max_seq_len :])[0, -1].float()  # (vocab,)
+    cache = KVCache()
+    logits = model(idx[:, -window:], cache)[0, -1].float()  # prefill: (vocab,)
+    for step in range(max_new_tokens):
+        if step > 0:
+            if cache.length < window:
+                logits = model(idx[:, -1:], cache)[0, -1].float()  # one position against the cache
+            else:  # the window is full: re-encode its last max_seq_len tokens
+                cache = KVCache()
+                logits = model(idx[:, -window:], cache)[0, -1].float()
         if temperature <= 0:
             next_id = int(logits.argmax())
         else:
