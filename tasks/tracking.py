@@ -15,6 +15,8 @@ from typing import Any, Iterator
 
 import mlflow
 
+from astrai_core.tracking import MAX_PARAM_CHARS
+from astrai_core.tracking import flatten as core_flatten
 from tasks.params import Params
 
 PARENT_RUN_ENV = "ASTRAI_PARENT_RUN_ID"
@@ -49,14 +51,8 @@ def setup(params: Params, project_dir: Path) -> str:
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    out: dict[str, str] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{name}."))
-        else:
-            out[name] = str(value)[:500]  # MLflow limits param length; the full config is an artifact
-    return out
+    """Dotted keys and MLflow-sized string values; the full config is logged as an artifact as well."""
+    return {k: str(v)[:MAX_PARAM_CHARS] for k, v in core_flatten(tree, prefix).items()}
 
 
 @contextlib.contextmanager
