@@ -121,14 +121,12 @@ def generate(model: str = typer.Option(..., help="A checkpoint directory or an M
     if model.startswith(("models:/", "runs:/")):
         import mlflow
 
-        from tasks.params import load_params
+        from tasks.params import Params, load_params
         from tasks.tracking import tracking_uri
 
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
-            params = load_params("params.yaml") if Path("params.yaml").is_file() else None
-            from tasks.params import Params
-
-            mlflow.set_tracking_uri(tracking_uri(params or Params(), Path.cwd()))
+        # The same store the pipeline uses: MLFLOW_TRACKING_URI, else params.yaml's tracking.uri, else mlflow/.
+        params = load_params("params.yaml") if Path("params.yaml").is_file() else Params()
+        mlflow.set_tracking_uri(tracking_uri(params, Path.cwd()))
         pyfunc = mlflow.pyfunc.load_model(model)
         text = pyfunc.predict([prompt], params={"max_new_tokens": max_new_tokens, "temperature": temperature,
                                                 "top_k": top_k, "seed": seed})[0]
