@@ -116,7 +116,7 @@ class MetricLogging(Callback):
 
     def on_optimizer_step_end(self, run: "Run") -> None:
         self.seconds += time.perf_counter() - self.t0
-        self.tokens += run.tokens_per_step
+        self.tokens += run.step_tokens
         if run.step % self.every == 0 or run.is_last_step or run.stop:
             run.train_loss = run.all_reduce_sum(run.loss_sum.clone()).item() / run.step_targets
             run.metrics.update({"train/loss": run.train_loss, "train/lr": run.lr,

@@ -71,6 +71,9 @@ def save_checkpoint(
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         _write_json(tmp / "config.json", model_cfg.model_dump())
         shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+        template = Path(tokenizer_path).with_name("chat_template.jinja")  # the chat format goes with its tokenizer
+        if template.is_file():
+            shutil.copyfile(template, tmp / template.name)
         if train_config is not None:
             _write_json(tmp / "train_config.json", train_config.model_dump())
         if train_state is not None:

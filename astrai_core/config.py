@@ -114,13 +114,67 @@ class OptimConfig(Strict):
     fused: Literal["auto", "on", "off"] = "auto"  # fused AdamW kernel; auto: on where the device has one
 
 
+class LoRAConfig(Strict):
+    """Low-rank adapters (astrai_core/lora.py): only they train; the final checkpoint is the merged plain model and
+    the adapters are also saved on their own (adapter/ in the output directory)."""
+
+    rank: PositiveInt = 8
+    alpha: PositiveFloat = 16.0
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    targets: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class DPOConfig(Strict):
+    """Direct preference optimization against the frozen reference whose log-probabilities were cached by
+    astrai_core.strategies.reference_logps (the reference model is not loaded during training)."""
+
+    beta: PositiveFloat = 0.1
+    loss: Literal["sigmoid", "ipo", "conservative"] = "sigmoid"
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)  # conservative DPO: the assumed share of flipped labels
+    reference_logps: str | None = None  # HDF5 cache of the reference's log-probabilities of train_data
+
+
+class GRPOConfig(Strict):
+    """Group relative policy optimization on prompts with checkable answers (train_data: JSONL of
+    {"prompt", "answer", ...}); batch_size counts prompts, each sampled group_size times."""
+
+    group_size: int = Field(4, ge=2)
+    max_new_tokens: PositiveInt = 16
+    temperature: PositiveFloat = 1.0
+    top_k: PositiveInt | None = None
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    clip_eps: PositiveFloat = 0.2
+    kl_coef: float = Field(0.04, ge=0.0)  # weight of the k3 KL to the reference (the starting model, frozen)
+    iterations: PositiveInt = 1  # optimizer steps on each batch of rollouts (> 1 makes the ratio clipping bite)
+    rewards: dict[str, float] = {"exact_answer": 1.0}  # reward name (astrai_core/rewards.py) -> weight
+    on_reward_error: Literal["skip", "stop"] = "stop"  # a reward that raises or is not finite: drop the group, or stop
+
+
+class TwoStageConfig(Strict):
+    """Two-stage KL-regularized language modeling: stage 1 plain next-token loss for `stage1_tokens`; then a
+    frozen snapshot of the model becomes the reference and stage 2 adds beta * KL(policy || reference) between
+    the full next-token distributions, on its own data mixture, for the rest of the run's budget."""
+
+    stage1_tokens: PositiveInt
+    beta: PositiveFloat = 0.1
+    stage2_data: dict[str, float] | None = None  # packed file -> sampling weight; None: train_data alone
+
+
 class TrainConfig(Strict):
     """One run of the training core (what `astrai train --config FILE` reads)."""
 
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
-    train_data: str  # HDF5 file written by the pack stage
+    # seq: next-token prediction on packed text; sft: packed conversations, loss on assistant tokens only;
+    # dpo: preference pairs; grpo: sampled completions scored by reward functions (astrai_core/strategies.py).
+    strategy: Literal["seq", "sft", "dpo", "grpo"] = "seq"
+    train_data: str  # HDF5 file written by the pack stage (grpo: JSONL prompts)
     val_data: str | None = None
+    init_from: str | None = None  # a checkpoint directory whose weights start the run (its config must match)
+    lora: LoRAConfig | None = None  # train low-rank adapters instead of every weight
+    dpo: DPOConfig = DPOConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    two_stage: TwoStageConfig | None = None  # seq only
     tokenizer: str  # tokenizer.json; its sha256 must match the HDF5 files' attribute
     out_dir: str  # the final checkpoint directory (written atomically)
     seq_len: PositiveInt = 256
@@ -156,6 +210,16 @@ class TrainConfig(Strict):
             raise ValueError(f"seq_len ({self.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
         if self.optim.min_lr > self.optim.lr:
             raise ValueError(f"optim.min_lr ({self.optim.min_lr}) exceeds optim.lr ({self.optim.lr})")
+        if self.strategy in ("dpo", "grpo") and self.val_data:
+            raise ValueError(f"val_data is not used by strategy {self.strategy!r}: set it to null")
+        if self.strategy == "dpo" and not self.dpo.reference_logps:
+            raise ValueError("strategy 'dpo' needs dpo.reference_logps (the cached reference log-probabilities)")
+        if self.strategy in ("dpo", "grpo") and not self.init_from:
+            raise ValueError(f"strategy {self.strategy!r} needs init_from: the model to start from (and the reference)")
+        if self.two_stage is not None and self.strategy != "seq":
+            raise ValueError("two_stage applies to strategy 'seq' only")
+        if self.strategy == "grpo" and self.parallel == "fsdp":
+            raise ValueError("strategy 'grpo' samples a different number of tokens per rank, which FSDP cannot: use ddp")
         return self
 
     @property

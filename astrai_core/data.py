@@ -5,6 +5,8 @@ Layout (FORMAT_VERSION 1):
     attrs     format_version, tokenizer_sha256, vocab_size, source_manifest_sha256, split
     tokens       1-D uint16 (vocab_size <= 65536) or uint32, uncompressed
     doc_offsets  1-D int64, n_docs + 1 entries starting at 0: document i is tokens[off[i]:off[i + 1]]
+    loss_mask    optional 1-D uint8 beside tokens: 1 where the token is a training target (SFT: assistant
+                 replies; DPO: the response). Pretraining files have none: every token is a target.
 
 `tokens` is chunked and resizable so the writer can stream; it is left uncompressed because compression makes
 the random window reads of training 10-100x slower. Readers refuse a file packed with another tokenizer.
@@ -59,8 +61,10 @@ class PackedWriter:
         tokenizer_sha256: str,
         source_manifest_sha256: str,
         split: str,
+        with_loss_mask: bool = False,
     ) -> None:
         self.path = Path(path)
+        self.with_loss_mask = with_loss_mask
         self.vocab_size = int(vocab_size)
         self.dtype = token_dtype(self.vocab_size)
         self._attrs = {
@@ -86,15 +90,25 @@ class PackedWriter:
             self._offsets = self._file.create_dataset(
                 "doc_offsets", shape=(0,), maxshape=(None,), dtype=np.int64, chunks=(OFFSET_CHUNK,)
             )
+            self._mask = (self._file.create_dataset("loss_mask", shape=(0,), maxshape=(None,), dtype=np.uint8,
+                                                    chunks=(TOKEN_CHUNK,)) if self.with_loss_mask else None)
+            self._mask_buf: list[np.ndarray] = []
             self._token_buf: list[np.ndarray] = []
             self._buffered_tokens = 0
             self._offset_buf: list[int] = [0]
             self._stack = stack.pop_all()
         return self
 
-    def add_document(self, ids: Sequence[int] | np.ndarray) -> None:
+    def add_document(self, ids: Sequence[int] | np.ndarray, loss_mask: Sequence[int] | np.ndarray | None = None) -> None:
         assert self._stack is not None, "use PackedWriter as a context manager"
+        if (loss_mask is not None) != self.with_loss_mask:
+            raise ValueError(f"{self.path}: pass loss_mask with every document exactly when with_loss_mask=True")
         arr = np.asarray(ids)
+        if loss_mask is not None:
+            mask = np.asarray(loss_mask, dtype=np.uint8)
+            if mask.shape != arr.shape:
+                raise ValueError(f"{self.path}: loss_mask shape {mask.shape} differs from the document's {arr.shape}")
+            self._mask_buf.append(mask)
         if arr.ndim != 1:
             raise ValueError(f"{self.path}: a document must be a 1-D sequence of token ids, got shape {arr.shape}")
         if arr.size:
@@ -118,6 +132,12 @@ class PackedWriter:
             self._tokens.resize((start + block.size,))
             self._tokens[start:] = block
             self._token_buf, self._buffered_tokens = [], 0
+        if self._mask_buf:
+            block = np.concatenate(self._mask_buf)
+            start = self._mask.shape[0]
+            self._mask.resize((start + block.size,))
+            self._mask[start:] = block
+            self._mask_buf = []
         if self._offset_buf:
             block = np.asarray(self._offset_buf, dtype=np.int64)
             start = self._offsets.shape[0]
@@ -178,6 +198,7 @@ class PackedTokens:
         self.split = str(attrs["split"])
         self.tokens: h5py.Dataset = f["tokens"]
         self.doc_offsets: np.ndarray = f["doc_offsets"][:]
+        self.loss_mask: h5py.Dataset | None = f["loss_mask"] if "loss_mask" in f else None
         self.n_tokens = int(self.tokens.shape[0])
         self.n_docs = len(self.doc_offsets) - 1
         offsets = self.doc_offsets
@@ -188,6 +209,7 @@ class PackedTokens:
             or offsets[0] != 0
             or offsets[-1] != self.n_tokens
             or np.any(np.diff(offsets) < 0)
+            or (self.loss_mask is not None and self.loss_mask.shape != self.tokens.shape)
         ):
             raise AstraiError(f"{self.path}: corrupt packed token file (tokens/doc_offsets disagree); re-run the pack stage")
 

@@ -54,3 +54,55 @@ def unigram_nll(tokens: np.ndarray, vocab_size: int) -> tuple[float, int]:
 def summarize(nll: float, n_tokens: int, n_chars: int) -> dict[str, float]:
     loss = nll / n_tokens
     return {"loss": loss, "perplexity": math.exp(loss), "bits_per_char": nll / math.log(2) / n_chars}
+
+
+# ---- chat-model metrics (post-training) ---------------------------------------------------------------------
+
+@torch.no_grad()
+def masked_token_loss(model: torch.nn.Module, data_path: str, tokenizer_sha256: str, seq_len: int,
+                      batch_size: int = 16) -> float:
+    """Mean loss (nats) per target token of a conversation file (sft_*.h5): assistant tokens only, conversations
+    packed and attention-blocked exactly as SFT trains."""
+    from astrai_core.losses import IGNORE_INDEX, token_loss_sum
+    from astrai_core.model import document_mask
+    from astrai_core.strategies import PackedRows, open_documents
+
+    rows = PackedRows(open_documents(data_path, tokenizer_sha256, model.cfg.vocab_size), seq_len)
+    model.eval()
+    total, count = 0.0, 0
+    for first in range(0, len(rows.rows), batch_size):
+        b = rows.batch(np.arange(first, min(first + batch_size, len(rows.rows))), torch.device("cpu")).data
+        logits = model(b["x"], positions=b["positions"], mask=document_mask(b["doc_ids"]))
+        total += token_loss_sum(logits, b["y"]).item()
+        count += int((b["y"] != IGNORE_INDEX).sum())
+    return total / count
+
+
+@torch.no_grad()
+def preference_accuracy(model: torch.nn.Module, data_path: str, tokenizer_sha256: str) -> dict[str, float]:
+    """On preference pairs (dpo_*.h5): the share where the model gives the chosen response a higher summed
+    log-probability than the rejected one, and the mean log-probability margin."""
+    from astrai_core.strategies import reference_logps
+
+    logps = reference_logps(model, data_path, tokenizer_sha256)
+    margin = logps[0::2] - logps[1::2]
+    return {"preference_accuracy": float((margin > 0).mean()), "preference_margin": float(margin.mean())}
+
+
+@torch.no_grad()
+def task_accuracy(model: torch.nn.Module, chat, records: list[dict], max_new_tokens: int,
+                  batch_size: int = 32) -> tuple[dict[str, float], list[str]]:
+    """Greedy replies to GRPO-style questions: the share exactly right and the share naming a listed option.
+    Returns (metrics, replies)."""
+    from astrai_core.generate import generate_batch
+    from astrai_core.rewards import exact_answer, valid_option
+
+    replies = []
+    for i in range(0, len(records), batch_size):
+        chunk = records[i : i + batch_size]
+        prompts = [chat.encode_prompt([{"role": "user", "content": r["prompt"]}]) for r in chunk]
+        outs = generate_batch(model, prompts, max_new_tokens, stop_ids=chat.stop_ids)
+        replies += [chat.decode_reply(o) for o in outs]
+    exact = [exact_answer(c, r) for c, r in zip(replies, records)]
+    valid = [valid_option(c, r) for c, r in zip(replies, records)]
+    return {"task_accuracy": float(np.mean(exact)), "valid_answer_rate": float(np.mean(valid))}, replies

@@ -1,8 +1,12 @@
-"""Autoregressive sampling: greedy (temperature 0) or temperature / top-k sampling, with a KV cache.
+"""Autoregressive sampling with a KV cache: greedy (temperature 0) or temperature / top-k / top-p sampling.
 
-The prompt is encoded once (prefill) and each new token costs one single-position forward against the cache
-(for MLA the cache holds the compressed latent). Once the context fills max_seq_len, every step re-encodes the
-last max_seq_len tokens, exactly what a model without a cache would see.
+generate: one prompt. The prompt is encoded once (prefill) and each new token costs one single-position forward
+against the cache (for MLA the cache holds the compressed latent). Once the context fills max_seq_len, every
+step re-encodes the last max_seq_len tokens, exactly what a model without a cache would see.
+
+generate_batch: prompts of different lengths at once. They are left-padded (pad id 0, masked out of attention,
+positions counted from each row's first real token), so every row's new tokens sit in the same column and one
+forward per step serves all rows. The whole request must fit in max_seq_len (no re-encoding window).
 """
 
 from __future__ import annotations
@@ -12,7 +16,33 @@ from typing import Iterable
 import torch
 from tokenizers import Tokenizer
 
-from astrai_core.model import KVCache, Transformer
+from astrai_core.model import KVCache, Transformer, padding_mask, positions_from_mask
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """logits (B, V) -> next token ids (B,). Temperature 0: argmax. Otherwise logits / temperature, then top-k
+    (keep the k largest, ties included), then top-p (nucleus, Holtzman et al. 2020: keep the smallest set of
+    most probable tokens whose mass reaches top_p, always at least the top one), then one multinomial draw."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # of the tokens ranked above each one
+        drop = mass_before >= top_p  # the set already reached top_p without this token
+        drop[:, 0] = False
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))  # multinomial renormalizes
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 @torch.no_grad()
@@ -23,6 +53,7 @@ def generate(
     *,
     temperature: float = 0.0,
     top_k: int | None = None,
+    top_p: float | None = None,
     stop_ids: Iterable[int] = (),
     generator: torch.Generator | None = None,
 ) -> list[int]:
@@ -38,27 +69,72 @@ def generate(
     idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     new: list[int] = []
     cache = KVCache()
-    logits = model(idx[:, -window:], cache)[0, -1].float()  # prefill: (vocab,)
+    logits = model(idx[:, -window:], cache)[:, -1].float()  # prefill: (1, vocab)
     for step in range(max_new_tokens):
         if step > 0:
             if cache.length < window:
-                logits = model(idx[:, -1:], cache)[0, -1].float()  # one position against the cache
+                logits = model(idx[:, -1:], cache)[:, -1].float()  # one position against the cache
             else:  # the window is full: re-encode its last max_seq_len tokens
                 cache = KVCache()
-                logits = model(idx[:, -window:], cache)[0, -1].float()
-        if temperature <= 0:
-            next_id = int(logits.argmax())
-        else:
-            logits = logits / temperature
-            if top_k is not None and top_k < logits.numel():
-                kth = torch.topk(logits, top_k).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = torch.softmax(logits, dim=-1)
-            next_id = int(torch.multinomial(probs, 1, generator=generator))
+                logits = model(idx[:, -window:], cache)[:, -1].float()
+        next_id = int(sample_next(logits, temperature, top_k, top_p, generator)[0])
         new.append(next_id)
         if next_id in stop:
             break
         idx = torch.cat([idx, torch.tensor([[next_id]], device=device)], dim=1)
+    model.train(was_training)
+    return new
+
+
+@torch.no_grad()
+def generate_batch(
+    model: Transformer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_ids: Iterable[int] = (),
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """The new token ids of each prompt, as generate would return them for that prompt alone (greedy: the same
+    tokens). A row stops after max_new_tokens or after emitting one of stop_ids (included); finished rows are
+    still fed, their tokens ignored, until every row is done."""
+    if not prompts or not all(prompts):
+        raise ValueError("generate_batch needs at least one prompt, each with at least one token (e.g. the BOS id)")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > model.cfg.max_seq_len:
+        raise ValueError(f"longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len "
+                         f"({model.cfg.max_seq_len}): shorten the prompts or ask for fewer tokens")
+    stop = set(stop_ids)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    B = len(prompts)
+    ids = torch.zeros(B, longest, dtype=torch.long, device=device)  # pad id 0, never attended to
+    valid = torch.zeros(B, longest, dtype=torch.bool, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+        valid[i, longest - len(p):] = True
+    positions = positions_from_mask(valid)
+    cache = KVCache()
+    logits = model(ids, cache, positions=positions, mask=padding_mask(valid, longest))[:, -1].float()  # (B, V)
+    positions = positions[:, -1:]  # (B, 1): each row's last position
+    new: list[list[int]] = [[] for _ in prompts]
+    done = [False] * B
+    for step in range(max_new_tokens):
+        if step > 0:
+            valid = torch.cat([valid, valid.new_ones(B, 1)], dim=1)
+            positions = positions + 1
+            logits = model(next_ids[:, None], cache, positions=positions, mask=padding_mask(valid, 1))[:, -1].float()
+        next_ids = sample_next(logits, temperature, top_k, top_p, generator)
+        for i, t in enumerate(next_ids.tolist()):
+            if not done[i]:
+                new[i].append(t)
+                done[i] = t in stop
+        if all(done):
+            break
     model.train(was_training)
     return new
 

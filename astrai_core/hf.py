@@ -32,6 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from astrai_core.chat import DEFAULT_TEMPLATE
 from astrai_core.config import ModelConfig
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path
@@ -41,8 +42,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "deepseek_v2": "DeepseekV2ForCausalLM"}
 
 # Used when the checkpoint carries no chat_template.jinja: the astrai special tokens as turn markers.
-CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end_of_turn|>' }}"
-                 "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+CHAT_TEMPLATE = DEFAULT_TEMPLATE
 
 
 # ---- architecture and config ----

@@ -54,13 +54,39 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool = False) -> torch.Tensor:
-    """Queries (B, h, T, d) are the last T of the S = k.shape[-2] positions (S > T when a cache holds the rest)."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool = False,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Queries (B, h, T, d) are the last T of the S = k.shape[-2] positions (S > T when a cache holds the rest).
+    `mask` (B, 1, T, S), True = may attend, replaces the causal rule (see document_mask, padding_mask)."""
     T, S = q.shape[-2], k.shape[-2]
-    if T == S:
+    if mask is None and T == S:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
-    mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)  # query t sees keys <= S - T + t
+    if mask is None:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)  # query t sees keys <= S - T + t
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
+
+
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document index per position -> (B, 1, T, T) attention mask: causal and within the same document,
+    so several sequences packed into one row never see each other."""
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :])).unsqueeze(1)
+
+
+def padding_mask(valid: torch.Tensor, T: int) -> torch.Tensor:
+    """(B, S) True where a key position holds a real token -> (B, 1, T, S) mask for the last T queries: causal,
+    real keys only. Each query also sees itself, so a padding query has a key and its softmax stays finite."""
+    S = valid.shape[1]
+    causal = torch.ones(T, S, dtype=torch.bool, device=valid.device).tril(diagonal=S - T)
+    itself = torch.zeros(T, S, dtype=torch.bool, device=valid.device)
+    itself[torch.arange(T), torch.arange(S - T, S)] = True
+    return ((causal & valid[:, None, :]) | itself).unsqueeze(1)
+
+
+def positions_from_mask(valid: torch.Tensor) -> torch.Tensor:
+    """(B, S) real-token mask of left-padded rows -> (B, S) positions: 0 at each row's first real token."""
+    return (valid.long().cumsum(-1) - 1).clamp_min(0)
 
 
 class KVCache:
@@ -100,7 +126,7 @@ class Attention(nn.Module):
         self.gate_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False) if cfg.attn_gate else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                layer: int = 0) -> torch.Tensor:
+                layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -112,7 +138,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.extend(layer, k, v)  # (B, nkv, S, hd): every position so far
         # enable_gqa: query head h reads kv head h // (n_heads / n_kv_heads), the same grouping as HF's repeat_kv.
-        y = causal_attention(q, k, v, enable_gqa=self.n_kv_heads != self.n_heads)
+        y = causal_attention(q, k, v, enable_gqa=self.n_kv_heads != self.n_heads, mask=mask)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         if self.gate_proj is not None:
             y = y * torch.sigmoid(self.gate_proj(x))
@@ -138,7 +164,7 @@ class LatentAttention(nn.Module):
         self.gate_proj = nn.Linear(cfg.dim, cfg.n_heads * self.v_dim, bias=False) if cfg.attn_gate else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                layer: int = 0) -> torch.Tensor:
+                layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.nope_dim + self.rope_dim).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
@@ -152,7 +178,7 @@ class LatentAttention(nn.Module):
         k_nope, v = kv.transpose(1, 2).split([self.nope_dim, self.v_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(B, self.n_heads, S, self.rope_dim)], dim=-1)
-        y = causal_attention(q, k, v)  # scale 1/sqrt(nope + rope), as HF
+        y = causal_attention(q, k, v, mask=mask)  # scale 1/sqrt(nope + rope), as HF
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.v_dim)
         if self.gate_proj is not None:
             y = y * torch.sigmoid(self.gate_proj(x))
@@ -236,8 +262,8 @@ class Block(nn.Module):
         self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg.dim, cfg.hidden_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                layer: int = 0) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
+                layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -273,16 +299,24 @@ class Transformer(nn.Module):
         elif isinstance(module, Experts):
             nn.init.normal_(module.gate_up_proj, mean=0.0, std=self.cfg.init_std)
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, *, positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """idx: (B, T) token ids -> logits (B, T, vocab_size). Sets self.aux_loss. With a cache, idx continues
-        the cached positions (and the cache grows by T); cached + new positions must fit in max_seq_len."""
+        the cached positions (and the cache grows by T); cached + new positions must fit in max_seq_len.
+
+        Packed or padded rows pass `positions` (B, T), the RoPE position of each token (restarting per packed
+        document, or counting from a left-padded row's first real token), and `mask` (B, 1, T, S) of allowed
+        (query, key) pairs (document_mask, padding_mask). Without them: positions 0.. and the causal mask."""
         T = idx.shape[1]
         start = cache.length if cache is not None else 0
         assert start + T <= self.cfg.max_seq_len, f"sequence length {start + T} exceeds max_seq_len {self.cfg.max_seq_len}"
-        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
+        if positions is None:
+            cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
+        else:  # one table row per token, broadcast over heads: (B, 1, T, rope dim)
+            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         x = self.embed_tokens(idx)  # (B, T, dim); the residual stream stays fp32 under autocast
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i)
+            x = layer(x, cos, sin, cache, i, mask)
         if cache is not None:
             cache.length += T
         moe = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]

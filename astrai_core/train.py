@@ -30,11 +30,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import math
 import os
 import random
 import signal
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -52,91 +54,22 @@ from torch.utils.checkpoint import checkpoint
 
 from astrai_core.callbacks import (Callback, Checkpointing, EarlyStopping, GradientClipping, MetricLogging,
                                    ProgressBar, Validation)
-from astrai_core.checkpoint import clear_resumable, find_resumable, save_checkpoint, save_resumable
+from astrai_core.checkpoint import (clear_resumable, find_resumable, save_checkpoint, save_resumable,
+                                     verify_checkpoint)
 from astrai_core.config import TrainConfig
-from astrai_core.data import PackedTokens
 from astrai_core.distributed import Dist, cleanup, init_distributed
 from astrai_core.errors import AstraiError
 from astrai_core.io import sha256_file
-from astrai_core.model import Transformer
+from astrai_core.losses import IGNORE_INDEX, token_loss_sum  # noqa: F401 (re-exported)
+from astrai_core.model import Transformer, document_mask
 from astrai_core.schedules import lr_at
+from astrai_core.strategies import (STRATEGIES, Batch, Strategy, WindowSampler, open_tokens,  # noqa: F401
+                                    read_windows)
 from astrai_core.tracking import MetricLogger
 
-IN_MEMORY_TOKENS = 1 << 28  # below this (512 MB as uint16) read the token file into RAM once: no disk reads per batch
-IGNORE_INDEX = -100  # a target with this id is masked: no loss, not counted
-VAL_SEED_OFFSET = 10**9  # the validation sampler's seed: never equal to the training sampler's
 # Config fields that may change between a run and its resumption without changing what it computes.
 RESUME_MAY_CHANGE = {"train_data", "val_data", "tokenizer", "out_dir", "log_every", "compile", "compile_cache_dir",
                      "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "resume"}
-
-
-def open_tokens(path: str, tokenizer_sha256: str, vocab_size: int, seq_len: int):
-    """The token ids of a packed file, checked against the tokenizer and the model: a numpy array if small,
-    else the on-disk h5py dataset (both slice the same way)."""
-    data = PackedTokens(path, expected_tokenizer_sha256=tokenizer_sha256)
-    if data.vocab_size > vocab_size:
-        raise AstraiError(f"{path}: token vocabulary {data.vocab_size} exceeds model.vocab_size {vocab_size}")
-    if data.n_tokens < seq_len + 1:
-        raise AstraiError(f"{path}: {data.n_tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}")
-    return data.tokens[:] if data.n_tokens < IN_MEMORY_TOKENS else data.tokens
-
-
-class WindowSampler:
-    """Start offsets of non-overlapping (seq_len + 1)-token windows, in a fresh random order every epoch.
-
-    Sample k is window perm_e[k mod n_windows] of epoch e = k // n_windows, perm_e seeded by (seed, e): a pure
-    function of k, so the state is the number of samples consumed.
-    """
-
-    def __init__(self, n_tokens: int, seq_len: int, seed: int) -> None:
-        self.seq_len, self.seed = seq_len, seed
-        self.n_windows = (n_tokens - 1) // seq_len
-        assert self.n_windows >= 1
-        self.consumed = 0
-        self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
-
-    @property
-    def epoch(self) -> int:
-        return self.consumed // self.n_windows
-
-    def starts(self, first: int, n: int) -> np.ndarray:
-        """Token offsets of samples first .. first + n - 1."""
-        epochs, pos = np.divmod(np.arange(first, first + n), self.n_windows)
-        out = np.empty(n, dtype=np.int64)
-        for e in np.unique(epochs):
-            sel = epochs == e
-            out[sel] = self._permutation(int(e))[pos[sel]] * self.seq_len
-        return out
-
-    def next_starts(self, n: int) -> np.ndarray:
-        out = self.starts(self.consumed, n)
-        self.consumed += n
-        return out
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:  # one epoch's order is cached: a step needs at most two
-            self._perm_epoch, self._perm = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-        return self._perm
-
-    def state_dict(self) -> dict[str, int]:
-        return {"consumed_samples": self.consumed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.consumed = int(state["consumed_samples"])
-
-
-def read_windows(tokens, starts: np.ndarray, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, y), each (len(starts), seq_len): the windows at `starts`, y shifted by one token."""
-    windows = torch.from_numpy(np.stack([tokens[s : s + seq_len + 1] for s in starts]).astype(np.int64))
-    if device.type == "cuda":
-        windows = windows.pin_memory().to(device, non_blocking=True)
-    return windows[:, :-1], windows[:, 1:]
-
-
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
-    """Sum of next-token cross-entropy over targets != IGNORE_INDEX, in fp32. logits (..., V), targets (...)."""
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum", label_smoothing=label_smoothing)
 
 
 def rng_state() -> dict[str, Any]:
@@ -168,7 +101,8 @@ class Run:
     model: torch.nn.Module  # what forward calls
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    sampler: WindowSampler
+    strategy: Strategy  # what is trained on, and the loss (astrai_core/strategies.py)
+    autocast: Any  # the mixed-precision context every forward runs in
     callbacks: list[Callback]
     evaluate: Callable[[], float]
     max_steps: int
@@ -179,7 +113,8 @@ class Run:
     epoch: int = 0
     lr: float = 0.0
     loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # this rank's summed token loss, this step
-    step_targets: int = 0  # target tokens in this step, all ranks
+    step_targets: int = 0  # the step's loss units (target tokens, pairs, completion tokens), all ranks
+    step_tokens: int = 0  # tokens fed to the model this step, all ranks (throughput)
     grad_norm: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     metrics: dict[str, float] = field(default_factory=dict)  # logged at the end of this step
     train_loss: float = math.nan
@@ -188,6 +123,10 @@ class Run:
     finished: bool = False  # the run is complete (last step, or early stopping): a final checkpoint follows
     resumed_from: int | None = None
     summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def sampler(self):
+        return self.strategy.sampler
 
     @property
     def is_main(self) -> bool:
@@ -231,13 +170,14 @@ class Run:
             optim = get_optimizer_state_dict(self.raw_model, self.optimizer, options=full)
         else:  # replicas are identical: this rank's state is the model's
             weights, optim = self.raw_model.state_dict(), self.optimizer.state_dict()
-        rngs = [rng_state()]
+        rngs, strategy = [rng_state()], [self.strategy.state_dict()]
         if self.d.world_size > 1:
-            rngs = [None] * self.d.world_size
+            rngs, strategy = [None] * self.d.world_size, [None] * self.d.world_size
             dist.all_gather_object(rngs, rng_state())
+            dist.all_gather_object(strategy, self.strategy.state_dict())
         state = {"step": self.step, "epoch": self.sampler.epoch, "consumed_samples": self.sampler.consumed,
                  "consumed_tokens": self.sampler.consumed * self.cfg.seq_len, "sampler": self.sampler.state_dict(),
-                 "optimizer": optim, "scheduler": self.scheduler.state_dict(), "rng": rngs,
+                 "optimizer": optim, "scheduler": self.scheduler.state_dict(), "rng": rngs, "strategy": strategy,
                  "world_size": self.d.world_size,
                  "callbacks": {type(cb).__name__: cb.state_dict() for cb in self.callbacks}}
         return weights, state
@@ -253,8 +193,21 @@ class Run:
     def save_final(self) -> None:
         weights, state = self.training_state()
         if self.is_main:
-            save_checkpoint(self.cfg.out_dir, self.raw_model, self.cfg.model, self.cfg.tokenizer, extra=self.summary,
-                            train_config=self.cfg, train_state=state, files=[self.log.path], model_state=weights)
+            files = [self.log.path]
+            with contextlib.ExitStack() as stack:
+                if self.cfg.lora is not None:  # the adapters on their own, then the merged plain model
+                    from astrai_core.lora import merge_lora, save_adapters
+
+                    adapter_dir = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "adapter"
+                    lora = self.cfg.lora
+                    save_adapters(self.raw_model, adapter_dir, targets=lora.targets, rank=lora.rank, alpha=lora.alpha,
+                                  dropout=lora.dropout)
+                    files += sorted(adapter_dir.iterdir())
+                    merge_lora(self.raw_model)
+                    weights = self.raw_model.state_dict()
+                save_checkpoint(self.cfg.out_dir, self.raw_model, self.cfg.model, self.cfg.tokenizer,
+                                extra=self.summary, train_config=self.cfg, train_state=state, files=files,
+                                model_state=weights)
             self.log.log_artifact(Path(self.cfg.out_dir) / "train_config.json")
             self.print0(f"saved {self.cfg.out_dir} | {self.summary['tokens_per_sec']:,.0f} tok/s | "
                         f"{self.summary['wall_seconds']:.1f} s", flush=True)
@@ -278,6 +231,8 @@ class Run:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
+        if "strategy" in state:
+            self.strategy.load_state_dict(state["strategy"][self.d.rank % len(state["strategy"])])
         for cb in self.callbacks:
             cb.load_state_dict(state["callbacks"].get(type(cb).__name__, {}))
         if state["world_size"] != self.d.world_size:
@@ -336,18 +291,35 @@ def default_callbacks(cfg: TrainConfig) -> list[Callback]:
     return callbacks + [MetricLogging(cfg.log_every), ProgressBar(), Checkpointing(cfg.checkpoint_every)]
 
 
+def load_initial_weights(model: Transformer, cfg: TrainConfig, tokenizer_sha256: str) -> None:
+    """Start from cfg.init_from: a checkpoint of the same model shape and tokenizer (a pipeline stage's output or
+    `astrai import-hf`'s)."""
+    ckpt = Path(cfg.init_from)
+    verify_checkpoint(ckpt)
+    saved = json.loads((ckpt / "config.json").read_text())
+    now = cfg.model.model_dump(mode="json")
+    differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    if differ:
+        raise AstraiError(f"{ckpt / 'config.json'}: model differs from this run's ({', '.join(differ)}); init_from "
+                          "needs the same model shape")
+    if sha256_file(ckpt / "tokenizer.json") != tokenizer_sha256:
+        raise AstraiError(f"{ckpt / 'tokenizer.json'}: not this run's tokenizer ({cfg.tokenizer}); init_from needs the "
+                          "tokenizer the data was packed with")
+    weights = load_file(ckpt / "model.safetensors")
+    if cfg.model.tie_embeddings:
+        weights["lm_head.weight"] = weights["embed_tokens.weight"]
+    model.load_state_dict(weights)
+
+
 def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
     """Train (resuming if cfg.resume == "auto" finds a checkpoint of this run); rank 0 writes the final checkpoint
     to cfg.out_dir. Returns the run summary (on every rank). `callbacks` replaces default_callbacks(cfg)."""
     t_start = time.time()
     d = init_distributed(cfg.backend, cfg.device)
 
-    # Data: refuse tokens packed with another tokenizer or ids the model cannot embed.
+    # Data (the strategy's): refuse files packed with another tokenizer or ids the model cannot embed.
     tok_sha = sha256_file(cfg.tokenizer)
-    train_tokens = open_tokens(cfg.train_data, tok_sha, cfg.model.vocab_size, cfg.seq_len)
-    val_tokens = open_tokens(cfg.val_data, tok_sha, cfg.model.vocab_size, cfg.seq_len) if cfg.val_data else None
-    sampler = WindowSampler(len(train_tokens), cfg.seq_len, cfg.seed)
-    val_sampler = WindowSampler(len(val_tokens), cfg.seq_len, cfg.seed + VAL_SEED_OFFSET) if cfg.val_data else None
+    strategy = STRATEGIES[cfg.strategy](cfg, d.rank, d.world_size, d.device, tok_sha)
     per_step = d.world_size * cfg.grad_accum * cfg.batch_size  # samples in one optimizer step
     tokens_per_step = per_step * cfg.seq_len
     max_steps = math.ceil(cfg.max_tokens / tokens_per_step) if cfg.max_tokens else cfg.max_steps
@@ -363,6 +335,15 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
     # Model: the same seed gives every rank the same initial weights (DDP also broadcasts rank 0's at wrap time).
     torch.manual_seed(cfg.seed)
     raw_model = Transformer(cfg.model).to(d.device)
+    if cfg.init_from:
+        load_initial_weights(raw_model, cfg, tok_sha)
+    strategy.setup(raw_model)  # e.g. GRPO freezes its reference here
+    if cfg.lora is not None:
+        from astrai_core.lora import apply_lora
+
+        if cfg.parallel == "fsdp" and d.world_size > 1:
+            raise AstraiError("lora with parallel 'fsdp' is not supported: use ddp (adapters are small)")
+        apply_lora(raw_model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout)
     n_params = raw_model.num_params()
     if cfg.activation_checkpointing:
         checkpoint_blocks(raw_model)
@@ -383,9 +364,9 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
                         find_unused_parameters=bool(getattr(cfg.model, "n_experts", 0)))
     autocast = torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
 
-    # Optimizer: weight decay on matrices (and the embedding) only, not on norm gains. The fused kernel exists on
-    # CUDA and CPU (one pass over each parameter instead of several).
-    params = list(raw_model.parameters())
+    # Optimizer: weight decay on matrices (and the embedding) only, not on norm gains; frozen weights (LoRA's base)
+    # are left out. The fused kernel exists on CUDA and CPU (one pass over each parameter instead of several).
+    params = [p for p in raw_model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
@@ -397,22 +378,23 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
 
     @torch.no_grad()
     def evaluate() -> float:
-        """Loss per target token over cfg.eval_batches fixed validation batches of every rank."""
+        """Loss per unit over cfg.eval_batches fixed validation batches of every rank (plain loss: no KL term)."""
         model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=d.device)  # loss sum, target count
+        total = torch.zeros(2, dtype=torch.float64, device=d.device)  # loss sum, unit count
         for i in range(cfg.eval_batches):
-            starts = val_sampler.starts(i * d.world_size * cfg.batch_size, d.world_size * cfg.batch_size)
-            x, y = read_windows(val_tokens, starts[d.rank * cfg.batch_size : (d.rank + 1) * cfg.batch_size],
-                                cfg.seq_len, d.device)
+            batch = strategy.eval_batches(i)
             with autocast:
-                logits = model(x)
+                logits = model(batch.data["x"], **{k: v for k, v in batch.data.items() if k == "positions"},
+                               **({"mask": document_mask(batch.data["doc_ids"])} if "doc_ids" in batch.data else {}))
+            y = batch.data["y"]
             total += torch.stack([token_loss_sum(logits, y).double(), (y != IGNORE_INDEX).sum().double()])
         model.train()
         total = run.all_reduce_sum(total)
         return (total[0] / total[1]).item()
 
     run = Run(cfg=cfg, d=d, raw_model=raw_model, model=model, optimizer=optimizer, scheduler=scheduler,
-              sampler=sampler, callbacks=default_callbacks(cfg) if callbacks is None else callbacks,
+              strategy=strategy, autocast=autocast,
+              callbacks=default_callbacks(cfg) if callbacks is None else callbacks,
               evaluate=evaluate, max_steps=max_steps, tokens_per_step=tokens_per_step)
     if ckpt is not None:
         run.restore(ckpt)
@@ -420,46 +402,50 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
     # A resumed run keeps the metrics up to its checkpoint and appends.
     run.log = MetricLogger(Path(cfg.out_dir).with_name(Path(cfg.out_dir).name + ".logs"), enabled=d.is_main,
                            resume_step=run.resumed_from)
-    run.print0(f"training {n_params:,} parameters on {d.world_size} rank(s) ({d.device}, {cfg.dtype}, "
-               f"{cfg.parallel}), {max_steps} steps of {tokens_per_step:,} tokens", flush=True)
+    trainable = sum(p.numel() for p in params)
+    run.print0(f"{cfg.strategy}: training {trainable:,} of {n_params:,} parameters on {d.world_size} rank(s) "
+               f"({d.device}, {cfg.dtype}, {cfg.parallel}), {max_steps} steps of {per_step} samples", flush=True)
 
     # SIGTERM (a scheduler's preemption, torchrun stopping the group): finish the step, checkpoint, exit 0.
     stop_requested = threading.Event()
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop_requested.set()) if in_main_thread else None
-    timed_seconds, timed_steps = 0.0, 0  # throughput excludes the first step (compilation, allocator warm-up)
+    timed_seconds, timed_steps, timed_tokens = 0.0, 0, 0  # throughput excludes the first step (warm-up)
     try:
         run.emit("on_train_begin")
         run.emit("on_epoch_begin")
         while not run.finished and not run.stop:
             t0 = time.perf_counter()
             run.lr, run.metrics = scheduler.get_last_lr()[0], {}
-            # This step's micro-batches for this rank, and the number of target tokens across all ranks.
-            starts = sampler.next_starts(per_step)
-            batches = []
-            for micro in range(cfg.grad_accum):
-                first = (micro * d.world_size + d.rank) * cfg.batch_size
-                batches.append(read_windows(train_tokens, starts[first : first + cfg.batch_size], cfg.seq_len, d.device))
-            n_targets = torch.tensor(float(sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)), device=d.device)
-            run.step_targets = int(run.all_reduce_sum(n_targets).item())
+            # This step's micro-batches for this rank; the loss units and tokens across all ranks.
+            strategy.step_stats = {}
+            batches = strategy.micro_batches(run)
+            counts = torch.tensor([float(sum(b.count for b in batches)), float(sum(b.n_tokens for b in batches))],
+                                  device=d.device)
+            run.step_targets, run.step_tokens = (int(v) for v in run.all_reduce_sum(counts).tolist())
+            if run.step_targets == 0:
+                raise RuntimeError(f"step {run.step + 1}: no {strategy.unit} to learn from in the whole step "
+                                   "(every target masked); check the data")
             run.loss_sum = torch.zeros((), device=d.device)
-            for run.micro, (x, y) in enumerate(batches):
+            metric_sums: dict[str, torch.Tensor] = {}
+            for run.micro, batch in enumerate(batches):
                 run.emit("on_batch_begin")
                 # Gradients are all-reduced only on the last micro-step; the earlier ones just accumulate locally.
                 with grad_sync(model, raw_model, enabled=run.micro == cfg.grad_accum - 1):
-                    with autocast:
-                        logits = model(x)
-                    loss_sum = token_loss_sum(logits, y, cfg.label_smoothing)
+                    loss_sum, metrics = strategy.loss(run, batch)
                     loss = loss_sum * (d.world_size / run.step_targets)  # ranks' gradients are averaged, not summed
                     aux = getattr(raw_model, "aux_loss", None)  # e.g. a mixture-of-experts balance loss
                     if isinstance(aux, torch.Tensor):
                         loss = loss + aux / cfg.grad_accum
                     loss.backward()
                 run.loss_sum += loss_sum.detach()
+                for k, v in metrics.items():
+                    metric_sums[k] = metric_sums.get(k, 0) + v.detach().float()
                 run.emit("on_batch_end")
+            log_metrics(run, metric_sums, strategy.step_stats)
             # Stop before the update can spread NaNs into the weights. The norm is taken after the all-reduce, so
             # it is the same on every rank (and a non-finite loss on one rank makes it non-finite everywhere).
-            run.grad_norm = total_grad_norm(params)
+            run.grad_norm = total_grad_norm(run.params)
             if not math.isfinite(run.grad_norm.item()) or not math.isfinite(run.loss_sum.item()):
                 raise RuntimeError(f"step {run.step + 1}: non-finite loss ({run.loss_sum.item()}) or gradient norm "
                                    f"({run.grad_norm.item()}); lower optim.lr, raise optim.warmup_steps or use fp32")
@@ -474,23 +460,26 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
                     and not run.finished:
                 run.stop = "SIGTERM"
             if run.step > (run.resumed_from or 0) + 1 or max_steps == 1:
-                timed_seconds, timed_steps = timed_seconds + time.perf_counter() - t0, timed_steps + 1
+                timed_seconds += time.perf_counter() - t0
+                timed_steps, timed_tokens = timed_steps + 1, timed_tokens + run.step_tokens
             run.emit("on_optimizer_step_end")
-            if sampler.epoch != run.epoch:
+            if strategy.sampler.epoch != run.epoch:
                 run.emit("on_epoch_end")
-                run.epoch = sampler.epoch
+                run.epoch = strategy.sampler.epoch
                 run.emit("on_epoch_begin")
         run.emit("on_epoch_end")
         if run.stop:
             run.print0(f"stopped at step {run.step}/{max_steps}: {run.stop}", flush=True)
         run.summary = {
+            "strategy": cfg.strategy,
             "final_train_loss": run.train_loss,
-            "final_val_loss": run.val_loss if val_tokens is not None else None,
+            "final_val_loss": run.val_loss if cfg.val_data else None,
             "steps": run.step,
             "max_steps": max_steps,
-            "tokens_seen": run.step * tokens_per_step,
-            "tokens_per_sec": timed_steps * tokens_per_step / timed_seconds if timed_seconds else float("nan"),
+            "tokens_seen": run.step * tokens_per_step if cfg.strategy == "seq" else None,
+            "tokens_per_sec": timed_tokens / timed_seconds if timed_seconds else float("nan"),
             "n_params": n_params,
+            "trainable_params": trainable,
             "wall_seconds": time.time() - t_start,
             "world_size": d.world_size,
             "resumed_from_step": run.resumed_from,
@@ -505,6 +494,23 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
             signal.signal(signal.SIGTERM, previous_handler)
     cleanup()
     return run.summary
+
+
+def log_metrics(run: Run, sums: dict[str, torch.Tensor], stats: dict[str, tuple[float, float]]) -> None:
+    """The strategy's metrics for this step, averaged over all ranks: `sums` per loss unit (divided by the
+    step's unit count), `stats` as (sum, count) pairs. Every rank holds the same keys, so one all-reduce does."""
+    keys, stat_keys = sorted(sums), sorted(stats)
+    if not keys and not stat_keys:
+        return
+    device = run.loss_sum.device
+    values = [sums[k].reshape(()).to(device) for k in keys]
+    values += [torch.tensor(float(stats[k][i]), device=device) for k in stat_keys for i in (0, 1)]
+    total = run.all_reduce_sum(torch.stack(values).double()).tolist()
+    for i, k in enumerate(keys):
+        run.metrics[k] = total[i] / run.step_targets
+    for j, k in enumerate(stat_keys):
+        s, n = total[len(keys) + 2 * j], total[len(keys) + 2 * j + 1]
+        run.metrics[k] = s / n if n else float("nan")
 
 
 def main(argv: list[str] | None = None) -> None:

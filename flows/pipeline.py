@@ -71,7 +71,8 @@ def _apply_overrides(project_dir: Path, params_path: str, overrides: dict[str, A
 @flow(name="astrai-pipeline", log_prints=True)
 def pipeline(params_path: str = "params.yaml", overrides: dict[str, Any] | None = None,
              project_dir: str | None = None) -> dict[str, Any]:
-    """Corpus -> tokenizer -> pack -> pretrain -> evaluate -> register, one Prefect task per stage.
+    """Corpus -> tokenizer -> pack -> pretrain -> chat_data -> sft -> dpo_reference -> dpo -> grpo -> evaluate ->
+    register, one Prefect task per stage (a post-training stage disabled in params passes its input on).
 
     `overrides` maps dotted keys to values, e.g. {"pretrain.max_steps": 50}; they are validated and written
     into params.yaml so that DVC's record stays true.
@@ -111,11 +112,10 @@ def pipeline(params_path: str = "params.yaml", overrides: dict[str, Any] | None 
 
 
 def _publish_evaluation(root: Path) -> None:
-    metrics = json.loads((root / S.EVALUATE / "metrics.json").read_text())
+    table = (root / S.EVALUATE / "evaluation.md").read_text()
     samples = (root / S.EVALUATE / "samples.md").read_text()
-    table = "\n".join(f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in metrics.items())
-    create_markdown_artifact(key="evaluation", markdown=f"# Evaluation\n\n| metric | value |\n|---|---|\n{table}\n\n{samples}",
-                             description="Test-split metrics and samples")
+    create_markdown_artifact(key="evaluation", markdown=f"{table}\n{samples}",
+                             description="Every model of the chain on held-out data, and samples")
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
-from astrai_core.config import ModelConfig, OptimConfig
+from astrai_core.config import LoRAConfig, ModelConfig, OptimConfig, TwoStageConfig
 from astrai_core.errors import AstraiError
+from tasks.chat_data import ChatDataParams
 
 
 class Strict(BaseModel):
@@ -67,6 +68,53 @@ class PretrainParams(Strict):
     keep_checkpoints: PositiveInt = 2
     resume: Literal["auto", "never"] = "auto"  # auto: a re-run after a crash continues from the last checkpoint
     max_restarts: int = Field(0, ge=0)  # torchrun restarts the ranks this many times after a failure (they resume)
+    two_stage: TwoStageConfig | None = None  # two-stage KL-regularized pretraining (astrai_core/config.py)
+
+
+class StageTrainParams(Strict):
+    """What every post-training stage (sft, dpo, grpo) sets; each starts from the previous enabled stage's model."""
+
+    enabled: bool = True  # false: the stage passes its input model on unchanged
+    nproc: PositiveInt | Literal["auto"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    dtype: Literal["fp32", "bf16"] = "bf16"
+    batch_size: PositiveInt = 16  # sft: packed rows; dpo: pairs; grpo: prompts (x group_size completions)
+    grad_accum: PositiveInt = 1
+    max_steps: PositiveInt = 100
+    optim: OptimConfig = OptimConfig(lr=3e-4, min_lr=3e-5, warmup_steps=10, weight_decay=0.0)
+    lora: LoRAConfig | None = None  # null: full fine-tuning
+    seed: int = 1337
+    log_every: PositiveInt = 10
+    eval_every: int = Field(0, ge=0)
+    eval_batches: PositiveInt = 4
+    checkpoint_every: int = Field(0, ge=0)
+    keep_checkpoints: PositiveInt = 2
+    resume: Literal["auto", "never"] = "auto"
+    max_restarts: int = Field(0, ge=0)
+
+
+class SFTParams(StageTrainParams):
+    pass
+
+
+class DPOParams(StageTrainParams):
+    beta: float = Field(0.1, gt=0.0)
+    loss: Literal["sigmoid", "ipo", "conservative"] = "sigmoid"
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
+
+
+class GRPOParams(StageTrainParams):
+    group_size: int = Field(4, ge=2)
+    max_new_tokens: PositiveInt = 16
+    temperature: float = Field(1.0, gt=0.0)
+    top_k: PositiveInt | None = None
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    clip_eps: float = Field(0.2, gt=0.0)
+    kl_coef: float = Field(0.04, ge=0.0)
+    iterations: PositiveInt = 1
+    rewards: dict[str, float] = {"exact_answer": 1.0}
+    on_reward_error: Literal["skip", "stop"] = "stop"
 
 
 class EvaluateParams(Strict):
@@ -77,6 +125,7 @@ class EvaluateParams(Strict):
     temperature: float = Field(0.8, gt=0.0)
     top_k: PositiveInt | None = 40
     seed: int = 0
+    task_examples: PositiveInt = 200  # held-out GRPO-style questions answered by each model
 
 
 class RegisterParams(Strict):
@@ -99,6 +148,10 @@ class Params(Strict):
     pack: PackParams = PackParams()
     model: ModelConfig = ModelConfig()
     pretrain: PretrainParams = PretrainParams()
+    chat_data: ChatDataParams = ChatDataParams()
+    sft: SFTParams = SFTParams()
+    dpo: DPOParams = DPOParams()
+    grpo: GRPOParams = GRPOParams()
     evaluate: EvaluateParams = EvaluateParams()
     register: RegisterParams = RegisterParams()
     tracking: TrackingParams = TrackingParams()

@@ -56,6 +56,7 @@ def train_config(params: Params, packed_dir: Path, tokenizer_path: Path, out_dir
         checkpoint_every=p.checkpoint_every,
         keep_checkpoints=p.keep_checkpoints,
         resume=p.resume,
+        two_stage=p.two_stage,
     )
 
 
@@ -70,16 +71,24 @@ def pretrain(
 ) -> dict:
     """Train (or resume an interrupted run); the checkpoint lands in `out_dir` (written atomically by rank 0).
     Returns its summary."""
+    p = params.pretrain
     cfg = train_config(params, packed_dir, tokenizer_path, out_dir)
+    return launch(cfg, resolve_nproc(p.nproc, p.device), p.max_restarts, run_id=run_id, on_line=on_line)
+
+
+def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0, *, run_id: str | None = None,
+           on_line: Callable[[str], None] = print) -> dict:
+    """Run the training core under torchrun with `cfg` (every training stage does); returns the summary of the
+    checkpoint it wrote to cfg.out_dir. Metrics go to MLflow run `run_id` (rank 0 only)."""
+    out_dir = Path(cfg.out_dir)
     config_path = out_dir.parent / f"{out_dir.name}.train_config.json"
     write_json(config_path, cfg.model_dump(mode="json"))
     env = dict(os.environ)
     if run_id:
         env["MLFLOW_RUN_ID"] = run_id
-    nproc = resolve_nproc(params.pretrain.nproc, params.pretrain.device)
-    on_line(f"pretrain: torchrun with {nproc} process(es), config {config_path}")
+    on_line(f"{out_dir.name}: torchrun with {nproc} process(es), strategy {cfg.strategy}, config {config_path}")
     try:
-        run_torchrun(config_path, nproc, env=env, on_line=on_line, max_restarts=params.pretrain.max_restarts)
+        run_torchrun(config_path, nproc, env=env, on_line=on_line, max_restarts=max_restarts)
     finally:
         config_path.unlink(missing_ok=True)
     shutil.rmtree(cfg.checkpoints, ignore_errors=True)  # they only serve to resume an unfinished run

@@ -20,6 +20,7 @@ CORPUS = Path("data/corpus")
 TOKENIZER = Path("data/tokenizer")
 PACKED = Path("data/packed")
 PRETRAIN = Path("data/pretrain")
+CHAT = Path("data/chat")
 EVALUATE = Path("data/evaluate")
 REGISTER = Path("data/register")
 
@@ -57,19 +58,54 @@ def _pretrain(params: Params, root: Path) -> None:
     mlflow.log_artifact(str(root / PRETRAIN / "config.json"))
 
 
+def _chat_data(params: Params, root: Path) -> None:
+    from tasks.posttrain import build_chat
+
+    stats = build_chat(params, root / CORPUS, root / TOKENIZER / "tokenizer.json", root / CHAT)
+    mlflow.log_metrics({k: v for k, v in stats["packed"].items() if isinstance(v, int)})
+    skipped = sum(v["count"] for v in stats["records"]["skipped"].values()) + len(stats["packed"]["problems"])
+    mlflow.log_metric("skipped_records", skipped)
+    mlflow.log_artifact(str(root / CHAT / "records" / "stats.json"))
+    mlflow.log_artifact(str(root / CHAT / "pack_stats.json"))
+
+
+def _post_train(stage: str) -> Callable[[Params, Path], None]:
+    def run(params: Params, root: Path) -> None:
+        from tasks.posttrain import train_stage
+
+        summary = train_stage(params, stage, root, run_id=mlflow.active_run().info.run_id)
+        if summary is None:
+            mlflow.set_tag("astrai.skipped", f"{stage}.enabled is false")
+            return
+        mlflow.log_metrics({f"final_{k}": float(v) for k, v in summary.items()
+                            if isinstance(v, (int, float)) and v is not None})
+
+    return run
+
+
+def _dpo_reference(params: Params, root: Path) -> None:
+    from tasks.posttrain import dpo_reference
+
+    info = dpo_reference(params, root)
+    if info is not None:
+        mlflow.log_metric("reference_mean_logp", info["mean_logp"])
+        mlflow.set_tag("astrai.reference", info["reference"])
+
+
 def _evaluate(params: Params, root: Path) -> None:
     from tasks.evaluate import evaluate
 
-    metrics = evaluate(params.evaluate, root / PRETRAIN, root / PACKED, root / EVALUATE)
-    mlflow.log_metrics(metrics)
-    mlflow.log_artifact(str(root / EVALUATE / "samples.md"))
-    mlflow.log_artifact(str(root / EVALUATE / "metrics.json"))
+    metrics = evaluate(params, root, root / EVALUATE)
+    mlflow.log_metrics({k.replace("/", "."): v for k, v in metrics.items() if isinstance(v, (int, float))})
+    for name in ("samples.md", "evaluation.md", "metrics.json"):
+        mlflow.log_artifact(str(root / EVALUATE / name))
 
 
 def _register(params: Params, root: Path) -> None:
+    from tasks.posttrain import final_model
     from tasks.register import register
 
-    result = register(params, root / PRETRAIN, root / EVALUATE / "metrics.json", root / REGISTER, root)
+    result = register(params, final_model(root), root / EVALUATE / "metrics.json", root / REGISTER, root)
     print(json.dumps(result, indent=2))
 
 
@@ -78,6 +114,11 @@ STAGES: dict[str, Callable[[Params, Path], None]] = {
     "tokenizer": _tokenizer,
     "pack": _pack,
     "pretrain": _pretrain,
+    "chat_data": _chat_data,
+    "sft": _post_train("sft"),
+    "dpo_reference": _dpo_reference,
+    "dpo": _post_train("dpo"),
+    "grpo": _post_train("grpo"),
     "evaluate": _evaluate,
     "register": _register,
 }

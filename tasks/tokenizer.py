@@ -1,4 +1,4 @@
-"""Tokenizer stage: data/corpus/train.jsonl -> data/tokenizer/tokenizer.json (byte-level BPE).
+"""Tokenizer stage: data/corpus/train.jsonl -> data/tokenizer/tokenizer.json (byte-level BPE) + chat_template.jinja.
 
 Trained on the train split only, so validation and test text never shapes the vocabulary.
 
@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
+from astrai_core.chat import DEFAULT_TEMPLATE, TEMPLATE_FILE
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path
 from astrai_core.tokenizer import train_tokenizer
@@ -28,6 +29,7 @@ def build_tokenizer(params: TokenizerParams, corpus_dir: Path, out_dir: Path) ->
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
         tok.save(str(tmp / "tokenizer.json"))
+        (tmp / TEMPLATE_FILE).write_text(DEFAULT_TEMPLATE)  # the chat format travels with the tokenizer
     return out_dir / "tokenizer.json"
 
 

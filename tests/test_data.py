@@ -444,7 +444,7 @@ def test_build_tokenizer_trains_on_train_only(tmp_path):
     (corpus / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (corpus / "validation.jsonl").write_text(json.dumps({"id": "v", "text": "你好" * 500}) + "\n")
     path = build_tokenizer(TokenizerParams(vocab_size=400, min_frequency=2), corpus, tmp_path / "tok")
-    assert path == tmp_path / "tok" / "tokenizer.json" and leftovers(tmp_path / "tok") == ["tokenizer.json"]
+    assert path == tmp_path / "tok" / "tokenizer.json" and leftovers(tmp_path / "tok") == ["chat_template.jinja", "tokenizer.json"]
     tok = load_tokenizer(path)
     assert len(tok.encode("你好").ids) == 6  # only bytes: no merges learned from the validation text
     assert len(tok.encode("plain english").ids) <= 3

@@ -1,12 +1,15 @@
-"""Incremental generation with the KV cache agrees with full forward passes without it."""
+"""Incremental generation with the KV cache agrees with full forward passes without it, one prompt or a
+left-padded batch; the sampling filters (top-k, top-p) keep what they should."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from astrai_core.config import ModelConfig
-from astrai_core.generate import generate
+from astrai_core.generate import generate, generate_batch, sample_next
 from astrai_core.model import Transformer
 
 VARIANTS = {
@@ -14,6 +17,18 @@ VARIANTS = {
     "mqa_qk_norm": {"n_kv_heads": 1, "qk_norm": True},
     "mla": {"attention": "mla", "mla_kv_rank": 16, "mla_rope_dim": 8},
 }
+SHAPE = {"vocab_size": 97, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 24}
+PROMPTS = [[7], [5, 17, 3, 88, 41], [9, 2, 60, 33, 71, 14, 50, 8, 95]]  # lengths 1, 5, 9
+N_NEW = 15  # 9 + 15 = max_seq_len: the longest row fills the context exactly
+
+
+def model_for(name: str = "gqa") -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**SHAPE, **VARIANTS[name]})).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # larger weights: sharper, less tie-prone distributions
+            p.mul_(3.0)
+    return model
 
 
 def reference_greedy(model: Transformer, prompt: list[int], n: int) -> list[int]:
@@ -27,15 +42,69 @@ def reference_greedy(model: Transformer, prompt: list[int], n: int) -> list[int]
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_cached_greedy_equals_full_forward_argmax(name):
-    torch.manual_seed(0)
-    shape = {"vocab_size": 97, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 24}
-    cfg = ModelConfig(**{**shape, **VARIANTS[name]})
-    model = Transformer(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # larger weights: sharper, less tie-prone distributions
-            p.mul_(3.0)
+    model = model_for(name)
     prompt = [5, 17, 3, 88, 41]
     # 30 new tokens from a 5-token prompt: the context passes max_seq_len (24), exercising the re-encode path.
     with torch.no_grad():
         expected = reference_greedy(model, prompt, 30)
     assert generate(model, prompt, 30) == expected
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_batched_greedy_equals_full_forward_argmax_per_row(name):
+    model = model_for(name).train()
+    with torch.no_grad():
+        expected = [reference_greedy(model.eval(), p, N_NEW) for p in PROMPTS]
+    model.train()
+    assert generate_batch(model, PROMPTS, N_NEW) == expected
+    assert model.training  # restored
+
+
+def test_a_row_stops_at_its_stop_id_while_the_others_continue():
+    model = model_for()
+    full = generate_batch(model, PROMPTS, 10)
+    stop = next(t for t in full[0][1:] if t not in full[0][:1] and t not in full[2])  # row 2 never emits it
+    out = generate_batch(model, PROMPTS, 10, stop_ids=[stop])
+    assert out == [row[: row.index(stop) + 1] if stop in row else row for row in full]
+    assert len(out[0]) < 10 and out[0][-1] == stop and len(out[2]) == 10
+
+
+def test_tiny_top_p_and_top_k_1_equal_greedy():
+    model = model_for()
+    greedy = generate_batch(model, PROMPTS, N_NEW)
+    g = torch.Generator().manual_seed(0)
+    assert generate_batch(model, PROMPTS, N_NEW, temperature=1.0, top_p=1e-6, generator=g) == greedy
+    assert generate_batch(model, PROMPTS, N_NEW, temperature=1.0, top_k=1, generator=g) == greedy
+    assert generate(model, PROMPTS[1], N_NEW, temperature=1.0, top_p=1e-6, generator=g) == greedy[1]
+    # Without a filter, temperature 1 does sample: otherwise the lines above would prove nothing.
+    assert generate_batch(model, PROMPTS, N_NEW, temperature=1.0, generator=g) != greedy
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    # Unsorted on purpose: by probability the tokens rank 1 (0.5), 3 (0.3), 0 (0.15), 2 (0.05).
+    logits = torch.tensor([0.15, 0.5, 0.05, 0.3]).log().expand(4000, 4)  # one distribution, 4000 draws
+    g = torch.Generator().manual_seed(0)
+    for top_p, kept in [(0.0, [1]), (0.4, [1]), (0.75, [1, 3]), (0.9, [0, 1, 3]), (1.0, [0, 1, 2, 3])]:
+        assert sorted(sample_next(logits, 1.0, None, top_p, g).unique().tolist()) == kept, top_p
+    # Renormalized within the nucleus: 0.5 / 0.8 of the draws are token 1 at top_p 0.75.
+    share = (sample_next(logits, 1.0, None, 0.75, g) == 1).float().mean().item()
+    assert math.isclose(share, 0.625, abs_tol=0.03)
+    # top-k first, then top-p over what is left: top_k=3 renormalizes to 0.526, 0.316, 0.158; top_p 0.8 keeps 2.
+    assert sorted(sample_next(logits, 1.0, 3, 0.8, g).unique().tolist()) == [1, 3]
+
+
+def test_sampling_is_reproducible_with_a_seeded_generator():
+    model = model_for()
+    def run(seed):
+        return generate_batch(model, PROMPTS, 10, temperature=1.0, top_k=20, top_p=0.9,
+                              generator=torch.Generator().manual_seed(seed))
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_bad_requests_raise():
+    model = model_for()
+    with pytest.raises(ValueError, match="max_seq_len"):
+        generate_batch(model, PROMPTS, N_NEW + 1)
+    with pytest.raises(ValueError, match="at least one token"):
+        generate_batch(model, [[1, 2], []], 3)

@@ -18,6 +18,7 @@ from astrai_core.distributed import resolve_nproc, run_torchrun
 from astrai_core.errors import AstraiError
 from astrai_core.io import sha256_file
 from astrai_core.tracking import MetricLogger, flatten
+from astrai_core import strategies as strategies_module
 from astrai_core import train as train_module
 from astrai_core.train import IGNORE_INDEX, WindowSampler, open_tokens, read_windows, token_loss_sum, train
 
@@ -195,7 +196,7 @@ def test_torchrun_interrupt_kills_every_rank(core_tiny_data, tmp_path):
 
 MASKING_WRAPPER = '''
 """torchrun entry for the test: astrai_core.train with targets masked unevenly (a function of each window)."""
-import astrai_core.train as t
+import astrai_core.strategies as t
 
 _read = t.read_windows
 
@@ -207,7 +208,8 @@ def masked(tokens, starts, seq_len, device):
     return x, y
 
 t.read_windows = masked
-t.main()
+import astrai_core.train
+astrai_core.train.main()
 '''
 
 
@@ -222,8 +224,9 @@ def test_uneven_masks_accumulation_and_ranks_give_the_same_update(core_tiny_data
     divided by the step's target count over all micro-steps and ranks."""
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     namespace: dict = {}
-    exec(compile(MASKING_WRAPPER.replace("t.main()", ""), "wrapper", "exec"), namespace)
-    monkeypatch.setattr(train_module, "read_windows", namespace["masked"])
+    wrapper_defs = MASKING_WRAPPER.split("t.read_windows = masked")[0]  # the function only: patch via monkeypatch
+    exec(compile(wrapper_defs, "wrapper", "exec"), namespace)
+    monkeypatch.setattr(strategies_module, "read_windows", namespace["masked"])
 
     def cfg(name, **kw):
         return make_cfg(core_tiny_data, tmp_path / name, max_steps=8, log_every=4, eval_every=0, **kw)

@@ -1,0 +1,121 @@
+"""The chat format: a Jinja2 template stored with the tokenizer turns a conversation into tokens.
+
+One function serves training and serving, so both see the same format:
+
+    chat = load_chat("data/tokenizer/tokenizer.json")      # reads chat_template.jinja beside it (or the default)
+    ids, mask = chat.encode(messages)                       # training: mask is 1 on the tokens the loss counts
+    ids = chat.encode_prompt(messages)                      # generation: ends with the assistant header
+
+The default template wraps each turn in the tokenizer's special tokens, `<|user|>content<|end_of_turn|>`, and
+the loss covers an assistant turn's content and its `<|end_of_turn|>` (the model must learn to stop), never the
+role header or another role's text. Templates run in Jinja2's immutable sandbox: a template file cannot reach
+Python objects or change state.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from astrai_core.errors import AstraiError
+from astrai_core.tokenizer import SPECIAL_TOKENS, load_tokenizer, special_id
+
+TEMPLATE_FILE = "chat_template.jinja"
+DEFAULT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end_of_turn|>' }}"
+                    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+ROLES = ("system", "user", "assistant")
+
+Message = dict[str, str]
+
+
+class ChatFormat:
+    def __init__(self, tokenizer: Tokenizer, template: str = DEFAULT_TEMPLATE, source: str = "default template") -> None:
+        self.tokenizer, self.template_text, self.source = tokenizer, template, source
+        try:
+            self.template = ImmutableSandboxedEnvironment(trim_blocks=True).from_string(template)
+        except TemplateError as e:
+            raise AstraiError(f"{source}: not a valid chat template ({e})") from None
+        self.stop_ids = (special_id(tokenizer, "end_of_turn"), special_id(tokenizer, "eos"))
+
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+        try:
+            return self.template.render(messages=list(messages), add_generation_prompt=add_generation_prompt)
+        except TemplateError as e:
+            raise AstraiError(f"{self.source}: chat template failed ({e})") from None
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode(self, messages: Sequence[Message]) -> tuple[list[int], list[int]]:
+        """(token ids, loss mask) of a whole conversation; mask 1 on assistant content and its end-of-turn.
+
+        Each turn's tokens are the text its message adds to the rendering; an assistant turn is further split
+        after its header (what add_generation_prompt renders). The pieces must tokenize like the whole, which
+        holds when turn boundaries are special tokens (checked: a template that breaks it is refused)."""
+        check_messages(messages)
+        ids: list[int] = []
+        mask: list[int] = []
+        before = ""
+        for i, message in enumerate(messages):
+            upto = self.render(messages[: i + 1])
+            if not upto.startswith(before):
+                raise AstraiError(f"{self.source}: rendering a conversation turn by turn is not prefix-stable")
+            if message["role"] == "assistant":
+                header = self.render(messages[:i], add_generation_prompt=True)
+                if not (header.startswith(before) and upto.startswith(header)):
+                    raise AstraiError(f"{self.source}: the assistant header is not a prefix of the assistant turn")
+                head, body = self._ids(header[len(before):]), self._ids(upto[len(header):])
+                ids += head + body
+                mask += [0] * len(head) + [1] * len(body)
+            else:
+                part = self._ids(upto[len(before):])
+                ids += part
+                mask += [0] * len(part)
+            before = upto
+        if ids != self._ids(before):
+            raise AstraiError(f"{self.source}: turn-by-turn tokens differ from the whole conversation's; turn "
+                              "boundaries must be special tokens")
+        return ids, mask
+
+    def encode_prompt(self, messages: Sequence[Message]) -> list[int]:
+        """Token ids of the conversation so far plus the assistant header: what generation continues."""
+        check_messages(messages, need_assistant=False)
+        return self._ids(self.render(messages, add_generation_prompt=True))
+
+    def decode_reply(self, ids: Sequence[int]) -> str:
+        """The text of generated ids, cut at the first stop token."""
+        out = []
+        for i in ids:
+            if i in self.stop_ids:
+                break
+            out.append(i)
+        return self.tokenizer.decode(out)
+
+
+def check_messages(messages: Sequence[Message], need_assistant: bool = True) -> None:
+    """Roles and contents are well formed, and no content smuggles in a special token's text."""
+    if not messages:
+        raise AstraiError("a conversation needs at least one message")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise AstraiError(f"message {i}: expected {{'role': one of {ROLES}, 'content': str}}, got {m!r:.80}")
+        for text in SPECIAL_TOKENS.values():
+            if text in m["content"]:
+                raise AstraiError(f"message {i}: content contains the special token {text}")
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise AstraiError("a training conversation needs at least one assistant turn")
+
+
+def load_chat(tokenizer_path: str | os.PathLike) -> ChatFormat:
+    """The tokenizer at `tokenizer_path` with the chat_template.jinja beside it, or the default template."""
+    tokenizer_path = Path(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path)
+    template_path = tokenizer_path.with_name(TEMPLATE_FILE)
+    if template_path.is_file():
+        return ChatFormat(tokenizer, template_path.read_text(encoding="utf-8"), str(template_path))
+    return ChatFormat(tokenizer)

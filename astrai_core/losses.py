@@ -1,0 +1,97 @@
+"""The training objectives as pure functions of tensors (tests/test_losses.py checks each against hand-computed
+values). They return sums, never means: the training loop divides by the step's unit count (target tokens,
+pairs, completion tokens) over every micro-step and rank, so batching never changes the gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100  # a target with this id is masked: no loss, not counted
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Sum of next-token cross-entropy over targets != IGNORE_INDEX, in fp32. logits (..., V), targets (...)."""
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum", label_smoothing=label_smoothing)
+
+
+def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) per position, fp32, 0 where the target is IGNORE_INDEX. logits (B, T, V), targets (B, T)."""
+    valid = targets != IGNORE_INDEX
+    logp = torch.gather(F.log_softmax(logits.float(), dim=-1), -1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    return logp * valid
+
+
+def sequence_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(B,) summed log-probability of each row's unmasked targets: padding and prompt tokens carry
+    IGNORE_INDEX and so never count."""
+    return token_logps(logits, targets).sum(-1)
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float, kind: str = "sigmoid",
+             label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair DPO losses and the implicit rewards (beta * log-ratio to the reference) of chosen and rejected.
+
+    h = (pi_c - ref_c) - (pi_r - ref_r), the margin of the log-ratios.
+    sigmoid (Rafailov et al. 2023): -log sigmoid(beta h)
+    conservative (label-smoothed, cDPO): -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)
+    ipo (Azar et al. 2023): (h - 1 / (2 beta))^2
+    """
+    h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
+    if kind == "sigmoid":
+        loss = -F.logsigmoid(beta * h)
+    elif kind == "conservative":
+        loss = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif kind == "ipo":
+        loss = (h - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown DPO loss {kind!r}: sigmoid, conservative or ipo")
+    rewards_chosen = beta * (policy_chosen - ref_chosen).detach()
+    rewards_rejected = beta * (policy_rejected - ref_rejected).detach()
+    return loss, rewards_chosen, rewards_rejected
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO advantages (r - mean) / (std + eps) within each group of `group_size` consecutive completions of one
+    prompt (sample std, as DeepSeekMath). A group whose rewards are all equal gets zero advantage: no signal."""
+    r = rewards.view(-1, group_size)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).flatten()
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens (Schulman's k3): r - log r - 1 with
+    r = p_ref / p_policy. Non-negative, unbiased, low variance."""
+    log_ratio = ref_logp - logp
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor, clip_eps: float, kl_coef: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Summed GRPO loss over completion tokens (mask 1) and metric sums.
+
+    Per token: -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + kl_coef * k3(policy, reference), with
+    ratio = p_policy / p_old (old: the policy that sampled the completion) and A the completion's advantage.
+    logp, old_logp, ref_logp, mask: (N, T); advantages: (N,). The caller divides by the step's completion tokens
+    (token-level normalization, as DAPO: long completions weigh by their length, not per sequence)."""
+    mask = mask.float()
+    adv = advantages.unsqueeze(1)
+    ratio = torch.exp(logp - old_logp)
+    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
+    kl = k3_kl(logp, ref_logp)
+    loss = ((-surrogate + kl_coef * kl) * mask).sum()
+    clipped = ((ratio - 1).abs() > clip_eps).float()
+    return loss, {"kl": (kl.detach() * mask).sum(), "clip_fraction": (clipped * mask).sum()}
+
+
+def full_kl_sum(logits: torch.Tensor, ref_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum over unmasked positions of KL(p_policy || p_ref) between the full next-token distributions.
+
+    This is the real divergence of the two distributions, whose gradient pulls every token's probability toward
+    the reference. (Policy loss minus the detached reference loss is not a KL: its gradient is the plain LM
+    gradient, only rescaled.)"""
+    logp, ref_logp = F.log_softmax(logits.float(), -1), F.log_softmax(ref_logits.float(), -1)
+    kl = (logp.exp() * (logp - ref_logp)).sum(-1)
+    return (kl * (targets != IGNORE_INDEX)).sum()

@@ -1,0 +1,40 @@
+"""GRPO reward functions: a plain mapping from name to function(completion, record) -> float.
+
+`record` is the prompt's JSONL record ({"prompt", "answer", "options"?, ...}); `completion` is the generated reply
+(decoded, cut at the first stop token). Add your own by putting it in REWARDS before training, or name one as
+"package.module:function" in params (grpo.rewards), which is imported at run time.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from astrai_core.errors import AstraiError
+
+RewardFn = Callable[[str, dict], float]
+
+
+def exact_answer(completion: str, record: dict) -> float:
+    """1 when the reply, stripped, is exactly the reference answer."""
+    return float(completion.strip() == str(record["answer"]).strip())
+
+
+def valid_option(completion: str, record: dict) -> float:
+    """1 when the reply is one of the listed options (right or wrong): rewards following the format."""
+    return float(completion.strip() in [str(o).strip() for o in record.get("options", [])])
+
+
+REWARDS: dict[str, RewardFn] = {"exact_answer": exact_answer, "valid_option": valid_option}
+
+
+def resolve_reward(name: str) -> RewardFn:
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise AstraiError(f"reward {name!r}: cannot import ({e})") from None
+    raise AstraiError(f"unknown reward {name!r}; known: {', '.join(REWARDS)} (or 'module:function')")

@@ -1,0 +1,211 @@
+"""Post-training stages: chat_data -> sft -> dpo_reference -> dpo -> grpo, each `astrai stage NAME`.
+
+chat_data   derives (or reads and validates) the SFT / DPO / GRPO records (tasks/chat_data.py) and tokenizes them
+            with the chat template: sft_{train,test}.h5 (conversations + loss mask), dpo_{train,test}.h5 (pair i =
+            documents 2i chosen, 2i + 1 rejected, mask on the response), grpo_{train,test}.jsonl (prompts that fit).
+sft, dpo, grpo
+            train with the core's strategy of that name under torchrun, starting from the previous enabled stage's
+            model (pretrain -> sft -> dpo -> grpo). A disabled stage (`enabled: false`) writes only skipped.json,
+            and the next stage starts from the model before it.
+dpo_reference
+            the frozen reference's log-probabilities of dpo_train.h5, computed once and keyed by the data's and
+            the reference weights' sha256 (the dpo stage refuses a stale cache), so training never holds a
+            reference model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from astrai_core.chat import ChatFormat, load_chat
+from astrai_core.checkpoint import load_model
+from astrai_core.config import DPOConfig, GRPOConfig, TrainConfig
+from astrai_core.data import PackedWriter
+from astrai_core.distributed import resolve_nproc
+from astrai_core.errors import AstraiError
+from astrai_core.io import atomic_path, sha256_file, write_json
+from astrai_core.strategies import reference_logps, save_reference_logps
+from tasks.chat_data import build_chat_data
+from tasks.params import Params, StageTrainParams
+from tasks.pretrain import launch
+
+MODEL_STAGES = ("pretrain", "sft", "dpo", "grpo")  # each one's model starts the next enabled one
+SPLITS = ("train", "test")
+
+
+def _problem(on_bad: str, problems: list[str], message: str) -> None:
+    if on_bad == "stop":
+        raise AstraiError(message)
+    problems.append(message)
+
+
+def pack_chat(params: Params, records_dir: Path, tokenizer_path: Path, out_dir: Path) -> dict:
+    """Tokenize the records into out_dir (a directory the caller makes atomic); returns counts and problems.
+    A record that does not fit the context (seq_len + 1 tokens; a GRPO prompt plus max_new_tokens) is skipped
+    and counted, or stops the stage, as chat_data.on_bad_record says."""
+    chat = load_chat(tokenizer_path)
+    on_bad, limit = params.chat_data.on_bad_record, params.pretrain.seq_len + 1
+    attrs = dict(vocab_size=chat.tokenizer.get_vocab_size(), tokenizer_sha256=sha256_file(tokenizer_path),
+                 source_manifest_sha256=sha256_file(records_dir / "stats.json"), with_loss_mask=True)
+    stats: dict = {"problems": []}
+    for split in SPLITS:
+        for kind, fn in (("sft", _pack_sft), ("dpo", _pack_dpo)):
+            path = records_dir / f"{kind}_{split}.jsonl"
+            with PackedWriter(out_dir / f"{kind}_{split}.h5", split=f"{kind}_{split}", **attrs) as writer:
+                n = fn(chat, path, writer, limit, on_bad, stats["problems"])
+            stats[f"{kind}_{split}"] = n
+        kept = []
+        path = records_dir / f"grpo_{split}.jsonl"
+        for lineno, record in _records(path):
+            n = len(chat.encode_prompt([{"role": "user", "content": record["prompt"]}]))
+            if n + params.grpo.max_new_tokens > params.model.max_seq_len:
+                _problem(on_bad, stats["problems"], f"{path}:{lineno}: prompt of {n} tokens + grpo.max_new_tokens "
+                         f"{params.grpo.max_new_tokens} is longer than the context ({params.model.max_seq_len})")
+                continue
+            kept.append(json.dumps(record, ensure_ascii=False) + "\n")
+        (out_dir / f"grpo_{split}.jsonl").write_text("".join(kept), encoding="utf-8")
+        stats[f"grpo_{split}"] = len(kept)
+    for key in ("sft_train", "dpo_train", "grpo_train"):
+        if not stats[key]:
+            raise AstraiError(f"{records_dir / (key + '.jsonl')}: no record fits the context; nothing to train on")
+    write_json(out_dir / "pack_stats.json", stats)
+    return stats
+
+
+def _records(path: Path):
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                yield lineno, json.loads(line)
+
+
+def _pack_sft(chat: ChatFormat, path: Path, writer: PackedWriter, limit: int, on_bad: str, problems: list) -> int:
+    n = 0
+    for lineno, record in _records(path):
+        try:
+            ids, mask = chat.encode(record["messages"])
+        except AstraiError as e:
+            _problem(on_bad, problems, f"{path}:{lineno}: {e}")
+            continue
+        if len(ids) > limit:
+            _problem(on_bad, problems, f"{path}:{lineno}: conversation of {len(ids)} tokens is longer than the context "
+                     f"({limit})")
+            continue
+        writer.add_document(ids, mask)
+        n += 1
+    return n
+
+
+def _pack_dpo(chat: ChatFormat, path: Path, writer: PackedWriter, limit: int, on_bad: str, problems: list) -> int:
+    n = 0
+    for lineno, record in _records(path):
+        prompt = [{"role": "user", "content": record["prompt"]}]
+        try:
+            pair = [chat.encode(prompt + [{"role": "assistant", "content": record[k]}]) for k in ("chosen", "rejected")]
+        except AstraiError as e:
+            _problem(on_bad, problems, f"{path}:{lineno}: {e}")
+            continue
+        longest = max(len(ids) for ids, _ in pair)
+        if longest > limit:
+            _problem(on_bad, problems, f"{path}:{lineno}: prompt + response of {longest} tokens is longer than the "
+                     f"context ({limit})")
+            continue
+        for ids, mask in pair:
+            writer.add_document(ids, mask)
+        n += 1
+    return n
+
+
+def build_chat(params: Params, corpus_dir: Path, tokenizer_path: Path, out_dir: Path) -> dict:
+    """The chat_data stage: records/ (JSONL + stats.json) and the tokenized files, all or nothing."""
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        records = build_chat_data(params.chat_data, corpus_dir, tmp / "records")
+        stats = pack_chat(params, tmp / "records", tokenizer_path, tmp)
+    return {"records": records, "packed": stats}
+
+
+# ---- training stages -------------------------------------------------------------------------------------------
+
+def model_dir(root: Path, stage: str) -> Path:
+    return root / "data" / stage
+
+
+def previous_model(root: Path, stage: str) -> Path:
+    """The newest trained model before `stage` in MODEL_STAGES (skipped stages pass their input on)."""
+    for name in reversed(MODEL_STAGES[: MODEL_STAGES.index(stage)]):
+        d = model_dir(root, name)
+        if (d / "model.safetensors").is_file():
+            return d
+    raise AstraiError(f"no trained model before stage {stage!r}; run the pretrain stage first")
+
+
+def final_model(root: Path) -> Path:
+    """The last trained model of the chain: what evaluation reports last and register registers."""
+    return previous_model(root, "grpo") if not (model_dir(root, "grpo") / "model.safetensors").is_file() \
+        else model_dir(root, "grpo")
+
+
+def write_skipped(out_dir: Path, why: str) -> None:
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        write_json(tmp / "skipped.json", {"skipped": why})
+
+
+def stage_config(params: Params, stage: str, p: StageTrainParams, root: Path, **kw) -> TrainConfig:
+    """The training core's config for post-training stage `stage`; kw: the strategy's data and settings."""
+    return TrainConfig(
+        model=params.model, optim=p.optim, strategy=stage,
+        tokenizer=str(root / "data" / "tokenizer" / "tokenizer.json"),
+        out_dir=str(model_dir(root, stage)), init_from=str(previous_model(root, stage)),
+        seq_len=params.pretrain.seq_len, batch_size=p.batch_size, grad_accum=p.grad_accum, max_steps=p.max_steps,
+        dtype=p.dtype, device=p.device, backend=p.backend, seed=p.seed, log_every=p.log_every,
+        eval_every=p.eval_every, eval_batches=p.eval_batches, checkpoint_every=p.checkpoint_every,
+        keep_checkpoints=p.keep_checkpoints, resume=p.resume, lora=p.lora, **kw,
+    )
+
+
+def train_stage(params: Params, stage: str, root: Path, *, run_id: str | None = None,
+                on_line: Callable[[str], None] = print) -> dict | None:
+    """Run post-training stage `stage` (sft, dpo or grpo); None when it is disabled."""
+    p: StageTrainParams = getattr(params, stage)
+    out_dir = model_dir(root, stage)
+    if not p.enabled:
+        write_skipped(out_dir, f"{stage}.enabled is false")
+        on_line(f"{stage}: disabled; the next stage starts from {previous_model(root, stage)}")
+        return None
+    chat = root / "data" / "chat"
+    if stage == "sft":
+        cfg = stage_config(params, stage, p, root, train_data=str(chat / "sft_train.h5"),
+                           val_data=str(chat / "sft_test.h5"))
+    elif stage == "dpo":
+        cfg = stage_config(params, stage, p, root, train_data=str(chat / "dpo_train.h5"),
+                           dpo=DPOConfig(beta=p.beta, loss=p.loss, label_smoothing=p.label_smoothing,
+                                         reference_logps=str(root / "data" / "dpo_reference" / "train_logps.h5")))
+    elif stage == "grpo":
+        cfg = stage_config(params, stage, p, root, train_data=str(chat / "grpo_train.jsonl"),
+                           grpo=GRPOConfig(**{k: getattr(p, k) for k in GRPOConfig.model_fields}))
+    else:
+        raise KeyError(stage)
+    return launch(cfg, resolve_nproc(p.nproc, p.device), p.max_restarts, run_id=run_id, on_line=on_line)
+
+
+def dpo_reference(params: Params, root: Path, on_line: Callable[[str], None] = print) -> dict | None:
+    """The dpo_reference stage: cache the reference's log-probabilities of the DPO training pairs."""
+    out_dir = root / "data" / "dpo_reference"
+    if not params.dpo.enabled:
+        write_skipped(out_dir, "dpo.enabled is false")
+        return None
+    ref = previous_model(root, "dpo")
+    data = root / "data" / "chat" / "dpo_train.h5"
+    model, _, _ = load_model(ref)
+    logps = reference_logps(model, str(data), sha256_file(ref / "tokenizer.json"))
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        save_reference_logps(tmp / "train_logps.h5", logps, data, ref / "model.safetensors")
+        info = {"reference": str(ref.relative_to(root)), "documents": len(logps), "mean_logp": float(logps.mean())}
+        write_json(tmp / "info.json", info)
+    on_line(f"dpo_reference: {len(logps)} responses scored by {ref}")
+    return info

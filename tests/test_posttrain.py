@@ -1,0 +1,259 @@
+"""Post-training through the training core: SFT, DPO, GRPO, LoRA and two-stage KL pretraining, in process on
+tiny data (the pipeline test runs them under torchrun as stages)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from astrai_core.chat import DEFAULT_TEMPLATE, load_chat
+from astrai_core.checkpoint import load_model, save_checkpoint
+from astrai_core.config import ModelConfig, TrainConfig
+from astrai_core.errors import AstraiError
+from astrai_core.evaluate import masked_token_loss
+from astrai_core.io import sha256_file
+from astrai_core.losses import IGNORE_INDEX
+from astrai_core.model import Transformer
+from astrai_core.rewards import REWARDS
+from astrai_core.strategies import PackedRows, open_documents, reference_logps, save_reference_logps
+from astrai_core.tokenizer import train_tokenizer
+from astrai_core.train import default_callbacks, train
+from tasks.params import parse_params
+from tasks.posttrain import pack_chat
+
+from test_resume import SigtermAt
+
+NAMES = ["ROMEO", "JULIET", "HAMLET", "OPHELIA", "LEAR", "CORDELIA"]
+WORDS = "love night sword crown grave ghost storm heart daughter father king queen poison letter moon".split()
+MODEL = dict(vocab_size=320, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+
+
+def _line(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 6))).capitalize() + "."
+
+
+def _records(rng: random.Random, n: int) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {"sft": [], "dpo": [], "grpo": []}
+    for _ in range(n):
+        name, line = rng.choice(NAMES), _line(rng)
+        options = rng.sample([x for x in NAMES if x != name], 2) + [name]
+        rng.shuffle(options)
+        question = f'Who says: "{line}"?\n' + ", ".join(options)
+        out["sft"].append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": name}]})
+        out["dpo"].append({"prompt": f"Continue:\n{line}", "chosen": f"{name}.\n{_line(rng)}", "rejected": f"{name}.\n{_line(rng)} Ha ha ha."})
+        out["grpo"].append({"prompt": question, "answer": name, "options": options})
+    return out
+
+
+@pytest.fixture(scope="module")
+def chat_setup(tmp_path_factory) -> dict:
+    """Tokenizer + chat template, packed SFT/DPO files, GRPO prompts, and a random base checkpoint."""
+    root = tmp_path_factory.mktemp("chat")
+    rng = random.Random(0)
+    tok = train_tokenizer([_line(rng) + " " + " ".join(NAMES) for _ in range(300)] + ["Who says: Continue:"] * 20, 320)
+    (root / "tok").mkdir()
+    tok.save(str(root / "tok" / "tokenizer.json"))
+    (root / "tok" / "chat_template.jinja").write_text(DEFAULT_TEMPLATE)
+    records_dir = root / "records"
+    records_dir.mkdir()
+    for split, n in (("train", 96), ("test", 24)):
+        for kind, rows in _records(rng, n).items():
+            (records_dir / f"{kind}_{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (records_dir / "stats.json").write_text("{}")
+    params = parse_params({"model": MODEL, "tokenizer": {"vocab_size": 320}, "pretrain": {"seq_len": 64},
+                           "grpo": {"max_new_tokens": 6}})
+    (root / "chat").mkdir()
+    stats = pack_chat(params, records_dir, root / "tok" / "tokenizer.json", root / "chat")
+    assert stats["sft_train"] == 96 and stats["grpo_train"] == 96, stats
+    # Pairs longer than the context (65 tokens) are skipped and reported with their file and line.
+    assert 70 < stats["dpo_train"] < 96 and len([p for p in stats["problems"] if "dpo_train" in p]) == 96 - stats["dpo_train"]
+    assert all(":" in p and "longer than the context (65)" in p for p in stats["problems"])
+    torch.manual_seed(0)
+    save_checkpoint(root / "base", Transformer(ModelConfig(**MODEL)), ModelConfig(**MODEL), root / "tok" / "tokenizer.json")
+    return {"root": root, "tokenizer": root / "tok" / "tokenizer.json", "chat": root / "chat", "base": root / "base"}
+
+
+def make_cfg(setup: dict, out: Path, strategy: str, **kw) -> TrainConfig:
+    data = {"sft": "sft_train.h5", "dpo": "dpo_train.h5", "grpo": "grpo_train.jsonl"}[strategy]
+    base = dict(model=MODEL, strategy=strategy, train_data=str(setup["chat"] / data), tokenizer=str(setup["tokenizer"]),
+                out_dir=str(out), init_from=str(setup["base"]), seq_len=64, batch_size=4, max_steps=20, log_every=1,
+                device="cpu", optim=dict(lr=3e-3, min_lr=3e-4, warmup_steps=2, weight_decay=0.0))
+    return TrainConfig.model_validate({**base, **kw})
+
+
+def metrics(cfg: TrainConfig) -> list[dict]:
+    return [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(autouse=True)
+def _no_mlflow_run(monkeypatch):
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+
+
+# ---- SFT -----------------------------------------------------------------------------------------------------
+
+def test_packed_rows_block_documents_and_learn_only_assistant_tokens(chat_setup):
+    data = open_documents(str(chat_setup["chat"] / "sft_train.h5"), sha256_file(chat_setup["tokenizer"]), 320)
+    rows = PackedRows(data, seq_len=160)
+    assert sum(len(r) for r in rows.rows) == data.n_docs and max(len(r) for r in rows.rows) > 1  # packed
+    chat = load_chat(chat_setup["tokenizer"])
+    x, y, pos, doc = rows.row(0)
+    assert len(x) == 160
+    for j, d in enumerate(rows.rows[0]):
+        sel = doc == j
+        ids = data.document(d)
+        assert pos[sel].tolist() == list(range(sel.sum()))  # positions restart per conversation
+        learned = [t for t in y[sel] if t != IGNORE_INDEX]
+        # Exactly the assistant reply and its end-of-turn are targets; never the next conversation's first token.
+        mask = data.loss_mask[data.doc_offsets[d]: data.doc_offsets[d + 1]]
+        assert learned == [int(t) for t, m in zip(ids, mask) if m]
+        assert chat.tokenizer.decode(learned[:-1]) in NAMES and learned[-1] == chat.stop_ids[0]
+    assert (y[doc == len(rows.rows[0])] == IGNORE_INDEX).all()  # padding
+
+
+def test_sft_lowers_held_out_assistant_loss(chat_setup, tmp_path):
+    tok_sha = sha256_file(chat_setup["tokenizer"])
+    test = str(chat_setup["chat"] / "sft_test.h5")
+    before = masked_token_loss(load_model(chat_setup["base"])[0], test, tok_sha, 64)
+    cfg = make_cfg(chat_setup, tmp_path / "sft", "sft", val_data=test, max_steps=30, eval_every=10)
+    summary = train(cfg)
+    after = masked_token_loss(load_model(cfg.out_dir)[0], test, tok_sha, 64)
+    assert after < before - 1.5, (before, after)  # nats per assistant token; ln(320) = 5.8 at init
+    assert summary["final_val_loss"] == pytest.approx(after, rel=0.05)  # the loop's validation is the same measure
+
+
+def test_sft_with_lora_trains_adapters_and_saves_the_merged_model(chat_setup, tmp_path):
+    from astrai_core.lora import load_adapters, merge_lora
+
+    cfg = make_cfg(chat_setup, tmp_path / "lora", "sft", max_steps=10, lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"]})
+    summary = train(cfg)
+    assert summary["trainable_params"] < summary["n_params"] / 10
+    out = Path(cfg.out_dir)
+    assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()
+    merged, _, _ = load_model(out)  # a plain model: loads like any checkpoint
+    base, _, _ = load_model(chat_setup["base"])
+    load_adapters(base, out)
+    rebuilt = merge_lora(base)
+    x = torch.randint(0, 320, (2, 16))
+    torch.testing.assert_close(rebuilt(x), merged(x), atol=1e-5, rtol=1e-5)
+    changed = {k for k, v in merged.state_dict().items() if not torch.equal(v, load_model(chat_setup["base"])[0].state_dict()[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight", "down_proj.weight")) for k in changed)
+
+
+def test_init_from_refuses_another_shape(chat_setup, tmp_path):
+    cfg = make_cfg(chat_setup, tmp_path / "x", "sft", model={**MODEL, "dim": 64})
+    with pytest.raises(AstraiError, match="model differs.*dim"):
+        train(cfg)
+
+
+# ---- DPO -----------------------------------------------------------------------------------------------------
+
+def _reference(chat_setup, out: Path) -> str:
+    data = chat_setup["chat"] / "dpo_train.h5"
+    logps = reference_logps(load_model(chat_setup["base"])[0], str(data), sha256_file(chat_setup["tokenizer"]))
+    save_reference_logps(out, logps, data, chat_setup["base"] / "model.safetensors")
+    return str(out)
+
+
+def test_dpo_learns_the_preference_and_starts_at_zero_reward(chat_setup, tmp_path):
+    ref = _reference(chat_setup, tmp_path / "ref.h5")
+    cfg = make_cfg(chat_setup, tmp_path / "dpo", "dpo", dpo={"beta": 0.5, "reference_logps": ref}, max_steps=15)
+    train(cfg)
+    m = metrics(cfg)
+    # Step 1: the policy is the reference, so the cached log-probabilities give zero rewards.
+    assert m[0]["dpo/reward_margin"] == pytest.approx(0.0, abs=1e-4)
+    assert m[0]["train/loss"] == pytest.approx(np.log(2), abs=1e-4)  # -log sigmoid(0)
+    assert m[-1]["dpo/reward_accuracy"] >= 0.9 and m[-1]["dpo/reward_margin"] > 0.5
+    assert {"dpo/rewards_chosen", "dpo/rewards_rejected", "dpo/logps_chosen"} <= set(m[-1])
+
+
+def test_dpo_refuses_a_stale_reference_cache(chat_setup, tmp_path):
+    ref = _reference(chat_setup, tmp_path / "ref.h5")
+    other = tmp_path / "other"
+    torch.manual_seed(1)
+    save_checkpoint(other, Transformer(ModelConfig(**MODEL)), ModelConfig(**MODEL), chat_setup["tokenizer"])
+    cfg = make_cfg(chat_setup, tmp_path / "dpo", "dpo", init_from=str(other), dpo={"reference_logps": ref})
+    with pytest.raises(AstraiError, match="reference_sha256 differs.*dpo_reference"):
+        train(cfg)
+
+
+# ---- GRPO ----------------------------------------------------------------------------------------------------
+
+def test_grpo_raises_the_reward(chat_setup, tmp_path, monkeypatch):
+    monkeypatch.setitem(REWARDS, "letters_a", lambda completion, record: completion.count("a") / 4)
+    cfg = make_cfg(chat_setup, tmp_path / "grpo", "grpo", max_steps=24, optim=dict(lr=1e-2, min_lr=1e-2, warmup_steps=0),
+                   grpo={"rewards": {"letters_a": 1.0}, "group_size": 8, "max_new_tokens": 6, "kl_coef": 0.01})
+    train(cfg)
+    m = metrics(cfg)
+    first, last = np.mean([r["grpo/reward_mean"] for r in m[:4]]), np.mean([r["grpo/reward_mean"] for r in m[-4:]])
+    assert last > first + 0.3, (first, last)
+    assert {"grpo/kl", "grpo/clip_fraction", "grpo/reward_std", "grpo/zero_spread_fraction",
+            "grpo/completion_length", "grpo/reward_errors"} <= set(m[-1])
+    assert m[0]["grpo/kl"] == pytest.approx(0.0, abs=1e-6)  # the reference is the starting policy
+
+
+def test_grpo_reward_errors_stop_or_skip(chat_setup, tmp_path, monkeypatch):
+    def boom(completion, record):
+        raise ValueError("no answer")
+
+    monkeypatch.setitem(REWARDS, "boom", boom)
+    monkeypatch.setitem(REWARDS, "nan", lambda c, r: float("nan"))
+    cfg = make_cfg(chat_setup, tmp_path / "a", "grpo", max_steps=2, grpo={"rewards": {"boom": 1.0}})
+    with pytest.raises(AstraiError, match="reward 'boom' failed on prompt .*no answer"):
+        train(cfg)
+    cfg = make_cfg(chat_setup, tmp_path / "b", "grpo", max_steps=2, grpo={"rewards": {"nan": 1.0}, "on_reward_error": "skip"})
+    train(cfg)
+    assert all(r["grpo/reward_errors"] == 1.0 for r in metrics(cfg))  # every group dropped and counted
+
+
+def test_grpo_resume_inside_a_rollout_batch_is_exact(chat_setup, tmp_path, monkeypatch):
+    monkeypatch.setitem(REWARDS, "letters_a", lambda completion, record: completion.count("a") / 4)
+    kw = dict(max_steps=6, grpo={"iterations": 2, "group_size": 4, "rewards": {"letters_a": 1.0}}, resume="auto",
+              optim=dict(lr=1e-2, min_lr=1e-2, warmup_steps=0))
+    ref = make_cfg(chat_setup, tmp_path / "ref" / "out", "grpo", **kw)
+    train(ref)
+    assert max(r["grpo/clip_fraction"] for r in metrics(ref)) > 0  # a second step on old rollouts: ratios move
+    cfg = make_cfg(chat_setup, tmp_path / "run" / "out", "grpo", **kw)
+    stopped = train(cfg, callbacks=default_callbacks(cfg) + [SigtermAt(step=2, micro=0)])
+    assert stopped["steps"] == 3  # the next step reuses the rollouts sampled at step 3 (0-based 2)
+    train(cfg)
+    assert sha256_file(Path(cfg.out_dir) / "model.safetensors") == sha256_file(Path(ref.out_dir) / "model.safetensors")
+
+
+# ---- two-stage KL-regularized pretraining ----------------------------------------------------------------------
+
+def _seq_cfg(core_tiny_data, out, **kw):
+    base = dict(model={**MODEL, "vocab_size": 300, "max_seq_len": 32}, train_data=str(core_tiny_data["train"]),
+                val_data=str(core_tiny_data["val"]), tokenizer=str(core_tiny_data["tokenizer"]), out_dir=str(out),
+                seq_len=32, batch_size=4, max_steps=10, log_every=1, device="cpu", resume="auto",
+                optim=dict(lr=3e-3, min_lr=3e-4, warmup_steps=2),
+                two_stage={"stage1_tokens": 4 * 4 * 32, "beta": 0.5,
+                           "stage2_data": {str(core_tiny_data["train"]): 1.0, str(core_tiny_data["val"]): 1.0}})
+    return TrainConfig.model_validate({**base, **kw})
+
+
+def test_two_stage_switches_to_kl_against_a_frozen_snapshot(core_tiny_data, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    cfg = _seq_cfg(core_tiny_data, tmp_path / "out")
+    train(cfg)
+    m = metrics(cfg)
+    assert all("train/kl" not in r for r in m[:4])  # stage 1: plain language modeling (4 steps)
+    assert m[4]["train/kl"] == pytest.approx(0.0, abs=1e-6)  # the switch: the reference is the model itself
+    assert all(r["train/kl"] > 1e-6 for r in m[6:])  # then the policy moves away and pays for it
+    for r in m[4:]:
+        assert r["train/loss"] == pytest.approx(r["train/ce"] + 0.5 * r["train/kl"], rel=1e-5)
+
+
+def test_two_stage_resume_after_the_switch_is_exact(core_tiny_data, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    ref = _seq_cfg(core_tiny_data, tmp_path / "ref" / "out")
+    train(ref)
+    cfg = _seq_cfg(core_tiny_data, tmp_path / "run" / "out")
+    assert train(cfg, callbacks=default_callbacks(cfg) + [SigtermAt(step=6, micro=0)])["steps"] == 7
+    train(cfg)
+    assert sha256_file(Path(cfg.out_dir) / "model.safetensors") == sha256_file(Path(ref.out_dir) / "model.safetensors")
