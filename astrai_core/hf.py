@@ -14,6 +14,9 @@ Which architecture a ModelConfig becomes (hf_model_type); anything else is refus
 
 Import reads llama, mistral, qwen2, qwen3 (and qwen3_moe / deepseek_v2 as written above) straight from
 config.json and *.safetensors: no `transformers` needed at run time; the tests use it as the reference.
+The stages need astrai's special tokens (astrai_core/tokenizer.py): import adds the ones the HF tokenizer lacks
+(reusing any it has, e.g. Llama-3's <|begin_of_text|>), growing the vocabulary if needed (see _init_new_rows);
+summary.json records what was added, and the logits of the original vocabulary are unchanged.
 The names in model.py already are HF's (without `model.`); the only rewrites are the MoE experts (stacked here,
 one tensor per expert on disk) and MLA's RoPE part (rotate-half here, interleaved pairs in DeepSeek-V2).
 NTK-aware RoPE has no static HF type: it is exported as rope_theta = theta * factor ** (d / (d - 2)), the same
@@ -284,6 +287,55 @@ def _special_ids(tokenizer_json: Path) -> dict[str, int | None]:
     return {name: tok.token_to_id(text) for name, text in SPECIAL_TOKENS.items()}
 
 
+def _load_hf_tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises a bare Exception with a multi-line serde message
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise _refuse_import(path, f"not a valid tokenizer file ({first})") from None
+
+
+def _add_special_tokens(tok) -> tuple[dict[str, int], dict[str, int]]:
+    """Give the HF tokenizer `tok` (in place) every astrai special token, which load_tokenizer and the chat format
+    need. One it already has keeps its id (Llama-3's <|begin_of_text|> and <|end_of_text|> are astrai's bos and
+    eos); a missing one becomes a special added token with a new id after the vocabulary.
+    Returns ({name: id} added, {name: id} reused)."""
+    from tokenizers import AddedToken
+
+    from astrai_core.tokenizer import SPECIAL_TOKENS
+
+    reused = {name: tok.token_to_id(text) for name, text in SPECIAL_TOKENS.items() if tok.token_to_id(text) is not None}
+    # Also the reused ones: a string that is only a BPE vocabulary entry would be split when encoded; declaring it
+    # an added token keeps its id and makes it atomic (a no-op for one that already is).
+    tok.add_special_tokens([AddedToken(text, special=True, normalized=False) for text in SPECIAL_TOKENS.values()])
+    added = {name: tok.token_to_id(text) for name, text in SPECIAL_TOKENS.items() if name not in reused}
+    return added, reused
+
+
+def _tokenizer_size(tok) -> int:
+    """One more than the largest id: what the embedding must cover (added tokens can leave gaps)."""
+    return max(tok.get_vocab(with_added_tokens=True).values()) + 1
+
+
+def _init_new_rows(cfg: ModelConfig, state: dict[str, torch.Tensor], rows: list[int], n_known: int) -> ModelConfig:
+    """Give the token ids `rows` (new special tokens) embedding and lm_head rows, in place: vocab_size grows to
+    cover them and each such row is the mean of the rows of the known vocabulary (ids < n_known; Qwen's padding
+    rows, never trained, are not averaged in). The usual initialisation: the new token's input is an average
+    token, and its logit h . mean(W) is the mean of the known logits, so the known logits are unchanged and a new
+    token never wins a greedy pick before it is trained. Returns the config with the new vocab_size."""
+    vocab_size = max(cfg.vocab_size, max(rows) + 1)
+    for key in ("embed_tokens.weight", "lm_head.weight"):  # a tied lm_head is not in `state`
+        if key in state:
+            w = state[key]
+            mean = w[: min(n_known, cfg.vocab_size)].mean(dim=0)
+            w = torch.cat([w, mean.expand(vocab_size - w.shape[0], -1)])
+            w[rows] = mean
+            state[key] = w
+    return ModelConfig(**{**cfg.model_dump(), "vocab_size": vocab_size})
+
+
 def _tokenizer_config(ckpt: Path, cfg: ModelConfig, ids: dict[str, int | None]) -> dict:
     """tokenizer_config.json: the imported one when the checkpoint came from HF, else PreTrainedTokenizerFast over
     tokenizer.json with the astrai special tokens. The chat template comes from chat_template.jinja if present."""
@@ -341,8 +393,17 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
         raise _refuse_import(hf_dir, "no tokenizer.json (a fast tokenizer file is needed; save the tokenizer with "
                                      "transformers' AutoTokenizer.save_pretrained first)")
     cfg = astrai_config(json.loads((hf_dir / "config.json").read_text()), hf_dir / "config.json")
-    model = Transformer(cfg)
     state = from_hf_state(cfg, _read_safetensors(hf_dir))
+    tok = _load_hf_tokenizer(hf_dir / "tokenizer.json")
+    n_known = _tokenizer_size(tok)
+    added, reused = _add_special_tokens(tok)
+    hf_vocab_size = cfg.vocab_size
+    rows = sorted(set(added.values()) | {i for i in reused.values() if i >= cfg.vocab_size})
+    if rows:
+        cfg = _init_new_rows(cfg, state, rows, n_known)
+    report = {"special_tokens_added": added, "special_tokens_reused": reused,
+              "vocab_size": {"hf": hf_vocab_size, "astrai": cfg.vocab_size}, "mean_initialized_rows": rows}
+    model = Transformer(cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
@@ -356,9 +417,13 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
         if isinstance(config.get("chat_template"), str) and not (hf_dir / "chat_template.jinja").is_file():
             (Path(tmp) / "chat_template.jinja").write_text(config["chat_template"])
             extra_files.append(Path(tmp) / "chat_template.jinja")
-        return save_checkpoint(out_dir, model, cfg, hf_dir / "tokenizer.json",
+        tokenizer_path = hf_dir / "tokenizer.json"  # byte for byte when it already had every special token
+        if tok.to_str() != _load_hf_tokenizer(tokenizer_path).to_str():
+            tokenizer_path = Path(tmp) / "tokenizer.json"
+            tok.save(str(tokenizer_path))
+        return save_checkpoint(out_dir, model, cfg, tokenizer_path,
                                extra={"imported_from": str(hf_dir.resolve()), "hf_model_type": json.loads(
-                                   (hf_dir / "config.json").read_text())["model_type"]}, files=extra_files)
+                                   (hf_dir / "config.json").read_text())["model_type"], **report}, files=extra_files)
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -17,7 +17,8 @@ for _key, _value in {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABL
 
 from astrai_core.errors import AstraiError  # noqa: E402
 
-app = typer.Typer(help="AstrAI pipeline: corpus -> tokenizer -> HDF5 -> torchrun pretraining -> evaluation -> MLflow registry.",
+app = typer.Typer(help="AstrAI pipeline: corpus -> tokenizer -> HDF5 -> torchrun pretraining -> SFT -> DPO -> GRPO -> "
+                       "evaluation -> MLflow registry.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 
@@ -61,13 +62,17 @@ def _print_summary(result: dict) -> None:
     print(f"registered model: {reg['model_uri']}  aliases: {', '.join(reg['aliases'])}")
     print(f"decision:         {reg['decision']}")
     print(f"test bits/char:   {m['test_bits_per_char']:.4f}  (unigram baseline {m['unigram_bits_per_char']:.4f})")
-    print(f"test loss / ppl:  {m['test_loss']:.4f} / {m['test_perplexity']:.2f}")
+    print(f"test loss / ppl:  {m['test_loss']:.4f} / {m['test_perplexity']:.2f}  (final model: {m['final_model']})")
     print(f"samples:          {result['samples']}")
+    evaluation = Path(result["samples"]).with_name("evaluation.md")
+    if evaluation.is_file():
+        print(evaluation.read_text())
     print(Path(result["samples"]).read_text()[:1500])
 
 
 @app.command()
-def stage(name: str = typer.Argument(..., help="corpus | tokenizer | pack | pretrain | evaluate | register"),
+def stage(name: str = typer.Argument(..., help="corpus | tokenizer | pack | pretrain | chat_data | sft | dpo_reference | "
+                                                "dpo | grpo | evaluate | register"),
           params: Path = typer.Option(Path("params.yaml"), help="Params file.")) -> None:
     """Run one stage in the current directory (this is what dvc.yaml calls)."""
     from tasks.params import load_params
@@ -116,8 +121,30 @@ def generate(model: str = typer.Option(..., help="A checkpoint directory or an M
              max_new_tokens: int = typer.Option(100, help="Tokens to generate."),
              temperature: float = typer.Option(0.0, help="0 = greedy."),
              top_k: int = typer.Option(0, help="Sample from the k most likely tokens (0 = all)."),
+             top_p: float = typer.Option(1.0, help="Sample from the smallest set of tokens with this much probability."),
+             chat: bool = typer.Option(False, "--chat", help="PROMPT is a user message: reply in the chat format "
+                                       "(the template stored with the checkpoint's tokenizer), as SFT trained."),
              seed: int = typer.Option(0, help="Sampling seed.")) -> None:
-    """Generate a continuation of PROMPT with a checkpoint or a registered model."""
+    """Generate a continuation of PROMPT (or, with --chat, a reply to it) with a checkpoint or a registered model."""
+    if chat:
+        import torch
+
+        from astrai_core.chat import load_chat
+        from astrai_core.checkpoint import load_model
+        from astrai_core.generate import generate
+
+        if model.startswith(("models:/", "runs:/")):
+            _fail("--chat needs a checkpoint directory (e.g. data/grpo); for a registered model download it first")
+        try:
+            m, _, _ = load_model(model)
+            fmt = load_chat(Path(model) / "tokenizer.json")
+            ids = fmt.encode_prompt([{"role": "user", "content": prompt}])
+        except AstraiError as e:
+            _fail(str(e))
+        out = generate(m, ids, max_new_tokens, temperature=temperature, top_k=top_k or None, top_p=top_p,
+                       stop_ids=fmt.stop_ids, generator=torch.Generator().manual_seed(seed))
+        print(fmt.decode_reply(out))
+        return
     if model.startswith(("models:/", "runs:/")):
         import mlflow
 
@@ -141,7 +168,7 @@ def generate(model: str = typer.Option(..., help="A checkpoint directory or an M
         except AstraiError as e:
             _fail(str(e))
         text = generate_text(m, tok, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                             top_k=top_k or None, generator=torch.Generator().manual_seed(seed))
+                             top_k=top_k or None, top_p=top_p, generator=torch.Generator().manual_seed(seed))
     print(prompt + text)
 
 
@@ -164,14 +191,20 @@ def export_hf(checkpoint: Path = typer.Argument(..., help="An astrai checkpoint 
 def import_hf(hf_dir: Path = typer.Argument(..., help="A Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, ...)."),
               out: Path = typer.Argument(..., help="Checkpoint directory to write (replaced if it exists).")) -> None:
     """Convert the Hugging Face model in HF_DIR into an astrai checkpoint directory OUT, a starting point for
-    any stage (safetensors weights and tokenizer.json needed; nothing is downloaded)."""
+    any stage (safetensors weights and tokenizer.json needed; nothing is downloaded). astrai's special tokens
+    that the tokenizer lacks are added (summary.json in OUT records them), growing vocab_size if needed."""
     from astrai_core.hf import import_hf as import_
 
     try:
         path = import_(hf_dir, out)
     except AstraiError as e:
         _fail(str(e))
-    print(f"wrote {path}")
+    report = json.loads((path / "summary.json").read_text())  # what import added to the HF tokenizer and model
+    added, reused = (", ".join(f"{name}={i}" for name, i in sorted(report[key].items(), key=lambda kv: kv[1])) or "none"
+                     for key in ("special_tokens_added", "special_tokens_reused"))
+    vocab = report["vocab_size"]
+    print(f"wrote {path}\nspecial tokens added: {added}; reused: {reused}\nvocab_size {vocab['hf']} -> "
+          f"{vocab['astrai']} (rows of added tokens: the mean of the known vocabulary's rows)")
 
 
 def main() -> None:

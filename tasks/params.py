@@ -35,6 +35,10 @@ class CorpusParams(Strict):
 
 
 class TokenizerParams(Strict):
+    # "train": a byte-level BPE trained on the corpus; or a checkpoint directory (e.g. `astrai import-hf`'s output)
+    # or a tokenizer.json whose tokenizer (and chat_template.jinja beside it) the stage copies; vocab_size and
+    # min_frequency then do not apply.
+    source: str = "train"
     vocab_size: PositiveInt = 2048
     min_frequency: PositiveInt = 2
 
@@ -69,6 +73,7 @@ class PretrainParams(Strict):
     resume: Literal["auto", "never"] = "auto"  # auto: a re-run after a crash continues from the last checkpoint
     max_restarts: int = Field(0, ge=0)  # torchrun restarts the ranks this many times after a failure (they resume)
     two_stage: TwoStageConfig | None = None  # two-stage KL-regularized pretraining (astrai_core/config.py)
+    init_from: str | None = None  # a checkpoint directory (e.g. `astrai import-hf`'s) whose weights start the run
 
 
 class StageTrainParams(Strict):
@@ -158,7 +163,8 @@ class Params(Strict):
 
     @model_validator(mode="after")
     def _check_vocab(self) -> "Params":
-        if self.model.vocab_size < self.tokenizer.vocab_size:
+        # A copied tokenizer's size is known only when the stage reads it: tasks.tokenizer.check_vocab_size.
+        if self.tokenizer.source == "train" and self.model.vocab_size < self.tokenizer.vocab_size:
             raise ValueError(f"model.vocab_size ({self.model.vocab_size}) must be >= tokenizer.vocab_size "
                              f"({self.tokenizer.vocab_size})")
         if self.pretrain.seq_len > self.model.max_seq_len:

@@ -20,6 +20,7 @@ from astrai_core.config import TrainConfig
 from astrai_core.distributed import resolve_nproc, run_torchrun
 from astrai_core.io import write_json
 from tasks.params import Params
+from tasks.tokenizer import check_vocab_size
 
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +58,7 @@ def train_config(params: Params, packed_dir: Path, tokenizer_path: Path, out_dir
         keep_checkpoints=p.keep_checkpoints,
         resume=p.resume,
         two_stage=p.two_stage,
+        init_from=p.init_from,
     )
 
 
@@ -72,6 +74,7 @@ def pretrain(
     """Train (or resume an interrupted run); the checkpoint lands in `out_dir` (written atomically by rank 0).
     Returns its summary."""
     p = params.pretrain
+    check_vocab_size(tokenizer_path, params.model.vocab_size)  # a copied tokenizer's size is known only now
     cfg = train_config(params, packed_dir, tokenizer_path, out_dir)
     return launch(cfg, resolve_nproc(p.nproc, p.device), p.max_restarts, run_id=run_id, on_line=on_line)
 

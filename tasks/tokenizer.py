@@ -1,6 +1,8 @@
 """Tokenizer stage: data/corpus/train.jsonl -> data/tokenizer/tokenizer.json (byte-level BPE) + chat_template.jinja.
 
-Trained on the train split only, so validation and test text never shapes the vocabulary.
+Trained on the train split only, so validation and test text never shapes the vocabulary. With
+`tokenizer.source: PATH` (a checkpoint directory, e.g. `astrai import-hf`'s, or a tokenizer.json) the stage
+copies that tokenizer byte for byte instead, so `pretrain.init_from` that checkpoint accepts the packed data.
 
 Run alone: `astrai stage tokenizer` (what dvc.yaml runs; paths in tasks/stages.py), or call the
 function above from Python.
@@ -9,18 +11,22 @@ function above from Python.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Iterator
 
-from astrai_core.chat import DEFAULT_TEMPLATE, TEMPLATE_FILE
+from astrai_core.chat import DEFAULT_TEMPLATE, TEMPLATE_FILE, load_chat
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path
-from astrai_core.tokenizer import train_tokenizer
+from astrai_core.tokenizer import load_tokenizer, train_tokenizer
 from tasks.params import TokenizerParams
 
 
 def build_tokenizer(params: TokenizerParams, corpus_dir: Path, out_dir: Path) -> Path:
-    """Train on corpus_dir/train.jsonl and write out_dir/tokenizer.json (all or nothing); return its path."""
+    """Train on corpus_dir/train.jsonl (or copy tokenizer.source) and write out_dir/tokenizer.json (all or
+    nothing); return its path."""
+    if params.source != "train":
+        return copy_tokenizer(params.source, Path(out_dir))
     train_file = Path(corpus_dir) / "train.jsonl"
     if not train_file.is_file():
         raise AstraiError(f"{train_file}: not found; run the corpus stage first")
@@ -31,6 +37,40 @@ def build_tokenizer(params: TokenizerParams, corpus_dir: Path, out_dir: Path) ->
         tok.save(str(tmp / "tokenizer.json"))
         (tmp / TEMPLATE_FILE).write_text(DEFAULT_TEMPLATE)  # the chat format travels with the tokenizer
     return out_dir / "tokenizer.json"
+
+
+def copy_tokenizer(source: str, out_dir: Path) -> Path:
+    """Copy tokenizer.source (a checkpoint directory's tokenizer.json, or a tokenizer.json) and the
+    chat_template.jinja beside it (else the default template) into out_dir; return the tokenizer's path."""
+    src = Path(source)
+    path = src / "tokenizer.json" if src.is_dir() else src
+    if not path.is_file():
+        raise AstraiError(f"tokenizer.source: {path} not found (expected \"train\", a checkpoint directory or a "
+                          "tokenizer.json)")
+    try:
+        load_chat(path)  # the stages need astrai's special tokens and a valid chat template
+    except AstraiError as e:
+        why = str(e).removesuffix("; re-run the tokenizer stage")
+        raise AstraiError(f"tokenizer.source: {why} (`astrai import-hf` adds the special tokens to a Hugging Face "
+                          "model's tokenizer)") from None
+    template = path.with_name(TEMPLATE_FILE)
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        shutil.copyfile(path, tmp / "tokenizer.json")  # byte for byte: init_from compares the sha256
+        if template.is_file():
+            shutil.copyfile(template, tmp / TEMPLATE_FILE)
+        else:
+            (tmp / TEMPLATE_FILE).write_text(DEFAULT_TEMPLATE)
+    return out_dir / "tokenizer.json"
+
+
+def check_vocab_size(tokenizer_path: Path, model_vocab_size: int) -> None:
+    """model.vocab_size must cover the tokenizer's ids; params.yaml checks it against tokenizer.vocab_size, but a
+    copied tokenizer's (tokenizer.source) size is known only here."""
+    size = load_tokenizer(tokenizer_path).get_vocab_size()
+    if model_vocab_size < size:
+        raise AstraiError(f"params.yaml: model.vocab_size ({model_vocab_size}) must be >= the size of the tokenizer "
+                          f"{tokenizer_path} ({size})")
 
 
 def iter_texts(jsonl: Path) -> Iterator[str]:

@@ -21,11 +21,18 @@ TINY_PARAMS = {
     "corpus": {"source": "shakespeare", "max_documents": 8, "max_chars_per_document": 30000,
                "validation_fraction": 0.15, "test_fraction": 0.15},
     "tokenizer": {"vocab_size": 384},
-    "model": {"vocab_size": 384, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64},
-    "pretrain": {"nproc": 2, "seq_len": 64, "batch_size": 8, "max_steps": 30, "dtype": "fp32",
+    "model": {"vocab_size": 384, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 128},
+    "pretrain": {"nproc": 2, "seq_len": 128, "batch_size": 4, "max_steps": 30, "dtype": "fp32",
                  "log_every": 5, "eval_every": 15, "eval_batches": 2,
                  "optim": {"lr": 0.01, "min_lr": 0.001, "warmup_steps": 5}},
-    "evaluate": {"batch_size": 8, "max_new_tokens": 12, "prompts": ["ROMEO.\n"]},
+    "evaluate": {"batch_size": 8, "max_new_tokens": 12, "prompts": ["ROMEO.\n"], "task_examples": 12},
+    "chat_data": {"sft_examples": 48, "dpo_pairs": 32, "grpo_prompts": 24, "test_examples": 12, "max_chars": 300},
+    "sft": {"nproc": 2, "batch_size": 2, "max_steps": 6, "dtype": "fp32", "log_every": 2, "eval_every": 3,
+            "eval_batches": 1},
+    "dpo": {"nproc": 2, "batch_size": 2, "max_steps": 4, "dtype": "fp32", "log_every": 2,
+            "lora": {"rank": 4, "alpha": 8, "dropout": 0.0}},
+    "grpo": {"nproc": 2, "batch_size": 2, "group_size": 4, "max_new_tokens": 6, "max_steps": 4, "dtype": "fp32",
+             "log_every": 2},
 }
 
 
@@ -47,7 +54,7 @@ def make_project(repo: _Path, remote: _Path, model_name: str) -> dict:
     params = yaml.safe_load((PROJECT_ROOT / "params.yaml").read_text())
     for section, values in {**TINY_PARAMS, "register": {"model_name": model_name}}.items():
         for key, value in values.items():
-            if isinstance(value, dict):
+            if isinstance(value, dict) and isinstance(params[section].get(key), dict):
                 params[section][key].update(value)
             else:
                 params[section][key] = value

@@ -20,6 +20,9 @@ from conftest import make_project
 from conftest import run_ok as run
 
 MODEL_NAME = "astrai-test"
+STAGES = ("corpus", "tokenizer", "pack", "pretrain", "chat_data", "sft", "dpo_reference", "dpo", "grpo", "evaluate",
+          "register")
+MODELS = ("pretrain", "sft", "dpo", "grpo")
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +70,7 @@ def flow_result(project, tmp_path_factory):
 
 def test_one_task_run_per_stage_with_training_logs(flow_result):
     names = sorted(tr.name for tr in flow_result["task_runs"])
-    assert names == sorted(["corpus", "tokenizer", "pack", "pretrain", "evaluate", "register"])
+    assert names == sorted(STAGES)
     assert all(tr.state.is_completed() for tr in flow_result["task_runs"])
     # The torchrun ranks' progress lines reach Prefect's logs through the task.
     assert any("step" in m and "loss" in m for m in flow_result["logs"]), flow_result["logs"][-20:]
@@ -75,7 +78,7 @@ def test_one_task_run_per_stage_with_training_logs(flow_result):
 
 def test_model_registered_with_alias_and_lineage_tags(flow_result):
     result = flow_result["result"]
-    assert result["stages"] == {s: "ran" for s in ("corpus", "tokenizer", "pack", "pretrain", "evaluate", "register")}
+    assert result["stages"] == {s: "ran" for s in STAGES}
     client = mlflow.MlflowClient(result["mlflow_tracking_uri"])
     mv = client.get_model_version_by_alias(MODEL_NAME, "champion")
     assert str(mv.version) == str(result["registration"]["version"]) == "1"
@@ -101,12 +104,35 @@ def test_mlflow_parent_run_with_stage_children_and_curves(flow_result):
     children = client.search_runs([parent.info.experiment_id],
                                   filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     by_name = {r.info.run_name: r for r in children}
-    assert set(by_name) == {"corpus", "tokenizer", "pack", "pretrain", "evaluate", "register"}
+    assert set(by_name) == set(STAGES)
     history = client.get_metric_history(by_name["pretrain"].info.run_id, "train/loss")
     assert len(history) >= 3 and history[-1].value < history[0].value
+    # Each post-training stage is its own run with its strategy's curves.
+    for stage, metric in (("sft", "val/loss"), ("dpo", "dpo/reward_accuracy"), ("grpo", "grpo/reward_mean"),
+                          ("grpo", "grpo/kl")):
+        assert len(client.get_metric_history(by_name[stage].info.run_id, metric)) >= 2, (stage, metric)
     assert by_name["pretrain"].data.params["pretrain.max_steps"] == "30"
     ev = by_name["evaluate"].data.metrics
     assert ev["test_bits_per_char"] > 0 and ev["unigram_bits_per_char"] > 0
+    assert ev["grpo.test_bits_per_char"] == ev["test_bits_per_char"]  # the final model is the last stage's
+
+
+def test_every_model_evaluated_side_by_side_and_the_final_one_registered(flow_result):
+    result, repo = flow_result["result"], flow_result["repo"]
+    metrics = result["metrics"]
+    for stage in MODELS:
+        for key in ("test_bits_per_char", "sft_test_loss", "task_accuracy", "preference_accuracy"):
+            assert 0 <= metrics[f"{stage}/{key}"] < 100, (stage, key)
+    assert metrics["final_model"] == "grpo"
+    table = (repo / "data/evaluate/evaluation.md").read_text()
+    assert all(f"| {stage} |" in table for stage in MODELS), table
+    # SFT on assistant turns lowers the held-out assistant loss of the model it started from.
+    assert metrics["sft/sft_test_loss"] < metrics["pretrain/sft_test_loss"]
+    # The DPO stage trained LoRA adapters; its checkpoint is the merged model plus the adapters.
+    assert (repo / "data/dpo/adapter_model.safetensors").is_file() and (repo / "data/dpo/model.safetensors").is_file()
+    ref = json.loads((repo / "data/dpo_reference/info.json").read_text())
+    assert ref["reference"] == "data/sft"
+    assert json.loads((repo / "data/register/registration.json").read_text())["version"] == 1
 
 
 def test_dvc_is_up_to_date_after_the_flow_and_second_run_skips_everything(flow_result):
@@ -118,15 +144,16 @@ def test_dvc_is_up_to_date_after_the_flow_and_second_run_skips_everything(flow_r
 
 
 def test_changing_a_pretrain_param_reruns_only_pretrain_and_after(flow_result):
-    """Plain `dvc repro` (no Prefect): only pretrain and what follows rerun; register decides on champion."""
+    """Plain `dvc repro` (no Prefect): only pretrain and the stages after it that use its model rerun; register
+    decides on champion."""
     repo, env = flow_result["repo"], dict(flow_result["env"])
     env["MLFLOW_TRACKING_URI"] = flow_result["result"]["mlflow_tracking_uri"]
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["pretrain"]["max_steps"] = 36
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     out = run([str(BIN / "dvc"), "repro"], repo, env)
-    ran = {s for s in ("corpus", "tokenizer", "pack", "pretrain", "evaluate", "register") if f"Running stage '{s}'" in out}
-    assert ran == {"pretrain", "evaluate", "register"}, out
+    ran = {s for s in STAGES if f"Running stage '{s}'" in out}
+    assert ran == {"pretrain", "sft", "dpo_reference", "dpo", "grpo", "evaluate", "register"}, out
 
     client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])
     assert str(client.get_model_version_by_alias(MODEL_NAME, "candidate").version) == "2"
@@ -135,6 +162,22 @@ def test_changing_a_pretrain_param_reruns_only_pretrain_and_after(flow_result):
     assert str(client.get_model_version_by_alias(MODEL_NAME, "champion").version) == expected
     registration = json.loads((repo / "data/register/registration.json").read_text())
     assert ("champion" in registration["aliases"]) == (expected == "2")
+
+
+def test_a_disabled_stage_passes_its_input_on(flow_result):
+    """dpo.enabled false: dpo writes only skipped.json, grpo starts from the SFT model, evaluation lists 3 models."""
+    repo, env = flow_result["repo"], dict(flow_result["env"])
+    env["MLFLOW_TRACKING_URI"] = flow_result["result"]["mlflow_tracking_uri"]
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["dpo"]["enabled"] = False
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    out = run([str(BIN / "dvc"), "repro"], repo, env)
+    assert {s for s in STAGES if f"Running stage '{s}'" in out} == {"dpo_reference", "dpo", "grpo", "evaluate", "register"}
+    assert sorted(p.name for p in (repo / "data/dpo").iterdir()) == ["skipped.json"]
+    config = json.loads((repo / "data/grpo/train_config.json").read_text())
+    assert config["init_from"] == str(repo / "data/sft")
+    metrics = json.loads((repo / "data/evaluate/metrics.json").read_text())
+    assert "dpo/task_accuracy" not in metrics and "grpo/task_accuracy" in metrics
 
 
 def test_dvc_push_to_the_default_remote(flow_result):
