@@ -25,7 +25,22 @@ def valid_option(completion: str, record: dict) -> float:
     return float(completion.strip() in [str(o).strip() for o in record.get("options", [])])
 
 
-REWARDS: dict[str, RewardFn] = {"exact_answer": exact_answer, "valid_option": valid_option}
+def option_prefix(completion: str, record: dict) -> float:
+    """Dense shaping for multiple choice: the longest share of an option's name that the reply starts with
+    (1 for an exact option). Rewards a partly copied name before the model can copy whole ones."""
+    reply = completion.strip()
+    best = 0.0
+    for option in (str(o).strip() for o in record.get("options", [])):
+        n = 0
+        while n < min(len(reply), len(option)) and reply[n] == option[n]:
+            n += 1
+        score = n / max(len(option), len(reply), 1)  # a reply longer than the option is penalized too
+        best = max(best, score)
+    return best
+
+
+REWARDS: dict[str, RewardFn] = {"exact_answer": exact_answer, "valid_option": valid_option,
+                                 "option_prefix": option_prefix}
 
 
 def resolve_reward(name: str) -> RewardFn:

@@ -77,7 +77,9 @@ CONTINUE_PROMPT = "Continue the scene:\n{speeches}"
 
 
 def choice_question(quote: str, options: list[str]) -> str:
-    return CHOICE_QUESTION.format(quote=quote, options=", ".join(options))
+    # One option per line: each name then starts a line as the answer starts its turn, so it tokenizes the same
+    # way in both places and the model can copy it (", NAME" would give it a leading-space token).
+    return CHOICE_QUESTION.format(quote=quote, options="\n".join(options))
 
 
 def format_speech(speaker: str, lines: list[str] | tuple[str, ...]) -> str:
@@ -235,7 +237,7 @@ MAX_SPEECH_LINES = 4
 MAX_SPEECH_CHARS = 300
 MIN_SPEAKER_SPEECHES = 2  # a "name" heading a single block is a title, "THE END." or a misparse, not a speaker
 MIN_OPTION_SPEECHES = 5  # GRPO names (the answer and the distractors) are characters with at least this many
-SFT_QUESTION_SHARE = 1 / 3
+SFT_QUESTION_SHARE = 1 / 2
 LENGTH_TOLERANCE = 0.3  # a rejected speech is within 30% of the chosen one's characters
 QUOTE_CHARS = (20, 100)  # a quoted line long enough to tell speakers apart, short enough for one prompt line
 

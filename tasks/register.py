@@ -93,6 +93,9 @@ def register(params: Params, checkpoint_dir: Path, metrics_path: Path, out_dir: 
         "prefect_flow_run_id": os.environ.get(FLOW_RUN_ENV, "none"),
         "mlflow_run_id": mlflow.active_run().info.run_id,
         "test_bits_per_char": f"{bpc:.6f}",
+        "final_stage": str(metrics.get("final_model", "pretrain")),  # which training stage made this model
+        **{k.split("/")[1]: f"{v:.6f}" for k, v in metrics.items()
+           if k.startswith(f"{metrics.get('final_model')}/") and k.split("/")[1] in ("task_accuracy", "preference_accuracy")},
         "hf_export": hf_export,
         **dvc_hashes(project_dir),
     }

@@ -257,3 +257,17 @@ def test_two_stage_resume_after_the_switch_is_exact(core_tiny_data, tmp_path, mo
     assert train(cfg, callbacks=default_callbacks(cfg) + [SigtermAt(step=6, micro=0)])["steps"] == 7
     train(cfg)
     assert sha256_file(Path(cfg.out_dir) / "model.safetensors") == sha256_file(Path(ref.out_dir) / "model.safetensors")
+
+
+def test_reward_functions_by_hand():
+    from astrai_core.rewards import exact_answer, option_prefix, resolve_reward, valid_option
+
+    record = {"answer": "HAMLET", "options": ["HAMLET", "OPHELIA", "HORATIO"]}
+    assert exact_answer(" HAMLET\n", record) == 1.0 and exact_answer("OPHELIA", record) == 0.0
+    assert valid_option("OPHELIA", record) == 1.0 and valid_option("OPHEL", record) == 0.0
+    assert option_prefix("HAM", record) == pytest.approx(3 / 6)  # half of HAMLET copied
+    assert option_prefix("HORATIO!", record) == pytest.approx(7 / 8)  # extra characters cost
+    assert option_prefix("xyz", record) == 0.0 and option_prefix("OPHELIA", record) == 1.0
+    assert resolve_reward("astrai_core.rewards:exact_answer") is exact_answer  # a user's own function by name
+    with pytest.raises(AstraiError, match="unknown reward 'nope'"):
+        resolve_reward("nope")
