@@ -415,8 +415,10 @@ class DPOStrategy(Strategy):
 
 
 @torch.no_grad()
-def reference_logps(model: Transformer, data_path: str, tokenizer_sha256: str, batch_size: int = 16) -> np.ndarray:
-    """Summed log-probability of each document's masked tokens under `model` (fp32): the DPO reference."""
+def reference_logps(model: Transformer, data_path: str, tokenizer_sha256: str, batch_size: int = 16,
+                    dtype: str = "fp32") -> np.ndarray:
+    """Summed log-probability of each document's masked tokens under `model`: the DPO reference. `dtype` bf16
+    runs the forward under autocast, as a bf16 DPO run computes its policy's (log-probabilities stay fp32)."""
     data = open_documents(data_path, tokenizer_sha256, model.cfg.vocab_size)
     tokens, data.mask_array = data.tokens[:].astype(np.int64), data.loss_mask[:]
     out = np.zeros(data.n_docs, dtype=np.float64)
@@ -424,7 +426,9 @@ def reference_logps(model: Transformer, data_path: str, tokenizer_sha256: str, b
     for first in range(0, data.n_docs, 2 * batch_size):
         pairs = np.arange(first // 2, min(first // 2 + batch_size, data.n_docs // 2))
         b = pair_batch(data, tokens, pairs, torch.device("cpu"))
-        out[b["docs"].numpy()] = sequence_logps(model(b["x"]), b["y"]).double().numpy()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            logits = model(b["x"])
+        out[b["docs"].numpy()] = sequence_logps(logits, b["y"]).double().numpy()
     return out
 
 

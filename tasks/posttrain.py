@@ -201,11 +201,12 @@ def dpo_reference(params: Params, root: Path, on_line: Callable[[str], None] = p
     ref = previous_model(root, "dpo")
     data = root / "data" / "chat" / "dpo_train.h5"
     model, _, _ = load_model(ref)
-    logps = reference_logps(model, str(data), sha256_file(ref / "tokenizer.json"))
+    logps = reference_logps(model, str(data), sha256_file(ref / "tokenizer.json"), dtype=params.dpo.dtype)
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
         save_reference_logps(tmp / "train_logps.h5", logps, data, ref / "model.safetensors")
-        info = {"reference": str(ref.relative_to(root)), "documents": len(logps), "mean_logp": float(logps.mean())}
+        info = {"reference": str(ref.relative_to(root)), "documents": len(logps), "mean_logp": float(logps.mean()),
+                "dtype": params.dpo.dtype}
         write_json(tmp / "info.json", info)
     on_line(f"dpo_reference: {len(logps)} responses scored by {ref}")
     return info
