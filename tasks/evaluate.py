@@ -2,7 +2,9 @@
 
 Per model: test-split bits per character (language modeling, next to a unigram baseline), SFT loss on held-out
 conversations (assistant tokens), task accuracy on held-out GRPO-style questions (greedy reply exactly right) and
-preference accuracy on held-out DPO pairs (chosen more likely than rejected). metrics.json holds them as
+preference accuracy on held-out DPO pairs (chosen more likely than rejected). Held-out records come from the
+corpus's test plays, whose characters no training record names; the task accuracy on (not held-out) training
+prompts is reported beside it to show what the stages learned in-distribution. metrics.json holds them as
 `<stage>/<metric>` plus the final model's language-modeling metrics under their plain names (what register
 compares); evaluation.md is the table; samples.md has the final model's text and each model's answers.
 
@@ -30,7 +32,8 @@ from tasks.posttrain import MODEL_STAGES, final_model, model_dir
 
 TABLE = [("test_bits_per_char", "test bits/char", "lower"), ("sft_test_loss", "SFT test loss", "lower"),
          ("task_accuracy", "task accuracy", "higher"), ("valid_answer_rate", "valid answer", "higher"),
-         ("preference_accuracy", "preference accuracy", "higher")]
+         ("preference_accuracy", "preference accuracy", "higher"),
+         ("train_task_accuracy", "task accuracy on training prompts", "higher")]
 
 
 def evaluate(params: Params, root: Path, out_dir: Path) -> dict:
@@ -43,6 +46,9 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> dict:
     final = final_model(root).name
     tokens, n_chars, tok = None, None, None
     grpo_test = _read_jsonl(chat_dir / "grpo_test.jsonl")[: p.task_examples]
+    # Not held out: the same number of GRPO training prompts, to tell "learned nothing" from "did not transfer
+    # to the unseen plays' characters".
+    grpo_train = _read_jsonl(chat_dir / "grpo_train.jsonl")[: p.task_examples]
     metrics: dict = {"final_model": final}
     answers: dict[str, list[str]] = {}
     for stage in models:
@@ -62,9 +68,10 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> dict:
             m["sft_test_loss"] = masked_token_loss(model, str(chat_dir / "sft_test.h5"), tok_sha,
                                                    params.pretrain.seq_len, p.batch_size)
             m |= preference_accuracy(model, str(chat_dir / "dpo_test.h5"), tok_sha)
-            task, answers[stage] = task_accuracy(model, load_chat(ckpt / "tokenizer.json"), grpo_test,
-                                                 params.grpo.max_new_tokens)
+            chat = load_chat(ckpt / "tokenizer.json")
+            task, answers[stage] = task_accuracy(model, chat, grpo_test, params.grpo.max_new_tokens)
             m |= task
+            m["train_task_accuracy"] = task_accuracy(model, chat, grpo_train, params.grpo.max_new_tokens)[0]["task_accuracy"]
         metrics |= {f"{stage}/{k}": v for k, v in m.items()}
         if stage == final:
             metrics |= {k: v for k, v in m.items() if k.startswith("test_")}
