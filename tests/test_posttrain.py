@@ -271,3 +271,22 @@ def test_reward_functions_by_hand():
     assert resolve_reward("astrai_core.rewards:exact_answer") is exact_answer  # a user's own function by name
     with pytest.raises(AstraiError, match="unknown reward 'nope'"):
         resolve_reward("nope")
+
+
+def test_dpo_pairs_count_only_response_tokens(chat_setup):
+    from astrai_core.strategies import pair_batch
+
+    data = open_documents(str(chat_setup["chat"] / "dpo_train.h5"), sha256_file(chat_setup["tokenizer"]), 320)
+    tokens, data.mask_array = data.tokens[:].astype(np.int64), data.loss_mask[:]
+    batch = pair_batch(data, tokens, np.array([0, 3]), torch.device("cpu"))
+    chat = load_chat(chat_setup["tokenizer"])
+    records = [json.loads(line) for line in (chat_setup["root"] / "records" / "dpo_train.jsonl").read_text().splitlines()]
+    kept = [r for r in records if max(len(chat.encode([{"role": "user", "content": r["prompt"]},
+                                                       {"role": "assistant", "content": r[k]}])[0])
+                                      for k in ("chosen", "rejected")) <= 65]
+    eot = "<|end_of_turn|>"
+    y = batch["y"]
+    assert y.shape[0] == 4 and (batch["x"][y == IGNORE_INDEX].numel() > 0)  # prompt + padding masked out
+    for row, (pair, key) in enumerate([(0, "chosen"), (3, "chosen"), (0, "rejected"), (3, "rejected")]):
+        targets = [int(t) for t in y[row] if t != IGNORE_INDEX]
+        assert chat.tokenizer.decode(targets, skip_special_tokens=False) == kept[pair][key] + eot
