@@ -54,6 +54,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+class _RMSNormFn(torch.autograd.Function):
+    """y = w * x / rms(x), computed in fp32, returned in `dtype`. On CPU, autograd differentiates rms_norm's
+    composite form (pow, mean, rsqrt and two muls, each with its backward); this closed form,
+    dx = r (g w - x^ mean(g w x^)), dw = sum(g x^) with r = 1 / rms(x), x^ = x r, takes about half the passes."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+        xf = x.float()
+        r = (torch.linalg.vecdot(xf, xf, dim=-1).unsqueeze(-1) / x.shape[-1] + eps).rsqrt_()
+        ctx.save_for_backward(x, weight, r)
+        return (xf * r).mul_(weight).to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, r = ctx.saved_tensors
+        xhat, g = x.float() * r, grad.float()
+        gw = g * weight.float()
+        mean = torch.linalg.vecdot(gw, xhat, dim=-1).unsqueeze(-1) / x.shape[-1]
+        dx = torch.addcmul(gw, xhat, mean, value=-1).mul_(r)
+        dw = (g * xhat).flatten(0, -2).sum(0)
+        return dx.to(x.dtype), dw.to(weight.dtype), None, None
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (the same `weight`) through _RMSNormFn. Under autocast the output is already the autocast
+    dtype: cast once here instead of once by each linear that reads it (q, k, v; gate, up), in both passes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        return _RMSNormFn.apply(x, self.weight, self.eps if self.eps is not None else torch.finfo(x.dtype).eps,
+                                dtype)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool = False,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """Queries (B, h, T, d) are the last T of the S = k.shape[-2] positions (S > T when a cache holds the rest).
@@ -256,9 +290,9 @@ class MoE(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.input_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.self_attn = LatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
-        self.post_attention_layernorm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg.dim, cfg.hidden_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
@@ -273,7 +307,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one tensor: (vocab, dim) serves both ends

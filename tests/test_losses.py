@@ -84,3 +84,21 @@ def test_full_kl_by_hand_and_its_gradient_pulls_toward_the_reference():
     # Masked positions contribute nothing; identical distributions give exactly 0.
     assert full_kl_sum(logits, ref, torch.tensor([[IGNORE_INDEX]])).item() == 0.0
     assert full_kl_sum(ref, ref, torch.tensor([[0]])).item() == pytest.approx(0.0, abs=1e-7)
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_token_loss_sum_matches_cross_entropy_value_and_gradient(label_smoothing):
+    from astrai_core.losses import token_loss_sum
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 700, 50, requires_grad=True)  # > one chunk of rows
+    targets = torch.randint(0, 50, (3, 700))
+    targets[0, :100] = IGNORE_INDEX
+    ours = token_loss_sum(logits, targets, label_smoothing)
+    (g_ours,) = torch.autograd.grad(2.5 * ours, logits)
+    ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum",
+                          label_smoothing=label_smoothing)
+    (g_ref,) = torch.autograd.grad(2.5 * ref, logits)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(g_ours, g_ref, rtol=1e-5, atol=1e-6)
