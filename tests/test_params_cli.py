@@ -79,3 +79,17 @@ def test_every_command_has_help(tmp_path):
     for cmd in ([], ["pipeline"], ["stage"], ["train"], ["generate"]):
         out = _cli(cmd + ["--help"], tmp_path)
         assert out.returncode == 0 and "Usage" in out.stdout, (cmd, out.stderr)
+
+
+def test_every_param_dvc_yaml_lists_is_written_in_params_yaml():
+    """DVC refuses a stage whose `params:` names a key missing from params.yaml (pydantic defaults don't count)."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    raw = yaml.safe_load((root / "params.yaml").read_text())
+    for name, stage in yaml.safe_load((root / "dvc.yaml").read_text())["stages"].items():
+        for key in stage.get("params", []):
+            node = raw
+            for part in key.split("."):
+                assert isinstance(node, dict) and part in node, f"dvc.yaml stage {name}: {key} not in params.yaml"
+                node = node[part]
