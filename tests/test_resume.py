@@ -245,7 +245,7 @@ def test_dead_rank_restarts_group_which_resumes(reference, core_tiny_data, tmp_p
     # Known flake, cause not found yet: now and then every restarted group fails to build its gloo mesh
     # ("Gloo connectFullMesh failed ... Connection refused") and torchrun gives up. Only that failure is retried,
     # on a fresh run; any other failure, or a resumed run whose weights differ, fails the test.
-    for attempt in range(3):
+    for attempt in range(5):
         cfg = make_cfg(core_tiny_data, tmp_path / f"out{attempt}", **RUN)
         proc = torchrun(cfg, "--max-restarts=3")
         read_until(proc, "step 12/")
@@ -253,7 +253,7 @@ def test_dead_rank_restarts_group_which_resumes(reference, core_tiny_data, tmp_p
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=120)
-        if proc.returncode != 0 and "connectFullMesh" in out and attempt < 2:
+        if proc.returncode != 0 and "connectFullMesh" in out and attempt < 4:
             continue
         assert proc.returncode == 0, out[-3000:]
         break
