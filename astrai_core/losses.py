@@ -31,7 +31,8 @@ class _CrossEntropySum(torch.autograd.Function):
                 label_smoothing: float) -> torch.Tensor:
         flat, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
         n, V = flat.shape
-        grad = torch.empty_like(flat)
+        need_grad = ctx.needs_input_grad[0]  # False under no_grad (evaluation): only the loss is computed
+        grad = torch.empty_like(flat) if need_grad else None
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         rows = max(16, (1 << 18) // V)
         for i in range(0, n, rows):
@@ -43,6 +44,8 @@ class _CrossEntropySum(torch.autograd.Function):
             if label_smoothing:  # as F.cross_entropy: (1 - e) * nll + e * mean over the vocabulary of -log p
                 loss = (1 - label_smoothing) * loss + label_smoothing * (lse - z.mean(dim=-1, keepdim=True))
             total += torch.where(valid, loss.squeeze(-1), 0.0).sum()
+            if not need_grad:
+                continue
             p = z.sub_(lse).exp_()  # softmax
             if label_smoothing:
                 p.sub_(label_smoothing / V)

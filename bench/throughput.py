@@ -14,7 +14,9 @@ What is measured, in one run on one machine:
   (autocast bf16, fp32 weights), optimizer (AdamW, weight decay on matrices, the same fused setting) and
   gradient clipping, in a plain loop on 1 rank using every core.
 
-tokens/s is the median over --repeats runs, each timing --steps steps after one warm-up step. FLOPs per token
+tokens/s is the median over --repeats runs, each timing --steps steps after one warm-up step; the repeats go
+round-robin over the variants (ours eager/compiled x 1/2 ranks, the peer), so load drift on this shared machine
+hits all of them alike instead of whichever ran during it. FLOPs per token
 follow nanoGPT: 6N (N = parameters, the tied embedding counted once, as lm_head) + 12 * layers * dim * seq_len
 for attention scores and values. MFU = tokens/s * FLOPs per token / peak of the dtype.
 """
@@ -172,12 +174,13 @@ def main() -> None:
         for shape in args.shapes:
             fpt = flops_per_token(ModelConfig(**SHAPES[shape]["model"]), SHAPES[shape]["seq_len"])
             for dtype in ("fp32", "bf16"):
-                runs = {}
-                for compile in (False, True):
-                    for nproc in (1, 2):
-                        runs[f"ours_{'compiled' if compile else 'eager'}_{nproc}rank"] = [
-                            ours(shape, dtype, nproc, compile, args.steps, data, Path(tmp)) for _ in range(args.repeats)]
-                runs["hf_llama_1rank"] = [peer(shape, dtype, args.steps) for _ in range(args.repeats)]
+                variants = {f"ours_{'compiled' if c else 'eager'}_{n}rank": (lambda c=c, n=n: ours(
+                    shape, dtype, n, c, args.steps, data, Path(tmp))) for c in (False, True) for n in (1, 2)}
+                variants["hf_llama_1rank"] = lambda: peer(shape, dtype, args.steps)
+                runs = {name: [] for name in variants}
+                for _ in range(args.repeats):  # round-robin: a load change hits every variant, not one
+                    for name, run in variants.items():
+                        runs[name].append(run())
                 row = {"shape": shape, **SHAPES[shape], "dtype": dtype, "flops_per_token": fpt}
                 for name, values in runs.items():
                     tps = statistics.median(values)

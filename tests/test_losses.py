@@ -102,3 +102,5 @@ def test_token_loss_sum_matches_cross_entropy_value_and_gradient(label_smoothing
     (g_ref,) = torch.autograd.grad(2.5 * ref, logits)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(g_ours, g_ref, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # evaluation: the loss alone, the same number
+        torch.testing.assert_close(token_loss_sum(logits, targets, label_smoothing), ours.detach())
