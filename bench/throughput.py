@@ -24,6 +24,7 @@ for attention scores and values. MFU = tokens/s * FLOPs per token / peak of the 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -114,7 +115,16 @@ def ours(shape: str, dtype: str, nproc: int, compile: bool, steps: int, data: di
         return train(cfg)["tokens_per_sec"]
     path = root / "cfg.json"
     path.write_text(cfg.model_dump_json())
-    run_torchrun(path, nproc, on_line=lambda line: None, env={"OMP_NUM_THREADS": "1"})
+    for attempt in (1, 2):  # a rank that dies while the group starts up is retried once, and said
+        lines: collections.deque[str] = collections.deque(maxlen=30)
+        try:
+            run_torchrun(path, nproc, on_line=lines.append, env={"OMP_NUM_THREADS": "1"})
+            break
+        except RuntimeError as e:
+            print(f"{shape}/{dtype}/{nproc} ranks failed (attempt {attempt}): {e}\n" + "\n".join(lines),
+                  file=sys.stderr, flush=True)
+            if attempt == 2:
+                raise
     return json.loads((Path(cfg.out_dir) / "summary.json").read_text())["tokens_per_sec"]
 
 
