@@ -22,6 +22,7 @@ from typing import Callable, Literal, Mapping
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
 
 from astrai_core.proc import stream_process
 
@@ -56,7 +57,13 @@ def init_distributed(backend: str = "auto", device: str = "auto") -> Dist:
     if backend == "auto":
         backend = "nccl" if torch_device.type == "cuda" else "gloo"
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend, device_id=torch_device if torch_device.type == "cuda" else None)
+        # torchrun's store outlives a restart of the group (--max-restarts), and so do the old group's keys: a new
+        # rank could read its dead peer's gloo address and fail ("connectFullMesh ... Connection refused") or
+        # hang. Each restart therefore keeps its keys under a prefix of its own.
+        store, rank, world_size = next(rendezvous("env://", rank, world_size))
+        store = dist.PrefixStore(f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                                device_id=torch_device if torch_device.type == "cuda" else None)
     return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=torch_device)
 
 
