@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -26,7 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-SHAPES = {"demo": (16, 4, 2, 256, 64), "large": (4, 8, 4, 512, 64)}  # batch, heads, kv heads, seq, head dim
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput import SHAPES as TRAIN_SHAPES  # noqa: E402  (the same two shapes the throughput benchmark trains)
+
+# (batch, heads, kv heads, seq, head dim) of each of bench/throughput.py's shapes
+SHAPES = {name: (s["batch_size"], s["model"]["n_heads"], s["model"]["n_kv_heads"], s["seq_len"],
+                 s["model"]["dim"] // s["model"]["n_heads"]) for name, s in TRAIN_SHAPES.items()}
 
 
 def sdpa(q, k, v):

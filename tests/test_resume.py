@@ -139,6 +139,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank_env() -> dict[str, str]:
+    """The environment torchrun's ranks get here: one thread each, this checkout importable, no MLflow parent."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    env.pop("MLFLOW_RUN_ID", None)
+    return env
+
+
 def torchrun(cfg: TrainConfig, *args: str, nproc: int = 2) -> subprocess.Popen:
     """Start `torchrun ... -m astrai_core.train --config CFG --resume auto` in its own process group."""
     cfg_path = Path(cfg.out_dir).parent / f"{Path(cfg.out_dir).name}.cfg.json"
@@ -146,8 +153,7 @@ def torchrun(cfg: TrainConfig, *args: str, nproc: int = 2) -> subprocess.Popen:
     cfg_path.write_text(cfg.model_dump_json())
     if not any(a.startswith("--nnodes") for a in args):
         args = ("--standalone", *args)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    env.pop("MLFLOW_RUN_ID", None)
+    env = rank_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *args,
            "-m", "astrai_core.train", "--config", str(cfg_path), "--resume", "auto"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -280,10 +286,10 @@ def test_restarted_group_never_reads_the_dead_groups_addresses(tmp_path):
     # 2 of 3 runs of this script failed on this machine, 0 of 6 after; three runs here.
     script = tmp_path / "restart.py"
     script.write_text(RESTART_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     for _ in range(3):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               "--max-restarts=1", str(script)], env=env, capture_output=True, text=True, timeout=60)
+                               "--max-restarts=1", str(script)], env=rank_env(), capture_output=True, text=True,
+                              timeout=60)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
         for rank in (0, 1):
             assert f"restart 1 rank {rank}: all_reduce 2" in proc.stdout, proc.stdout[-3000:]
