@@ -1,14 +1,17 @@
 """Typed configuration of the training core: the model shape and one training run.
 
-These pydantic models are validated once at the edge (the `astrai train` CLI, the pipeline's params.yaml) and
-saved as JSON next to every checkpoint. Unknown keys are errors, so a typo never silently falls back to a default.
+These pydantic models are validated once at the edge (the `astrai train` CLI, the pipeline's params.yaml, whose
+training sections are RunSettings plus their strategy's settings) and saved as JSON next to every checkpoint.
+Every cross-field check lives here, so params.yaml is checked by the same code when it is parsed. Unknown keys are errors, so a typo never silently falls back to a default.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
+
+from astrai_core.errors import AstraiError
 
 
 class Strict(BaseModel):
@@ -113,6 +116,12 @@ class OptimConfig(Strict):
     decay_fraction: float = Field(0.2, gt=0.0, le=1.0)  # wsd: the share of steps spent decaying
     fused: Literal["auto", "on", "off"] = "auto"  # fused AdamW kernel; auto: on where the device has one
 
+    @model_validator(mode="after")
+    def _check_min_lr(self) -> "OptimConfig":
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) exceeds lr ({self.lr})")
+        return self
+
 
 class LoRAConfig(Strict):
     """Low-rank adapters (astrai_core/lora.py): only they train; the final checkpoint is the merged plain model and
@@ -124,13 +133,18 @@ class LoRAConfig(Strict):
     targets: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-class DPOConfig(Strict):
-    """Direct preference optimization against the frozen reference whose log-probabilities were cached by
-    astrai_core.strategies.reference_logps (the reference model is not loaded during training)."""
+class DPOSettings(Strict):
+    """Direct preference optimization: what a user sets (the params.yaml section `dpo`)."""
 
     beta: PositiveFloat = 0.1
     loss: Literal["sigmoid", "ipo", "conservative"] = "sigmoid"
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)  # conservative DPO: the assumed share of flipped labels
+
+
+class DPOConfig(DPOSettings):
+    """DPO against the frozen reference whose log-probabilities were cached by astrai_core.dpo_reference (the
+    reference model is not loaded during training)."""
+
     reference_logps: str | None = None  # HDF5 cache of the reference's log-probabilities of train_data
 
 
@@ -149,6 +163,18 @@ class GRPOConfig(Strict):
     rewards: dict[str, float] = {"exact_answer": 1.0}  # reward name (astrai_core/rewards.py) -> weight
     on_reward_error: Literal["skip", "stop"] = "stop"  # a reward that raises or is not finite: drop the group, or stop
 
+    @field_validator("rewards")
+    @classmethod
+    def _known_rewards(cls, rewards: dict[str, float]) -> dict[str, float]:
+        from astrai_core.rewards import resolve_reward
+
+        for name in rewards:
+            try:
+                resolve_reward(name)
+            except AstraiError as e:
+                raise ValueError(str(e)) from None
+        return rewards
+
 
 class TwoStageConfig(Strict):
     """Two-stage KL-regularized language modeling: stage 1 plain next-token loss for `stage1_tokens`; then a
@@ -160,25 +186,13 @@ class TwoStageConfig(Strict):
     stage2_data: dict[str, float] | None = None  # packed file -> sampling weight; None: train_data alone
 
 
-class TrainConfig(Strict):
-    """One run of the training core (what `astrai train --config FILE` reads)."""
+class RunSettings(Strict):
+    """How a run trains, not on what: every field a training section of params.yaml sets (each field's one
+    default is here). TrainConfig adds the model, the strategy and the paths."""
 
-    model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
-    # seq: next-token prediction on packed text; sft: packed conversations, loss on assistant tokens only;
-    # dpo: preference pairs; grpo: sampled completions scored by reward functions (astrai_core/strategies.py).
-    strategy: Literal["seq", "sft", "dpo", "grpo"] = "seq"
-    train_data: str  # HDF5 file written by the pack stage (grpo: JSONL prompts)
-    val_data: str | None = None
-    init_from: str | None = None  # a checkpoint directory whose weights start the run (its config must match)
     lora: LoRAConfig | None = None  # train low-rank adapters instead of every weight
-    dpo: DPOConfig = DPOConfig()
-    grpo: GRPOConfig = GRPOConfig()
-    two_stage: TwoStageConfig | None = None  # seq only
-    tokenizer: str  # tokenizer.json; its sha256 must match the HDF5 files' attribute
-    out_dir: str  # the final checkpoint directory (written atomically)
-    seq_len: PositiveInt = 256
-    batch_size: PositiveInt = 16  # sequences per rank per micro-step
+    batch_size: PositiveInt = 16  # per rank per micro-step: sequences (seq, sft rows), pairs (dpo), prompts (grpo)
     grad_accum: PositiveInt = 1
     max_steps: PositiveInt = 200  # optimizer steps
     # A token budget instead of a step count: when set, steps = ceil(max_tokens / tokens per step), max_steps unused.
@@ -189,27 +203,45 @@ class TrainConfig(Strict):
     parallel: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 fully_shard per decoder block (models too big for one device)
     seed: int = 1337
     log_every: PositiveInt = 10
-    eval_every: int = 0  # 0: validate only at the end
+    eval_every: int = Field(0, ge=0)  # 0: validate only at the end
     eval_batches: PositiveInt = 8
     early_stopping_patience: int = Field(0, ge=0)  # stop after this many validations without improvement; 0: off
     early_stopping_min_delta: float = Field(0.0, ge=0.0)  # an improvement must lower val loss by more than this
     label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
     activation_checkpointing: bool = False  # recompute each decoder block in backward: less memory, ~30% more compute
     compile: bool = False
-    compile_cache_dir: str | None = None  # TORCHINDUCTOR_CACHE_DIR for compile (None: torch's default under /tmp)
-    # Checkpoints for resuming: every `checkpoint_every` steps (0: only at a SIGTERM stop) into checkpoint_dir
-    # (None: `<out_dir>.ckpts` beside out_dir), keeping the newest `keep_checkpoints`.
+    # Checkpoints for resuming: every `checkpoint_every` steps (0: only at a SIGTERM stop), keeping the newest
+    # `keep_checkpoints`.
     checkpoint_every: int = Field(0, ge=0)
-    checkpoint_dir: str | None = None
     keep_checkpoints: PositiveInt = 2
-    resume: Literal["auto", "never"] = "never"  # auto: continue from the newest valid checkpoint of the same run
+    # auto: continue from the newest valid checkpoint of the same run (a re-run after a crash goes on); never: fresh
+    resume: Literal["auto", "never"] = "auto"
+
+
+class TrainConfig(RunSettings):
+    """One run of the training core (what `astrai train --config FILE` reads): RunSettings plus what it trains
+    and where its files are."""
+
+    model: ModelConfig = ModelConfig()
+    # seq: next-token prediction on packed text; sft: packed conversations, loss on assistant tokens only;
+    # dpo: preference pairs; grpo: sampled completions scored by reward functions (astrai_core/strategies.py).
+    strategy: Literal["seq", "sft", "dpo", "grpo"] = "seq"
+    seq_len: PositiveInt = 256
+    train_data: str  # HDF5 file written by the pack stage (grpo: JSONL prompts)
+    val_data: str | None = None
+    init_from: str | None = None  # a checkpoint directory whose weights start the run (its config must match)
+    dpo: DPOConfig = DPOConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    two_stage: TwoStageConfig | None = None  # seq only
+    tokenizer: str  # tokenizer.json; its sha256 must match the HDF5 files' attribute
+    out_dir: str  # the final checkpoint directory (written atomically)
+    compile_cache_dir: str | None = None  # TORCHINDUCTOR_CACHE_DIR for compile (None: torch's default under /tmp)
+    checkpoint_dir: str | None = None  # the resumable checkpoints (None: `<out_dir>.ckpts` beside out_dir)
 
     @model_validator(mode="after")
     def _check_lengths(self) -> "TrainConfig":
         if self.seq_len > self.model.max_seq_len:
             raise ValueError(f"seq_len ({self.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
-        if self.optim.min_lr > self.optim.lr:
-            raise ValueError(f"optim.min_lr ({self.optim.min_lr}) exceeds optim.lr ({self.optim.lr})")
         if self.strategy in ("dpo", "grpo") and self.val_data:
             raise ValueError(f"val_data is not used by strategy {self.strategy!r}: set it to null")
         if self.strategy == "dpo" and not self.dpo.reference_logps:

@@ -13,21 +13,29 @@ loads the checkpoint it resumes from; only global rank 0 writes).
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, Mapping
+from typing import TYPE_CHECKING, Callable, Literal, Mapping
 
 import torch
 import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
+from astrai_core.errors import TrainingError
+from astrai_core.io import write_json
 from astrai_core.proc import stream_process
 
-# A rank's own error line: `error: ...` (AstraiError, see train.main) or the last line of a traceback.
-_ERROR_LINE = re.compile(r"^(error: |[A-Za-z_][\w.]*(Error|Exception): )")
+if TYPE_CHECKING:
+    from astrai_core.config import TrainConfig
+
+# A rank's error line: train.main prints every error that ends a rank as one line starting with this.
+ERROR_PREFIX = "error: "
+_ERROR_LINE = re.compile(r"^(\[[^\]]*\]:)?error: ")  # torchrun may prefix a rank's lines with "[rank]:"
 
 
 @dataclass(frozen=True)
@@ -93,7 +101,7 @@ def run_torchrun(
 
     `env` entries are added to this process's environment. With max_restarts > 0 torchrun restarts the whole
     group when a rank dies (the config's `resume: auto` makes the new group continue from the last checkpoint).
-    Raises RuntimeError (exit code and last lines) if any rank fails for good; on any exception while waiting
+    Raises TrainingError (the first error line a rank printed) if any rank fails for good; on any exception while waiting
     (including KeyboardInterrupt) the whole process group is killed.
     """
     cmd = [
@@ -112,13 +120,29 @@ def run_torchrun(
 
     def watch(line: str) -> None:
         if _ERROR_LINE.match(line):
-            errors.append(line)
+            errors.append(line.split(ERROR_PREFIX, 1)[1])
         on_line(line)
 
     try:
         stream_process(cmd, env=child_env, on_line=watch, what=f"torchrun ({nproc} ranks)")
     except RuntimeError as e:
         # torchrun's failure report fills the tail; the first error a rank printed says what actually went wrong.
-        if errors:
-            raise RuntimeError(f"{errors[0]} ({e})") from None
-        raise
+        raise TrainingError(errors[0] if errors else str(e).splitlines()[0]) from None
+
+
+def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0, *, run_id: str | None = None,
+           on_line: Callable[[str], None] = print) -> dict:
+    """Run the training core under torchrun with `cfg` (every training stage and `astrai train` do); returns the
+    summary of the checkpoint it wrote to cfg.out_dir. Metrics go to MLflow run `run_id` (rank 0 only). A failure
+    raises TrainingError with the failing rank's one-line error."""
+    out_dir = Path(cfg.out_dir)
+    config_path = out_dir.parent / f"{out_dir.name}.train_config.json"
+    write_json(config_path, cfg.model_dump(mode="json"))
+    env = {"MLFLOW_RUN_ID": run_id} if run_id else {}
+    on_line(f"{out_dir.name}: torchrun with {nproc} process(es), strategy {cfg.strategy}, config {config_path}")
+    try:
+        run_torchrun(config_path, nproc, env=env, on_line=on_line, max_restarts=max_restarts)
+    finally:
+        config_path.unlink(missing_ok=True)
+    shutil.rmtree(cfg.checkpoints, ignore_errors=True)  # they only serve to resume an unfinished run
+    return json.loads((out_dir / "summary.json").read_text())

@@ -26,11 +26,14 @@ SPECIAL_TOKENS = {
 }
 
 
+MIN_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256  # every special token and every byte has an id
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
     """Train on `texts` (any iterable: streamed, never held in memory at once by this function)."""
-    n_base = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
-    if vocab_size < n_base:
-        raise AstraiError(f"tokenizer vocab_size {vocab_size} is too small: it needs at least {n_base} (7 special + 256 bytes)")
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise AstraiError(f"tokenizer vocab_size {vocab_size} is too small: it needs at least {MIN_VOCAB_SIZE} "
+                          "(7 special + 256 bytes)")
     tok = Tokenizer(models.BPE())
     # add_prefix_space=False: a leading space stays a real character, so decode(encode(s)) == s exactly.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,8 +58,8 @@ from astrai_core.callbacks import (Callback, Checkpointing, EarlyStopping, Gradi
 from astrai_core.checkpoint import (clear_resumable, find_resumable, save_checkpoint, save_resumable,
                                      verify_checkpoint)
 from astrai_core.config import TrainConfig
-from astrai_core.distributed import Dist, cleanup, init_distributed
-from astrai_core.errors import AstraiError
+from astrai_core.distributed import ERROR_PREFIX, Dist, cleanup, init_distributed
+from astrai_core.errors import AstraiError, TrainingError
 from astrai_core.io import sha256_file
 from astrai_core.losses import IGNORE_INDEX, token_loss_sum  # noqa: F401 (re-exported)
 from astrai_core.model import Transformer, document_mask
@@ -424,7 +425,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
                                   device=d.device)
             run.step_targets, run.step_tokens = (int(v) for v in run.all_reduce_sum(counts).tolist())
             if run.step_targets == 0:
-                raise RuntimeError(f"step {run.step + 1}: no {strategy.unit} to learn from in the whole step "
+                raise TrainingError(f"step {run.step + 1}: no {strategy.unit} to learn from in the whole step "
                                    "(every target masked); check the data")
             run.loss_sum = torch.zeros((), device=d.device)
             metric_sums: dict[str, torch.Tensor] = {}
@@ -447,7 +448,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
             # it is the same on every rank (and a non-finite loss on one rank makes it non-finite everywhere).
             run.grad_norm = total_grad_norm(run.params)
             if not math.isfinite(run.grad_norm.item()) or not math.isfinite(run.loss_sum.item()):
-                raise RuntimeError(f"step {run.step + 1}: non-finite loss ({run.loss_sum.item()}) or gradient norm "
+                raise TrainingError(f"step {run.step + 1}: non-finite loss ({run.loss_sum.item()}) or gradient norm "
                                    f"({run.grad_norm.item()}); lower optim.lr, raise optim.warmup_steps or use fp32")
             run.emit("on_optimizer_step_begin")
             optimizer.step()
@@ -524,8 +525,12 @@ def main(argv: list[str] | None = None) -> None:
         if args.resume:
             cfg = cfg.model_copy(update={"resume": args.resume})
         train(cfg)
-    except AstraiError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001 - every rank's failure becomes the one line its launcher reports
+        if not isinstance(e, AstraiError):
+            traceback.print_exc()  # a bug: its traceback stays in the log, the line below says what failed
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"{ERROR_PREFIX}{message if isinstance(e, AstraiError) else f'{type(e).__name__}: {message}'}",
+              file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
         cleanup()

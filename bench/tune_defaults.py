@@ -27,7 +27,7 @@ from astrai_core.evaluate import sequence_nll, summarize, unigram_nll
 from astrai_core.io import sha256_file, write_json
 from tasks.pack import pack
 from tasks.params import load_params
-from tasks.pretrain import train_config
+from tasks.training import train_config
 from tasks.tokenizer import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,9 @@ def data_for(params, corpus: Path) -> tuple[Path, Path]:
 def train(params, packed: Path, tok: Path, out: Path, steps: int) -> dict:
     params.pretrain.max_steps = steps
     params.pretrain.eval_every = 0
-    cfg = train_config(params, packed, tok, out)
+    cfg = train_config(params, "pretrain", ROOT).model_copy(update={
+        "train_data": str(packed / "train.h5"), "val_data": str(packed / "validation.h5"), "tokenizer": str(tok),
+        "out_dir": str(out)})
     if steps <= params.pretrain.optim.warmup_steps:
         cfg.optim.warmup_steps = max(1, steps // 10)
     cfg_path = out.with_suffix(".json")

@@ -43,9 +43,15 @@ def pipeline(
 ) -> None:
     """Run the whole pipeline as a Prefect flow in this process (a temporary Prefect server starts when
     PREFECT_API_URL is unset), then print where the results are."""
-    from flows.pipeline import pipeline as flow
+    from tasks.params import load_params
 
     overrides = dict(_parse_override(s) for s in set_)
+    try:
+        load_params(params, overrides)  # a bad key stops here, before Prefect starts a server
+    except AstraiError as e:
+        _fail(str(e))
+    from flows.pipeline import pipeline as flow
+
     try:
         result = flow(params_path=str(params), overrides=overrides or None)
     except AstraiError as e:
@@ -90,29 +96,19 @@ def stage(name: str = typer.Argument(..., help="corpus | tokenizer | pack | pret
 def train(config: Path = typer.Option(..., help="TrainConfig JSON or YAML (see astrai_core/config.py)."),
           nproc: str = typer.Option("auto", help="Processes per node for torchrun (auto: every GPU, else every CPU core).")) -> None:
     """Run the training core on its own under torchrun (no Prefect, DVC or MLflow run needed)."""
-    import yaml
     from pydantic import ValidationError
 
     from astrai_core.config import TrainConfig
-    from astrai_core.distributed import resolve_nproc, run_torchrun
+    from astrai_core.distributed import launch, resolve_nproc
+    from tasks.params import load_raw, validation_message
 
-    if not config.is_file():
-        _fail(f"{config}: config file not found")
     try:
-        cfg = TrainConfig.model_validate(yaml.safe_load(config.read_text()))
+        cfg = TrainConfig.model_validate(load_raw(config))
+        launch(cfg, resolve_nproc(int(nproc) if nproc != "auto" else "auto", cfg.device))
     except ValidationError as e:
-        err = e.errors()[0]
-        _fail(f"{config}: {'.'.join(map(str, err['loc']))}: {'unknown key' if err['type'] == 'extra_forbidden' else err['msg']}")
-    n = resolve_nproc(int(nproc) if nproc != "auto" else "auto", cfg.device)
-    config_json = Path(cfg.out_dir).parent / f"{Path(cfg.out_dir).name}.train_config.json"
-    config_json.parent.mkdir(parents=True, exist_ok=True)
-    config_json.write_text(cfg.model_dump_json(indent=2))
-    try:
-        run_torchrun(config_json, n)
-    except RuntimeError as e:
-        _fail(str(e).splitlines()[0])
-    finally:
-        config_json.unlink(missing_ok=True)
+        _fail(f"{config}: {validation_message(e)}")
+    except AstraiError as e:
+        _fail(str(e))
 
 
 @app.command()

@@ -28,7 +28,7 @@ from astrai_core.evaluate import (masked_token_loss, preference_accuracy, sequen
 from astrai_core.generate import generate_text
 from astrai_core.io import atomic_path, sha256_file, write_json
 from tasks.params import Params
-from tasks.posttrain import MODEL_STAGES, final_model, model_dir
+from tasks.training import MODEL_STAGES, final_model, model_dir
 
 TABLE = [("test_bits_per_char", "test bits/char", "lower"), ("sft_test_loss", "SFT test loss", "lower"),
          ("task_accuracy", "task accuracy", "higher"), ("valid_answer_rate", "valid answer", "higher"),

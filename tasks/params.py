@@ -15,8 +15,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
-from astrai_core.config import LoRAConfig, ModelConfig, OptimConfig, TwoStageConfig
+from astrai_core.config import DPOSettings, GRPOConfig, ModelConfig, RunSettings, TwoStageConfig
 from astrai_core.errors import AstraiError
+from astrai_core.tokenizer import MIN_VOCAB_SIZE
 from tasks.chat_data import ChatDataParams
 
 
@@ -39,7 +40,7 @@ class TokenizerParams(Strict):
     # or a tokenizer.json whose tokenizer (and chat_template.jinja beside it) the stage copies; vocab_size and
     # min_frequency then do not apply.
     source: str = "train"
-    vocab_size: PositiveInt = 2048
+    vocab_size: int = Field(2048, ge=MIN_VOCAB_SIZE)  # every special token and every byte has an id
     min_frequency: PositiveInt = 2
 
 
@@ -47,79 +48,34 @@ class PackParams(Strict):
     batch_documents: PositiveInt = 64  # documents encoded per batch; bounds memory while packing
 
 
-class PretrainParams(Strict):
-    nproc: PositiveInt | Literal["auto"] = "auto"  # auto: every GPU, else every CPU core
-    seq_len: PositiveInt = 256
-    batch_size: PositiveInt = 16
-    grad_accum: PositiveInt = 1
-    max_steps: PositiveInt = 300
-    max_tokens: PositiveInt | None = None  # a token budget instead of max_steps
-    optim: OptimConfig = OptimConfig()
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    parallel: Literal["ddp", "fsdp"] = "ddp"
-    seed: int = 1337
-    log_every: PositiveInt = 10
-    eval_every: int = Field(0, ge=0)
-    eval_batches: PositiveInt = 8
-    early_stopping_patience: int = Field(0, ge=0)
-    early_stopping_min_delta: float = Field(0.0, ge=0.0)
-    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
-    activation_checkpointing: bool = False
-    compile: bool = False  # compiled kernels are cached in .cache/torchinductor
-    checkpoint_every: int = Field(0, ge=0)  # resumable checkpoints in data/pretrain.ckpts (deleted on success)
-    keep_checkpoints: PositiveInt = 2
-    resume: Literal["auto", "never"] = "auto"  # auto: a re-run after a crash continues from the last checkpoint
+class Launch(Strict):
+    """How a training stage is launched (torchrun), beside what its TrainConfig says."""
+
+    nproc: PositiveInt | Literal["auto"] = "auto"  # torchrun processes: auto = every GPU, else every CPU core
     max_restarts: int = Field(0, ge=0)  # torchrun restarts the ranks this many times after a failure (they resume)
+
+
+class PretrainParams(RunSettings, Launch):
+    """The core's RunSettings plus what only pretraining sets; the stage adds the paths (tasks/training.py)."""
+
+    seq_len: PositiveInt = 256  # also the context of the post-training stages' packed rows
     two_stage: TwoStageConfig | None = None  # two-stage KL-regularized pretraining (astrai_core/config.py)
     init_from: str | None = None  # a checkpoint directory (e.g. `astrai import-hf`'s) whose weights start the run
 
 
-class StageTrainParams(Strict):
-    """What every post-training stage (sft, dpo, grpo) sets; each starts from the previous enabled stage's model."""
+class StageParams(RunSettings, Launch):
+    """A post-training stage (sft, dpo, grpo): the core's RunSettings; it starts from the previous enabled
+    stage's model."""
 
     enabled: bool = True  # false: the stage passes its input model on unchanged
-    nproc: PositiveInt | Literal["auto"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    dtype: Literal["fp32", "bf16"] = "bf16"
-    batch_size: PositiveInt = 16  # sft: packed rows; dpo: pairs; grpo: prompts (x group_size completions)
-    grad_accum: PositiveInt = 1
-    max_steps: PositiveInt = 100
-    optim: OptimConfig = OptimConfig(lr=3e-4, min_lr=3e-5, warmup_steps=10, weight_decay=0.0)
-    lora: LoRAConfig | None = None  # null: full fine-tuning
-    seed: int = 1337
-    log_every: PositiveInt = 10
-    eval_every: int = Field(0, ge=0)
-    eval_batches: PositiveInt = 4
-    checkpoint_every: int = Field(0, ge=0)
-    keep_checkpoints: PositiveInt = 2
-    resume: Literal["auto", "never"] = "auto"
-    max_restarts: int = Field(0, ge=0)
 
 
-class SFTParams(StageTrainParams):
+class DPOParams(DPOSettings, StageParams):
+    """`label_smoothing` here is DPO's (conservative DPO), not the token loss's."""
+
+
+class GRPOParams(GRPOConfig, StageParams):
     pass
-
-
-class DPOParams(StageTrainParams):
-    beta: float = Field(0.1, gt=0.0)
-    loss: Literal["sigmoid", "ipo", "conservative"] = "sigmoid"
-    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
-
-
-class GRPOParams(StageTrainParams):
-    group_size: int = Field(4, ge=2)
-    max_new_tokens: PositiveInt = 16
-    temperature: float = Field(1.0, gt=0.0)
-    top_k: PositiveInt | None = None
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    clip_eps: float = Field(0.2, gt=0.0)
-    kl_coef: float = Field(0.04, ge=0.0)
-    iterations: PositiveInt = 1
-    rewards: dict[str, float] = {"exact_answer": 1.0}
-    on_reward_error: Literal["skip", "stop"] = "stop"
 
 
 class EvaluateParams(Strict):
@@ -154,21 +110,41 @@ class Params(Strict):
     model: ModelConfig = ModelConfig()
     pretrain: PretrainParams = PretrainParams()
     chat_data: ChatDataParams = ChatDataParams()
-    sft: SFTParams = SFTParams()
+    sft: StageParams = StageParams()
     dpo: DPOParams = DPOParams()
     grpo: GRPOParams = GRPOParams()
     evaluate: EvaluateParams = EvaluateParams()
     register: RegisterParams = RegisterParams()
     tracking: TrackingParams = TrackingParams()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _vocab_from_tokenizer(cls, raw: Any) -> Any:
+        """model.vocab_size may be left out: the trained tokenizer's size (one number to set)."""
+        if isinstance(raw, dict) and isinstance(raw.get("model", {}), dict) and "vocab_size" not in raw.get("model", {}):
+            tok = raw.get("tokenizer") or {}
+            if isinstance(tok, dict) and tok.get("source", "train") == "train" and "vocab_size" in tok:
+                raw = {**raw, "model": {**raw.get("model", {}), "vocab_size": tok["vocab_size"]}}
+        return raw
+
     @model_validator(mode="after")
-    def _check_vocab(self) -> "Params":
+    def _check(self) -> "Params":
         # A copied tokenizer's size is known only when the stage reads it: tasks.tokenizer.check_vocab_size.
         if self.tokenizer.source == "train" and self.model.vocab_size < self.tokenizer.vocab_size:
             raise ValueError(f"model.vocab_size ({self.model.vocab_size}) must be >= tokenizer.vocab_size "
                              f"({self.tokenizer.vocab_size})")
-        if self.pretrain.seq_len > self.model.max_seq_len:
-            raise ValueError(f"pretrain.seq_len ({self.pretrain.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
+        # Every training stage's TrainConfig, built now with its real settings: its cross-field checks
+        # (astrai_core/config.py) run at parse time, and an error names the section.
+        from tasks.training import MODEL_STAGES, train_config
+
+        for stage in MODEL_STAGES:
+            try:
+                train_config(self, stage, Path("."))
+            except ValidationError as e:
+                err = e.errors()[0]
+                where = ".".join(str(p) for p in err["loc"])
+                raise ValueError(f"{stage}{'.' + where if where else ''}: "
+                                 f"{err['msg'].removeprefix('Value error, ')}") from None
         return self
 
     def digest(self) -> str:
@@ -185,25 +161,33 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
     tree[leaf] = value
 
 
+def validation_message(e: ValidationError) -> str:
+    """A pydantic error as one line that names the key: `pretrain.optim.lr: Input should be greater than 0`."""
+    err = e.errors()[0]
+    key = ".".join(str(p) for p in err["loc"])
+    msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+    more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+    return f"{key + ': ' if key else ''}{msg}{more}"
+
+
 def parse_params(raw: dict, source: str = "params.yaml") -> Params:
     try:
         return Params.model_validate(raw)
     except ValidationError as e:
-        err = e.errors()[0]
-        key = ".".join(str(p) for p in err["loc"])
-        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
-        more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
-        raise AstraiError(f"{source}: {key + ': ' if key else ''}{msg}{more}") from None
+        raise AstraiError(f"{source}: {validation_message(e)}") from None
 
 
 def load_raw(path: str | Path) -> dict:
+    """A YAML file's top-level mapping; a syntax error names its line."""
     path = Path(path)
     if not path.is_file():
-        raise AstraiError(f"{path}: params file not found")
+        raise AstraiError(f"{path}: file not found")
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise AstraiError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise AstraiError(f"{where}: not valid YAML: {getattr(e, 'problem', None) or str(e).splitlines()[0]}") from None
     if not isinstance(raw, dict):
         raise AstraiError(f"{path}: expected a mapping of sections at the top level")
     return raw

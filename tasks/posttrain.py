@@ -1,12 +1,9 @@
-"""Post-training stages: chat_data -> sft -> dpo_reference -> dpo -> grpo, each `astrai stage NAME`.
+"""The post-training data stages chat_data and dpo_reference, each `astrai stage NAME` (the training stages sft, dpo
+and grpo are in tasks/training.py).
 
 chat_data   derives (or reads and validates) the SFT / DPO / GRPO records (tasks/chat_data.py) and tokenizes them
             with the chat template: sft_{train,test}.h5 (conversations + loss mask), dpo_{train,test}.h5 (pair i =
             documents 2i chosen, 2i + 1 rejected, mask on the response), grpo_{train,test}.jsonl (prompts that fit).
-sft, dpo, grpo
-            train with the core's strategy of that name under torchrun, starting from the previous enabled stage's
-            model (pretrain -> sft -> dpo -> grpo). A disabled stage (`enabled: false`) writes only skipped.json,
-            and the next stage starts from the model before it.
 dpo_reference
             the frozen reference's log-probabilities of dpo_train.h5, computed once and keyed by the data's and
             the reference weights' sha256 (the dpo stage refuses a stale cache), so training never holds a
@@ -21,17 +18,15 @@ from typing import Callable
 
 from astrai_core.chat import ChatFormat, load_chat
 from astrai_core.checkpoint import load_model
-from astrai_core.config import DPOConfig, GRPOConfig, TrainConfig
 from astrai_core.data import PackedWriter
-from astrai_core.distributed import resolve_nproc
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file, write_json
 from astrai_core.strategies import reference_logps, save_reference_logps
 from tasks.chat_data import build_chat_data
-from tasks.params import Params, StageTrainParams
-from tasks.pretrain import launch
+from tasks.layout import CHAT, DPO_REFERENCE
+from tasks.params import Params
+from tasks.training import start_model, write_skipped
 
-MODEL_STAGES = ("pretrain", "sft", "dpo", "grpo")  # each one's model starts the next enabled one
 SPLITS = ("train", "test")
 
 
@@ -127,79 +122,14 @@ def build_chat(params: Params, corpus_dir: Path, tokenizer_path: Path, out_dir: 
     return {"records": records, "packed": stats}
 
 
-# ---- training stages -------------------------------------------------------------------------------------------
-
-def model_dir(root: Path, stage: str) -> Path:
-    return root / "data" / stage
-
-
-def previous_model(root: Path, stage: str) -> Path:
-    """The newest trained model before `stage` in MODEL_STAGES (skipped stages pass their input on)."""
-    for name in reversed(MODEL_STAGES[: MODEL_STAGES.index(stage)]):
-        d = model_dir(root, name)
-        if (d / "model.safetensors").is_file():
-            return d
-    raise AstraiError(f"no trained model before stage {stage!r}; run the pretrain stage first")
-
-
-def final_model(root: Path) -> Path:
-    """The last trained model of the chain: what evaluation reports last and register registers."""
-    return previous_model(root, "grpo") if not (model_dir(root, "grpo") / "model.safetensors").is_file() \
-        else model_dir(root, "grpo")
-
-
-def write_skipped(out_dir: Path, why: str) -> None:
-    with atomic_path(out_dir) as tmp:
-        tmp.mkdir()
-        write_json(tmp / "skipped.json", {"skipped": why})
-
-
-def stage_config(params: Params, stage: str, p: StageTrainParams, root: Path, **kw) -> TrainConfig:
-    """The training core's config for post-training stage `stage`; kw: the strategy's data and settings."""
-    return TrainConfig(
-        model=params.model, optim=p.optim, strategy=stage,
-        tokenizer=str(root / "data" / "tokenizer" / "tokenizer.json"),
-        out_dir=str(model_dir(root, stage)), init_from=str(previous_model(root, stage)),
-        seq_len=params.pretrain.seq_len, batch_size=p.batch_size, grad_accum=p.grad_accum, max_steps=p.max_steps,
-        dtype=p.dtype, device=p.device, backend=p.backend, seed=p.seed, log_every=p.log_every,
-        eval_every=p.eval_every, eval_batches=p.eval_batches, checkpoint_every=p.checkpoint_every,
-        keep_checkpoints=p.keep_checkpoints, resume=p.resume, lora=p.lora, **kw,
-    )
-
-
-def train_stage(params: Params, stage: str, root: Path, *, run_id: str | None = None,
-                on_line: Callable[[str], None] = print) -> dict | None:
-    """Run post-training stage `stage` (sft, dpo or grpo); None when it is disabled."""
-    p: StageTrainParams = getattr(params, stage)
-    out_dir = model_dir(root, stage)
-    if not p.enabled:
-        write_skipped(out_dir, f"{stage}.enabled is false")
-        on_line(f"{stage}: disabled; the next stage starts from {previous_model(root, stage)}")
-        return None
-    chat = root / "data" / "chat"
-    if stage == "sft":
-        cfg = stage_config(params, stage, p, root, train_data=str(chat / "sft_train.h5"),
-                           val_data=str(chat / "sft_test.h5"))
-    elif stage == "dpo":
-        cfg = stage_config(params, stage, p, root, train_data=str(chat / "dpo_train.h5"),
-                           dpo=DPOConfig(beta=p.beta, loss=p.loss, label_smoothing=p.label_smoothing,
-                                         reference_logps=str(root / "data" / "dpo_reference" / "train_logps.h5")))
-    elif stage == "grpo":
-        cfg = stage_config(params, stage, p, root, train_data=str(chat / "grpo_train.jsonl"),
-                           grpo=GRPOConfig(**{k: getattr(p, k) for k in GRPOConfig.model_fields}))
-    else:
-        raise KeyError(stage)
-    return launch(cfg, resolve_nproc(p.nproc, p.device), p.max_restarts, run_id=run_id, on_line=on_line)
-
-
 def dpo_reference(params: Params, root: Path, on_line: Callable[[str], None] = print) -> dict | None:
     """The dpo_reference stage: cache the reference's log-probabilities of the DPO training pairs."""
-    out_dir = root / "data" / "dpo_reference"
+    out_dir = root / DPO_REFERENCE
     if not params.dpo.enabled:
         write_skipped(out_dir, "dpo.enabled is false")
         return None
-    ref = previous_model(root, "dpo")
-    data = root / "data" / "chat" / "dpo_train.h5"
+    ref = start_model(params, root, "dpo")  # what the dpo stage starts from
+    data = root / CHAT / "dpo_train.h5"
     model, _, _ = load_model(ref)
     logps = reference_logps(model, str(data), sha256_file(ref / "tokenizer.json"), dtype=params.dpo.dtype)
     with atomic_path(out_dir) as tmp:

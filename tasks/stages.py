@@ -13,16 +13,9 @@ from typing import Callable
 
 import mlflow
 
+from tasks.layout import CHAT, CORPUS, EVALUATE, PACKED, REGISTER, TOKENIZER
 from tasks.params import Params
 from tasks.tracking import stage_run
-
-CORPUS = Path("data/corpus")
-TOKENIZER = Path("data/tokenizer")
-PACKED = Path("data/packed")
-PRETRAIN = Path("data/pretrain")
-CHAT = Path("data/chat")
-EVALUATE = Path("data/evaluate")
-REGISTER = Path("data/register")
 
 
 def _corpus(params: Params, root: Path) -> None:
@@ -49,15 +42,6 @@ def _pack(params: Params, root: Path) -> None:
         mlflow.log_metric(f"{split}_tokens", info["tokens"])
 
 
-def _pretrain(params: Params, root: Path) -> None:
-    from tasks.pretrain import pretrain
-
-    run_id = mlflow.active_run().info.run_id
-    summary = pretrain(params, root / PACKED, root / TOKENIZER / "tokenizer.json", root / PRETRAIN, run_id=run_id)
-    mlflow.log_metrics({f"final_{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))})
-    mlflow.log_artifact(str(root / PRETRAIN / "config.json"))
-
-
 def _chat_data(params: Params, root: Path) -> None:
     from tasks.posttrain import build_chat
 
@@ -69,9 +53,9 @@ def _chat_data(params: Params, root: Path) -> None:
     mlflow.log_artifact(str(root / CHAT / "pack_stats.json"))
 
 
-def _post_train(stage: str) -> Callable[[Params, Path], None]:
+def _train(stage: str) -> Callable[[Params, Path], None]:
     def run(params: Params, root: Path) -> None:
-        from tasks.posttrain import train_stage
+        from tasks.training import model_dir, train_stage
 
         summary = train_stage(params, stage, root, run_id=mlflow.active_run().info.run_id)
         if summary is None:
@@ -79,6 +63,8 @@ def _post_train(stage: str) -> Callable[[Params, Path], None]:
             return
         mlflow.log_metrics({f"final_{k}": float(v) for k, v in summary.items()
                             if isinstance(v, (int, float)) and v is not None})
+        if stage == "pretrain":
+            mlflow.log_artifact(str(model_dir(root, stage) / "config.json"))
 
     return run
 
@@ -102,8 +88,8 @@ def _evaluate(params: Params, root: Path) -> None:
 
 
 def _register(params: Params, root: Path) -> None:
-    from tasks.posttrain import final_model
     from tasks.register import register
+    from tasks.training import final_model
 
     result = register(params, final_model(root), root / EVALUATE / "metrics.json", root / REGISTER, root)
     print(json.dumps(result, indent=2))
@@ -113,12 +99,12 @@ STAGES: dict[str, Callable[[Params, Path], None]] = {
     "corpus": _corpus,
     "tokenizer": _tokenizer,
     "pack": _pack,
-    "pretrain": _pretrain,
+    "pretrain": _train("pretrain"),
     "chat_data": _chat_data,
-    "sft": _post_train("sft"),
+    "sft": _train("sft"),
     "dpo_reference": _dpo_reference,
-    "dpo": _post_train("dpo"),
-    "grpo": _post_train("grpo"),
+    "dpo": _train("dpo"),
+    "grpo": _train("grpo"),
     "evaluate": _evaluate,
     "register": _register,
 }

@@ -150,7 +150,7 @@ def test_imported_checkpoint_starts_pretraining_and_exports_back(tmp_path, monke
     from astrai_core.config import ModelConfig, TrainConfig
     from astrai_core.train import train
     from tasks.params import Params
-    from tasks.pretrain import train_config
+    from tasks.training import train_config
     from tasks.tokenizer import build_tokenizer
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
@@ -166,7 +166,9 @@ def test_imported_checkpoint_starts_pretraining_and_exports_back(tmp_path, monke
     tok = load_tokenizer(tok_path)
     (tmp_path / "packed").mkdir()
     pack(tok, tmp_path / "packed" / "train.h5", sha256_file(tok_path))
-    cfg = train_config(params, tmp_path / "packed", tok_path, tmp_path / "start").model_copy(update={"val_data": None})
+    cfg = train_config(params, "pretrain", tmp_path).model_copy(update={
+        "train_data": str(tmp_path / "packed" / "train.h5"), "val_data": None, "tokenizer": str(tok_path),
+        "out_dir": str(tmp_path / "start")})
     assert cfg.init_from == str(ckpt) and cfg.model == ModelConfig(**model_cfg)
 
     # One step with lr 1e-12: the run's weights are the imported ones.

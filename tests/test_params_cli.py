@@ -30,12 +30,46 @@ def test_shipped_params_are_valid():
     ({"tokenizer.vocab_size": 4096}, "must be >= tokenizer.vocab_size (4096)"),
     ({"pretrain.dtype": "fp8"}, "pretrain.dtype"),
     ({"corpuss": {}}, "corpuss: unknown key"),
+    # cross-field checks of the core's configs, at parse time (astrai_core/config.py)
+    ({"pretrain.optim.min_lr": 0.1}, "pretrain.optim: min_lr (0.1) exceeds lr (0.0015)"),
+    ({"sft.optim": {"lr": 0.001, "min_lr": 0.01}}, "sft.optim: min_lr (0.01) exceeds lr (0.001)"),
+    ({"pretrain.seq_len": 300}, "pretrain: seq_len (300) exceeds model.max_seq_len (256)"),
+    ({"tokenizer.vocab_size": 5}, "tokenizer.vocab_size: Input should be greater than or equal to 263"),
+    ({"grpo.rewards": {"exact_answr": 1.0}}, "grpo.rewards: unknown reward 'exact_answr'"),
+    ({"grpo.rewards": {"no_such_module:fn": 1.0}}, "grpo.rewards: reward 'no_such_module:fn': cannot import"),
+    ({"dpo.label_smoothing": 0.7}, "dpo.label_smoothing: Input should be less than 0.5"),
 ])
 def test_bad_params_name_the_key(override, message):
     with pytest.raises(AstraiError) as e:
         load_params(ROOT / "params.yaml", override)
     assert message in str(e.value) and "\n" not in str(e.value)
     assert str(e.value).startswith(str(ROOT / "params.yaml"))
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    (tmp_path / "params.yaml").write_text("corpus:\n  source: x\n pack: [\n")
+    with pytest.raises(AstraiError, match=rf"^{tmp_path / 'params.yaml'}:3: not valid YAML"):
+        load_params(tmp_path / "params.yaml")
+
+
+def test_sections_resolve_into_the_core_configs():
+    """Each training section is the core's RunSettings: what it sets reaches the stage's TrainConfig, and what it
+    leaves out takes the core's one default. model.vocab_size left out is the tokenizer's."""
+    from astrai_core.config import RunSettings
+    from tasks.training import train_config
+
+    p = load_params(ROOT / "params.yaml", {"sft.label_smoothing": 0.1, "dpo.label_smoothing": 0.2})
+    sft, dpo = train_config(p, "sft", ROOT), train_config(p, "dpo", ROOT)
+    assert (sft.label_smoothing, sft.batch_size, sft.seq_len) == (0.1, p.sft.batch_size, p.pretrain.seq_len)
+    assert (dpo.dpo.label_smoothing, dpo.label_smoothing) == (0.2, 0.0)  # DPO's own, not the token loss's
+    assert train_config(p, "grpo", ROOT).keep_checkpoints == RunSettings().keep_checkpoints
+    assert train_config(p, "grpo", ROOT).init_from == str(ROOT / "data" / "dpo")
+    skip = load_params(ROOT / "params.yaml", {"dpo.enabled": False})
+    assert train_config(skip, "grpo", ROOT).init_from == str(ROOT / "data" / "sft")  # the previous enabled stage
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    del raw["model"]["vocab_size"]
+    raw["tokenizer"]["vocab_size"] = 300
+    assert Params.model_validate(raw).model.vocab_size == 300
 
 
 def test_overrides_apply_and_digest_changes():

@@ -170,6 +170,31 @@ def test_torchrun_failure_raises_with_output(core_tiny_data, tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("case", ["non_finite", "missing_data"])
+def test_astrai_train_reports_a_rank_error_as_one_line(core_tiny_data, tmp_path, case):
+    """`astrai train` (the launch path every stage shares): whatever a rank raised, the user reads one line."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    kw = (dict(optim=dict(lr=1e6, min_lr=0, warmup_steps=0, grad_clip=0), max_steps=50, val_data=None)
+          if case == "non_finite" else dict(train_data=str(tmp_path / "missing.h5")))
+    cfg = make_cfg(core_tiny_data, tmp_path / "out", **kw)
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "train", "--config", str(tmp_path / "cfg.yaml"),
+                          "--nproc", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr  # one line
+    expected = r"astrai: error: step \d+: non-finite loss .* lower optim.lr" if case == "non_finite" else \
+        rf"astrai: error: {tmp_path / 'missing.h5'}: packed token file not found"
+    assert __import__("re").match(expected, out.stderr.strip()), out.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.integration
 def test_torchrun_interrupt_kills_every_rank(core_tiny_data, tmp_path):
     cfg = make_cfg(core_tiny_data, tmp_path / "ckpt", max_steps=100000, log_every=1)
     cfg_path = tmp_path / "cfg.json"
