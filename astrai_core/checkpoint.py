@@ -153,6 +153,15 @@ def verify_checkpoint(ckpt_dir: str | os.PathLike) -> dict[str, str]:
     return hashes
 
 
+def load_weights(ckpt_dir: str | os.PathLike, tie_embeddings: bool) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights as a state dict; with tie_embeddings, lm_head.weight (stored once, as
+    embed_tokens.weight) is put back, so a strict load_state_dict accepts it."""
+    weights = load_file(Path(ckpt_dir) / "model.safetensors")
+    if tie_embeddings:
+        weights["lm_head.weight"] = weights["embed_tokens.weight"]
+    return weights
+
+
 def load_model(
     ckpt_dir: str | os.PathLike, device: str | torch.device = "cpu"
 ) -> tuple[Transformer, Tokenizer, ModelConfig]:
@@ -161,7 +170,7 @@ def load_model(
     verify_checkpoint(ckpt_dir)
     cfg = ModelConfig.model_validate_json((ckpt_dir / "config.json").read_text())
     model = Transformer(cfg)
-    state = load_file(ckpt_dir / "model.safetensors")
+    state = load_weights(ckpt_dir, tie_embeddings=False)  # a tied lm_head is re-tied by the model itself
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # shape mismatch

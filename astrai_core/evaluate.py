@@ -1,4 +1,6 @@
-"""Held-out language-modeling metrics: loss, perplexity and bits per character, with a unigram baseline.
+"""Held-out metrics: language modeling (loss, perplexity and bits per character, with a unigram baseline) and the
+chat models' (held-out SFT loss, preference accuracy, task accuracy); `forward` and `token_loss_total` are also
+what training validates with.
 
 Bits per character (total negative log-likelihood in bits / number of characters) compares models with
 different tokenizers; per-token loss does not.
@@ -6,11 +8,18 @@ different tokenizers; per-token loss does not.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Iterable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from astrai_core.data import Batch, Documents, PackedRows
+from astrai_core.dpo_reference import reference_logps
+from astrai_core.losses import IGNORE_INDEX, token_loss_sum
+from astrai_core.model import document_mask
 
 
 @torch.no_grad()
@@ -58,32 +67,51 @@ def summarize(nll: float, n_tokens: int, n_chars: int) -> dict[str, float]:
 
 # ---- chat-model metrics (post-training) ---------------------------------------------------------------------
 
+def forward(model: torch.nn.Module, batch: Batch, autocast=contextlib.nullcontext()) -> torch.Tensor:
+    """The model's logits of a batch: the one forward of training, validation and evaluation."""
+    with autocast:
+        return model(batch.x, positions=batch.positions, mask=batch.mask)
+
+
+@torch.no_grad()
+def token_loss_total(model: torch.nn.Module, batches: Iterable[Batch], autocast=contextlib.nullcontext()) -> torch.Tensor:
+    """(summed next-token loss, target count) over `batches` as a float64 pair: validation (whose ranks then sum
+    the pairs) and held-out evaluation alike. No label smoothing: a plain loss."""
+    was_training = model.training
+    model.eval()
+    total = None
+    for batch in batches:
+        logits = forward(model, batch, autocast)
+        y = batch.data["y"]
+        pair = torch.stack([token_loss_sum(logits, y).double(), (y != IGNORE_INDEX).sum().double()])
+        total = pair if total is None else total + pair
+    model.train(was_training)
+    return total
+
+
 @torch.no_grad()
 def masked_token_loss(model: torch.nn.Module, data_path: str, tokenizer_sha256: str, seq_len: int,
                       batch_size: int = 16) -> float:
     """Mean loss (nats) per target token of a conversation file (sft_*.h5): assistant tokens only, conversations
     packed and attention-blocked exactly as SFT trains."""
-    from astrai_core.losses import IGNORE_INDEX, token_loss_sum
-    from astrai_core.model import document_mask
-    from astrai_core.strategies import PackedRows, open_documents
-
-    rows = PackedRows(open_documents(data_path, tokenizer_sha256, model.cfg.vocab_size), seq_len)
-    model.eval()
-    total, count = 0.0, 0
-    for first in range(0, len(rows.rows), batch_size):
-        b = rows.batch(np.arange(first, min(first + batch_size, len(rows.rows))), torch.device("cpu")).data
-        logits = model(b["x"], positions=b["positions"], mask=document_mask(b["doc_ids"]))
-        total += token_loss_sum(logits, b["y"]).item()
-        count += int((b["y"] != IGNORE_INDEX).sum())
+    rows = PackedRows(Documents(data_path, tokenizer_sha256, model.cfg.vocab_size), seq_len)
+    batches = (rows_batch(rows, np.arange(first, min(first + batch_size, len(rows.rows))))
+               for first in range(0, len(rows.rows), batch_size))
+    total, count = token_loss_total(model, batches).tolist()
     return total / count
+
+
+def rows_batch(rows: PackedRows, items: np.ndarray, device: torch.device = torch.device("cpu")) -> Batch:
+    """Packed rows as a model-ready batch: positions restart and attention stops at every document boundary."""
+    b = rows.batch(items, device)
+    return Batch(b["x"], {"y": b["y"]}, int((b["y"] != IGNORE_INDEX).sum()), b["x"].numel(), positions=b["positions"],
+                 mask=document_mask(b["doc_ids"]))
 
 
 @torch.no_grad()
 def preference_accuracy(model: torch.nn.Module, data_path: str, tokenizer_sha256: str) -> dict[str, float]:
     """On preference pairs (dpo_*.h5): the share where the model gives the chosen response a higher summed
     log-probability than the rejected one, and the mean log-probability margin."""
-    from astrai_core.strategies import reference_logps
-
     logps = reference_logps(model, data_path, tokenizer_sha256)
     margin = logps[0::2] - logps[1::2]
     return {"preference_accuracy": float((margin > 0).mean()), "preference_margin": float(margin.mean())}

@@ -1,4 +1,5 @@
-"""The training loop: next-token prediction on packed tokens, DDP or FSDP2 across ranks, exact resume.
+"""The training loop, read top to bottom in train(): every strategy (seq, sft, dpo, grpo), DDP or FSDP2 across
+ranks, exact resume.
 
 Run it alone (cfg.json is a TrainConfig as JSON):
 
@@ -18,6 +19,11 @@ position is a sample count.
 Loss: summed over target tokens and divided by the number of target tokens of the whole step (every micro-step
 on every rank; targets equal to IGNORE_INDEX do not count), times the world size because DDP and FSDP average
 gradients over ranks. Masking and the split into micro-steps and ranks therefore never change the gradient.
+
+One step: the strategy's micro-batches -> forward and backward over the accumulation window -> the gradient norm
+(stop if it or the loss is not finite) -> clipping -> optimizer and schedule -> validation and early stopping ->
+metrics -> a resumable checkpoint when due. Callbacks (astrai_core/callbacks.py) observe each point; the run's
+counters live in RunState, which a checkpoint keeps with the model, optimizer, schedule, data position and RNGs.
 
 Stopping and resuming: SIGTERM asks for a stop; the current step (all its micro-steps) finishes, the ranks agree
 by an all-reduce, a resumable checkpoint is written and the process exits 0. A killed run (SIGKILL, a lost node)
@@ -43,34 +49,59 @@ import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from astrai_core.callbacks import (Callback, Checkpointing, EarlyStopping, GradientClipping, MetricLogging,
-                                   ProgressBar, Validation)
-from astrai_core.checkpoint import (clear_resumable, find_resumable, save_checkpoint, save_resumable,
-                                     verify_checkpoint)
+from astrai_core.callbacks import Callback, ProgressBar
+from astrai_core.checkpoint import (clear_resumable, find_resumable, load_weights, save_checkpoint, save_resumable,
+                                    verify_checkpoint)
 from astrai_core.config import TrainConfig
 from astrai_core.distributed import ERROR_PREFIX, Dist, cleanup, init_distributed
 from astrai_core.errors import AstraiError, TrainingError
+from astrai_core.evaluate import forward, token_loss_total
 from astrai_core.io import sha256_file
-from astrai_core.losses import IGNORE_INDEX, token_loss_sum  # noqa: F401 (re-exported)
-from astrai_core.model import Transformer, document_mask
+from astrai_core.model import Transformer
 from astrai_core.schedules import lr_at
-from astrai_core.strategies import (STRATEGIES, Batch, Strategy, WindowSampler, open_tokens,  # noqa: F401
-                                    read_windows)
+from astrai_core.strategies import STRATEGIES, Strategy
 from astrai_core.tracking import MetricLogger
 
 # Config fields that may change between a run and its resumption without changing what it computes.
 RESUME_MAY_CHANGE = {"train_data", "val_data", "tokenizer", "out_dir", "log_every", "compile", "compile_cache_dir",
                      "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "resume"}
+
+
+@dataclass
+class RunState:
+    """The loop's counters and decisions. Callbacks receive it to observe (they read it, never change it); a
+    checkpoint keeps state_dict()."""
+
+    max_steps: int
+    is_main: bool
+    step: int = 0  # optimizer steps done
+    micro: int = 0  # micro-step within the current step
+    epoch: int = 0  # passes of the sampler over the training data
+    metrics: dict[str, float] = field(default_factory=dict)  # what this step logs (empty when it logs nothing)
+    train_loss: float = math.nan
+    val_loss: float = math.nan
+    best_val: float = math.inf  # early stopping: the best validation loss so far
+    bad_validations: int = 0  # validations in a row that did not beat best_val
+    stop: str | None = None  # why the run stops before max_steps
+    resumed_from: int | None = None
+    summary: dict[str, Any] = field(default_factory=dict)  # set at the end
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "early_stopping": {"best": self.best_val, "bad": self.bad_validations}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = self.resumed_from = int(state["step"])
+        # Checkpoints written before RunState kept early stopping under the callback of that name.
+        es = state.get("early_stopping") or state.get("callbacks", {}).get("EarlyStopping") or {}
+        self.best_val, self.bad_validations = es.get("best", math.inf), es.get("bad", 0)
 
 
 def rng_state() -> dict[str, Any]:
@@ -92,156 +123,109 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-@dataclass
-class Run:
-    """What the loop and its callbacks share: the run's objects and counters."""
+def all_reduce_sum(x: torch.Tensor, d: Dist) -> torch.Tensor:
+    if d.world_size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
 
-    cfg: TrainConfig
-    d: Dist
-    raw_model: Transformer  # the bare module (DDP/compile wrap it; FSDP shards it in place)
-    model: torch.nn.Module  # what forward calls
+
+def all_gather(obj: Any, d: Dist) -> list[Any]:
+    if d.world_size == 1:
+        return [obj]
+    out = [None] * d.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def default_callbacks(cfg: TrainConfig) -> list[Callback]:
+    """What a run shows besides its metrics files: the progress line (a tqdm bar on a terminal)."""
+    return [ProgressBar()]
+
+
+def emit(callbacks: list[Callback], hook: str, run: RunState, *args) -> None:
+    for cb in callbacks:
+        getattr(cb, hook)(run, *args)
+
+
+# ---- checkpoints: collective (every rank calls), rank 0 writes ------------------------------------------------
+
+@dataclass
+class Trainee:
+    """What a checkpoint holds besides RunState: the bare model (DDP/compile wrap it; FSDP shards it in place),
+    its optimizer and schedule, and the strategy (its data position and anything it carries across steps)."""
+
+    model: Transformer
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    strategy: Strategy  # what is trained on, and the loss (astrai_core/strategies.py)
-    autocast: Any  # the mixed-precision context every forward runs in
-    callbacks: list[Callback]
-    evaluate: Callable[[], float]
-    max_steps: int
-    tokens_per_step: int
-    log: MetricLogger | None = None  # metrics.jsonl + MLflow on rank 0, a no-op elsewhere
-    step: int = 0  # optimizer steps done
-    micro: int = 0  # micro-step within the current step
-    epoch: int = 0
-    lr: float = 0.0
-    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(()))  # this rank's summed token loss, this step
-    step_targets: int = 0  # the step's loss units (target tokens, pairs, completion tokens), all ranks
-    step_tokens: int = 0  # tokens fed to the model this step, all ranks (throughput)
-    grad_norm: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    metrics: dict[str, float] = field(default_factory=dict)  # logged at the end of this step
-    train_loss: float = math.nan
-    val_loss: float = math.nan
-    stop: str | None = None  # why the run stops before max_steps
-    finished: bool = False  # the run is complete (last step, or early stopping): a final checkpoint follows
-    resumed_from: int | None = None
-    summary: dict[str, Any] = field(default_factory=dict)
+    strategy: Strategy
+    fsdp: bool
 
-    @property
-    def sampler(self):
-        return self.strategy.sampler
-
-    @property
-    def is_main(self) -> bool:
-        return self.d.is_main
-
-    @property
-    def is_last_step(self) -> bool:
-        return self.step == self.max_steps
-
-    @property
-    def params(self) -> list[torch.nn.Parameter]:
-        return list(self.raw_model.parameters())
-
-    @property
-    def fsdp(self) -> bool:
-        return self.cfg.parallel == "fsdp" and self.d.world_size > 1
-
-    def print0(self, *args, **kwargs) -> None:
-        if self.is_main:
-            print(*args, **kwargs)
-
-    def emit(self, hook: str, *args) -> None:
-        for cb in self.callbacks:
-            getattr(cb, hook)(self, *args)
-
-    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
-        if self.d.world_size > 1:
-            dist.all_reduce(x, op=dist.ReduceOp.SUM)
-        return x
-
-    # --- checkpoints: collective (every rank calls), rank 0 writes -------------------------------------------
-
-    def training_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """(full model state dict, train_state) on rank 0; every rank must call (gathers shards and RNG states)."""
+    def state(self, run: RunState, callbacks: list[Callback], cfg: TrainConfig, d: Dist):
+        """(full model state dict, train_state); every rank must call (gathers shards, RNG and strategy states)."""
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                                  get_optimizer_state_dict)
 
             full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            weights = get_model_state_dict(self.raw_model, options=full)
-            optim = get_optimizer_state_dict(self.raw_model, self.optimizer, options=full)
+            weights = get_model_state_dict(self.model, options=full)
+            optim = get_optimizer_state_dict(self.model, self.optimizer, options=full)
         else:  # replicas are identical: this rank's state is the model's
-            weights, optim = self.raw_model.state_dict(), self.optimizer.state_dict()
-        rngs, strategy = [rng_state()], [self.strategy.state_dict()]
-        if self.d.world_size > 1:
-            rngs, strategy = [None] * self.d.world_size, [None] * self.d.world_size
-            dist.all_gather_object(rngs, rng_state())
-            dist.all_gather_object(strategy, self.strategy.state_dict())
-        state = {"step": self.step, "epoch": self.sampler.epoch, "consumed_samples": self.sampler.consumed,
-                 "consumed_tokens": self.sampler.consumed * self.cfg.seq_len, "sampler": self.sampler.state_dict(),
-                 "optimizer": optim, "scheduler": self.scheduler.state_dict(), "rng": rngs, "strategy": strategy,
-                 "world_size": self.d.world_size,
-                 "callbacks": {type(cb).__name__: cb.state_dict() for cb in self.callbacks}}
+            weights, optim = self.model.state_dict(), self.optimizer.state_dict()
+        sampler = self.strategy.sampler
+        state = {**run.state_dict(), "epoch": sampler.epoch, "consumed_samples": sampler.consumed,
+                 "consumed_tokens": sampler.consumed * cfg.seq_len, "sampler": sampler.state_dict(),
+                 "optimizer": optim, "scheduler": self.scheduler.state_dict(), "rng": all_gather(rng_state(), d),
+                 "strategy": all_gather(self.strategy.state_dict(), d), "world_size": d.world_size,
+                 "callbacks": {type(cb).__name__: cb.state_dict() for cb in callbacks}}
         return weights, state
 
-    def save_resumable(self) -> Path | None:
-        weights, state = self.training_state()
-        if not self.is_main:
-            return None
-        return save_resumable(self.cfg.checkpoints, self.step, self.cfg.keep_checkpoints, model=self.raw_model,
-                              model_cfg=self.cfg.model, tokenizer_path=self.cfg.tokenizer, train_config=self.cfg,
-                              train_state=state, model_state=weights)
-
-    def save_final(self) -> None:
-        weights, state = self.training_state()
-        if self.is_main:
-            files = [self.log.path]
-            with contextlib.ExitStack() as stack:
-                if self.cfg.lora is not None:  # the adapters on their own, then the merged plain model
-                    from astrai_core.lora import merge_lora, save_adapters
-
-                    adapter_dir = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "adapter"
-                    lora = self.cfg.lora
-                    save_adapters(self.raw_model, adapter_dir, targets=lora.targets, rank=lora.rank, alpha=lora.alpha,
-                                  dropout=lora.dropout)
-                    files += sorted(adapter_dir.iterdir())
-                    merge_lora(self.raw_model)
-                    weights = self.raw_model.state_dict()
-                save_checkpoint(self.cfg.out_dir, self.raw_model, self.cfg.model, self.cfg.tokenizer,
-                                extra=self.summary, train_config=self.cfg, train_state=state, files=files,
-                                model_state=weights)
-            self.log.log_artifact(Path(self.cfg.out_dir) / "train_config.json")
-            self.print0(f"saved {self.cfg.out_dir} | {self.summary['tokens_per_sec']:,.0f} tok/s | "
-                        f"{self.summary['wall_seconds']:.1f} s", flush=True)
-
-    def restore(self, ckpt: Path) -> None:
-        """Load a resumable checkpoint into the (already wrapped) model, optimizer, scheduler, sampler, callbacks
-        and this rank's RNGs."""
+    def restore(self, ckpt: Path, run: RunState, callbacks: list[Callback], cfg: TrainConfig, d: Dist) -> None:
+        """Load a resumable checkpoint into the (already wrapped) model, optimizer, scheduler, strategy, RunState,
+        callbacks and this rank's RNGs."""
         state = torch.load(ckpt / "train_state.pt", weights_only=True, map_location="cpu")
-        weights = load_file(ckpt / "model.safetensors")
-        if self.cfg.model.tie_embeddings:
-            weights["lm_head.weight"] = weights["embed_tokens.weight"]
+        weights = load_weights(ckpt, cfg.model.tie_embeddings)
         if self.fsdp:
             from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                                  set_optimizer_state_dict)
 
             full = StateDictOptions(full_state_dict=True)
-            set_model_state_dict(self.raw_model, weights, options=full)
-            set_optimizer_state_dict(self.raw_model, self.optimizer, state["optimizer"], options=full)
+            set_model_state_dict(self.model, weights, options=full)
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=full)
         else:
-            self.raw_model.load_state_dict(weights)
+            self.model.load_state_dict(weights)
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.sampler.load_state_dict(state["sampler"])
+        self.strategy.sampler.load_state_dict(state["sampler"])
         if "strategy" in state:
-            self.strategy.load_state_dict(state["strategy"][self.d.rank % len(state["strategy"])])
-        for cb in self.callbacks:
+            self.strategy.load_state_dict(state["strategy"][d.rank % len(state["strategy"])])
+        for cb in callbacks:
             cb.load_state_dict(state["callbacks"].get(type(cb).__name__, {}))
-        if state["world_size"] != self.d.world_size:
-            warnings.warn(f"{ckpt}: written by {state['world_size']} ranks, resuming on {self.d.world_size}; "
+        if state["world_size"] != d.world_size:
+            warnings.warn(f"{ckpt}: written by {state['world_size']} ranks, resuming on {d.world_size}; "
                           "the data order is kept, the RNG streams are not", stacklevel=2)
-        set_rng_state(state["rng"][self.d.rank % len(state["rng"])])
-        self.step = self.resumed_from = int(state["step"])
-        self.epoch = self.sampler.epoch
+        set_rng_state(state["rng"][d.rank % len(state["rng"])])
+        run.load_state_dict(state)
+        run.epoch = self.strategy.sampler.epoch
+
+
+def save_final(cfg: TrainConfig, weights: dict[str, torch.Tensor], state: dict[str, Any], model: Transformer,
+               summary: dict[str, Any], log: MetricLogger) -> None:
+    """Rank 0: the finished run's checkpoint in cfg.out_dir (with LoRA: the merged plain model, and the adapters
+    on their own)."""
+    files = [log.path]
+    with contextlib.ExitStack() as stack:
+        if cfg.lora is not None:
+            from astrai_core.lora import merge_lora, save_adapters
+
+            adapter_dir = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "adapter"
+            save_adapters(model, adapter_dir, targets=cfg.lora.targets, rank=cfg.lora.rank, alpha=cfg.lora.alpha,
+                          dropout=cfg.lora.dropout)
+            files += sorted(adapter_dir.iterdir())
+            merge_lora(model)
+            weights = model.state_dict()
+        save_checkpoint(cfg.out_dir, model, cfg.model, cfg.tokenizer, extra=summary, train_config=cfg,
+                        train_state=state, files=files, model_state=weights)
+    log.log_artifact(Path(cfg.out_dir) / "train_config.json")
 
 
 def resumable_checkpoint(cfg: TrainConfig) -> Path | None:
@@ -259,11 +243,64 @@ def resumable_checkpoint(cfg: TrainConfig) -> Path | None:
     return ckpt
 
 
+# ---- the model and its optimizer -----------------------------------------------------------------------------
+
+def load_initial_weights(model: Transformer, cfg: TrainConfig, tokenizer_sha256: str) -> None:
+    """Start from cfg.init_from: a checkpoint of the same model shape and tokenizer (a pipeline stage's output or
+    `astrai import-hf`'s)."""
+    ckpt = Path(cfg.init_from)
+    verify_checkpoint(ckpt)
+    saved = json.loads((ckpt / "config.json").read_text())
+    now = cfg.model.model_dump(mode="json")
+    differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    if differ:
+        raise AstraiError(f"{ckpt / 'config.json'}: model differs from this run's ({', '.join(differ)}); init_from "
+                          "needs the same model shape")
+    if sha256_file(ckpt / "tokenizer.json") != tokenizer_sha256:
+        raise AstraiError(f"{ckpt / 'tokenizer.json'}: not this run's tokenizer ({cfg.tokenizer}); init_from needs the "
+                          "tokenizer the data was packed with")
+    model.load_state_dict(load_weights(ckpt, cfg.model.tie_embeddings))
+
+
 def checkpoint_blocks(model: Transformer) -> None:
     """Activation checkpointing: each decoder block keeps only its input and recomputes the rest in backward
     (non-reentrant, so it composes with DDP, FSDP and torch.compile)."""
     for block in model.layers:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def wrap(raw_model: Transformer, cfg: TrainConfig, d: Dist) -> torch.nn.Module:
+    """What forward calls: the bare model compiled and/or wrapped for DDP, or sharded in place by FSDP2."""
+    if cfg.compile and cfg.compile_cache_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cfg.compile_cache_dir).resolve())  # compiled kernels persist
+    if cfg.parallel == "fsdp" and d.world_size > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in raw_model.layers:  # one all-gather per block, the embedding and head with the root
+            fully_shard(block)
+        fully_shard(raw_model)
+        return torch.compile(raw_model) if cfg.compile else raw_model
+    model = torch.compile(raw_model) if cfg.compile else raw_model
+    if d.world_size > 1:
+        # A routed expert that got no tokens on this rank has no gradient: DDP must be told to expect that.
+        model = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None,
+                    find_unused_parameters=bool(getattr(cfg.model, "n_experts", 0)))
+    return model
+
+
+def make_optimizer(raw_model: Transformer, cfg: TrainConfig, d: Dist, max_steps: int):
+    """AdamW with weight decay on matrices (and the embedding) only, not on norm gains; frozen weights (LoRA's base)
+    are left out. The fused kernel exists on CUDA and CPU (one pass over each parameter instead of several).
+    LambdaLR scales optim.lr by the schedule's factor; it counts optimizer steps from 0, as the schedules do."""
+    params = [p for p in raw_model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    fused = cfg.optim.fused == "on" or (cfg.optim.fused == "auto" and d.device.type in ("cuda", "cpu"))
+    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), fused=fused)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg.optim, max_steps) / cfg.optim.lr)
+    return optimizer, scheduler
 
 
 def grad_sync(model: torch.nn.Module, raw_model: torch.nn.Module, enabled: bool):
@@ -280,47 +317,38 @@ def total_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over the shards
 
 
-def default_callbacks(cfg: TrainConfig) -> list[Callback]:
-    """In call order: clip, validate, maybe stop early, log, show, checkpoint (which sees the stop decision)."""
-    callbacks: list[Callback] = []
-    if cfg.optim.grad_clip > 0:
-        callbacks.append(GradientClipping(cfg.optim.grad_clip))
-    if cfg.val_data:
-        callbacks.append(Validation(cfg.eval_every))
-        if cfg.early_stopping_patience:
-            callbacks.append(EarlyStopping(cfg.early_stopping_patience, cfg.early_stopping_min_delta))
-    return callbacks + [MetricLogging(cfg.log_every), ProgressBar(), Checkpointing(cfg.checkpoint_every)]
+def mean_over_ranks(sums: dict[str, torch.Tensor], stats: dict[str, tuple[float, float]], units: int,
+                    d: Dist, device: torch.device) -> dict[str, float]:
+    """The strategy's metrics of this step, averaged over all ranks: `sums` per loss unit (divided by the step's
+    unit count), `stats` as (sum, count) pairs. Every rank holds the same keys, so one all-reduce does."""
+    keys, stat_keys = sorted(sums), sorted(stats)
+    if not keys and not stat_keys:
+        return {}
+    values = [sums[k].reshape(()).to(device) for k in keys]
+    values += [torch.tensor(float(stats[k][i]), device=device) for k in stat_keys for i in (0, 1)]
+    total = all_reduce_sum(torch.stack(values).double(), d).tolist()
+    out = {k: total[i] / units for i, k in enumerate(keys)}
+    for j, k in enumerate(stat_keys):
+        s, n = total[len(keys) + 2 * j], total[len(keys) + 2 * j + 1]
+        out[k] = s / n if n else float("nan")
+    return out
 
 
-def load_initial_weights(model: Transformer, cfg: TrainConfig, tokenizer_sha256: str) -> None:
-    """Start from cfg.init_from: a checkpoint of the same model shape and tokenizer (a pipeline stage's output or
-    `astrai import-hf`'s)."""
-    ckpt = Path(cfg.init_from)
-    verify_checkpoint(ckpt)
-    saved = json.loads((ckpt / "config.json").read_text())
-    now = cfg.model.model_dump(mode="json")
-    differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-    if differ:
-        raise AstraiError(f"{ckpt / 'config.json'}: model differs from this run's ({', '.join(differ)}); init_from "
-                          "needs the same model shape")
-    if sha256_file(ckpt / "tokenizer.json") != tokenizer_sha256:
-        raise AstraiError(f"{ckpt / 'tokenizer.json'}: not this run's tokenizer ({cfg.tokenizer}); init_from needs the "
-                          "tokenizer the data was packed with")
-    weights = load_file(ckpt / "model.safetensors")
-    if cfg.model.tie_embeddings:
-        weights["lm_head.weight"] = weights["embed_tokens.weight"]
-    model.load_state_dict(weights)
-
+# ---- the loop ----------------------------------------------------------------------------------------------------
 
 def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
     """Train (resuming if cfg.resume == "auto" finds a checkpoint of this run); rank 0 writes the final checkpoint
     to cfg.out_dir. Returns the run summary (on every rank). `callbacks` replaces default_callbacks(cfg)."""
     t_start = time.time()
     d = init_distributed(cfg.backend, cfg.device)
+    print0 = functools.partial(print, flush=True) if d.is_main else (lambda *a, **k: None)
+    callbacks = default_callbacks(cfg) if callbacks is None else callbacks
+    # Every forward runs in this mixed-precision context (weights and optimizer stay fp32).
+    autocast = torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
 
     # Data (the strategy's): refuse files packed with another tokenizer or ids the model cannot embed.
     tok_sha = sha256_file(cfg.tokenizer)
-    strategy = STRATEGIES[cfg.strategy](cfg, d.rank, d.world_size, d.device, tok_sha)
+    strategy = STRATEGIES[cfg.strategy](cfg, d.rank, d.world_size, d.device, tok_sha, autocast)
     per_step = d.world_size * cfg.grad_accum * cfg.batch_size  # samples in one optimizer step
     tokens_per_step = per_step * cfg.seq_len
     max_steps = math.ceil(cfg.max_tokens / tokens_per_step) if cfg.max_tokens else cfg.max_steps
@@ -348,129 +376,134 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
     n_params = raw_model.num_params()
     if cfg.activation_checkpointing:
         checkpoint_blocks(raw_model)
-    if cfg.compile and cfg.compile_cache_dir:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cfg.compile_cache_dir).resolve())  # compiled kernels persist
-    if cfg.parallel == "fsdp" and d.world_size > 1:
-        from torch.distributed.fsdp import fully_shard
+    model = wrap(raw_model, cfg, d)
+    all_params = list(raw_model.parameters())  # after wrap: FSDP replaces them with sharded ones
+    trainable = sum(p.numel() for p in all_params if p.requires_grad)
+    optimizer, scheduler = make_optimizer(raw_model, cfg, d, max_steps)
+    trainee = Trainee(raw_model, optimizer, scheduler, strategy, fsdp=cfg.parallel == "fsdp" and d.world_size > 1)
 
-        for block in raw_model.layers:  # one all-gather per block, the embedding and head with the root
-            fully_shard(block)
-        fully_shard(raw_model)
-        model = torch.compile(raw_model) if cfg.compile else raw_model
-    else:
-        model = torch.compile(raw_model) if cfg.compile else raw_model
-        if d.world_size > 1:
-            # A routed expert that got no tokens on this rank has no gradient: DDP must be told to expect that.
-            model = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None,
-                        find_unused_parameters=bool(getattr(cfg.model, "n_experts", 0)))
-    autocast = torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
-
-    # Optimizer: weight decay on matrices (and the embedding) only, not on norm gains; frozen weights (LoRA's base)
-    # are left out. The fused kernel exists on CUDA and CPU (one pass over each parameter instead of several).
-    params = [p for p in raw_model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    fused = cfg.optim.fused == "on" or (cfg.optim.fused == "auto" and d.device.type in ("cuda", "cpu"))
-    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), fused=fused)
-    # LambdaLR scales optim.lr by the factor; it counts optimizer steps from 0, as the schedules do.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg.optim, max_steps) / cfg.optim.lr)
-
-    @torch.no_grad()
-    def evaluate() -> float:
-        """Loss per unit over cfg.eval_batches fixed validation batches of every rank (plain loss: no KL term)."""
-        model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=d.device)  # loss sum, unit count
-        for i in range(cfg.eval_batches):
-            batch = strategy.eval_batches(i)
-            with autocast:
-                logits = model(batch.data["x"], **{k: v for k, v in batch.data.items() if k == "positions"},
-                               **({"mask": document_mask(batch.data["doc_ids"])} if "doc_ids" in batch.data else {}))
-            y = batch.data["y"]
-            total += torch.stack([token_loss_sum(logits, y).double(), (y != IGNORE_INDEX).sum().double()])
-        model.train()
-        total = run.all_reduce_sum(total)
-        return (total[0] / total[1]).item()
-
-    run = Run(cfg=cfg, d=d, raw_model=raw_model, model=model, optimizer=optimizer, scheduler=scheduler,
-              strategy=strategy, autocast=autocast,
-              callbacks=default_callbacks(cfg) if callbacks is None else callbacks,
-              evaluate=evaluate, max_steps=max_steps, tokens_per_step=tokens_per_step)
+    run = RunState(max_steps=max_steps, is_main=d.is_main)
     if ckpt is not None:
-        run.restore(ckpt)
-        run.print0(f"resuming from {ckpt} (step {run.step})", flush=True)
-    # A resumed run keeps the metrics up to its checkpoint and appends.
-    run.log = MetricLogger(Path(cfg.out_dir).with_name(Path(cfg.out_dir).name + ".logs"), enabled=d.is_main,
-                           resume_step=run.resumed_from)
-    trainable = sum(p.numel() for p in params)
-    run.print0(f"{cfg.strategy}: training {trainable:,} of {n_params:,} parameters on {d.world_size} rank(s) "
-               f"({d.device}, {cfg.dtype}, {cfg.parallel}), {max_steps} steps of {per_step} samples", flush=True)
+        trainee.restore(ckpt, run, callbacks, cfg, d)
+        print0(f"resuming from {ckpt} (step {run.step})")
+    # metrics.jsonl + MLflow on rank 0, a no-op elsewhere; a resumed run keeps the lines up to its checkpoint.
+    log = MetricLogger(Path(cfg.out_dir).with_name(Path(cfg.out_dir).name + ".logs"), enabled=d.is_main,
+                       resume_step=run.resumed_from)
+    print0(f"{cfg.strategy}: training {trainable:,} of {n_params:,} parameters on {d.world_size} rank(s) "
+           f"({d.device}, {cfg.dtype}, {cfg.parallel}), {max_steps} steps of {per_step} samples")
 
     # SIGTERM (a scheduler's preemption, torchrun stopping the group): finish the step, checkpoint, exit 0.
     stop_requested = threading.Event()
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop_requested.set()) if in_main_thread else None
-    timed_seconds, timed_steps, timed_tokens = 0.0, 0, 0  # throughput excludes the first step (warm-up)
+    # One timer: each step's seconds, excluding validation and checkpoints. Throughput over the log window, and
+    # over the run without its first step (warm-up) for the summary.
+    window_seconds, window_tokens = 0.0, 0
+    timed_seconds, timed_steps, timed_tokens = 0.0, 0, 0
+    finished = run.step >= max_steps  # the run is complete (last step, or early stopping): the final save follows
     try:
-        run.emit("on_train_begin")
-        run.emit("on_epoch_begin")
-        while not run.finished and not run.stop:
+        emit(callbacks, "on_train_begin", run)
+        log.log_params(cfg.model_dump())
+        emit(callbacks, "on_epoch_begin", run)
+        while not finished and not run.stop:
             t0 = time.perf_counter()
-            run.lr, run.metrics = scheduler.get_last_lr()[0], {}
-            # This step's micro-batches for this rank; the loss units and tokens across all ranks.
+            lr, run.metrics = scheduler.get_last_lr()[0], {}
+
+            # 1. This step's micro-batches for this rank; the loss units and tokens across all ranks.
             strategy.step_stats = {}
-            batches = strategy.micro_batches(run)
+            batches = strategy.micro_batches(run.step, raw_model)
             counts = torch.tensor([float(sum(b.count for b in batches)), float(sum(b.n_tokens for b in batches))],
                                   device=d.device)
-            run.step_targets, run.step_tokens = (int(v) for v in run.all_reduce_sum(counts).tolist())
-            if run.step_targets == 0:
+            step_units, step_tokens = (int(v) for v in all_reduce_sum(counts, d).tolist())
+            if step_units == 0:
                 raise TrainingError(f"step {run.step + 1}: no {strategy.unit} to learn from in the whole step "
-                                   "(every target masked); check the data")
-            run.loss_sum = torch.zeros((), device=d.device)
+                                    "(every target masked); check the data")
+
+            # 2. Forward and backward over the accumulation window. The loss is summed over units and divided by
+            # the whole step's count (times the world size: ranks' gradients are averaged, not summed).
+            loss_sum = torch.zeros((), device=d.device)  # this rank's summed loss this step
             metric_sums: dict[str, torch.Tensor] = {}
             for run.micro, batch in enumerate(batches):
-                run.emit("on_batch_begin")
+                emit(callbacks, "on_batch_begin", run)
                 # Gradients are all-reduced only on the last micro-step; the earlier ones just accumulate locally.
                 with grad_sync(model, raw_model, enabled=run.micro == cfg.grad_accum - 1):
-                    loss_sum, metrics = strategy.loss(run, batch)
-                    loss = loss_sum * (d.world_size / run.step_targets)  # ranks' gradients are averaged, not summed
+                    loss, metrics = strategy.loss(forward(model, batch, autocast), batch)
+                    scaled = loss * (d.world_size / step_units)
                     aux = getattr(raw_model, "aux_loss", None)  # e.g. a mixture-of-experts balance loss
                     if isinstance(aux, torch.Tensor):
-                        loss = loss + aux / cfg.grad_accum
-                    loss.backward()
-                run.loss_sum += loss_sum.detach()
+                        scaled = scaled + aux / cfg.grad_accum
+                    scaled.backward()
+                loss_sum += loss.detach()
                 for k, v in metrics.items():
                     metric_sums[k] = metric_sums.get(k, 0) + v.detach().float()
-                run.emit("on_batch_end")
-            log_metrics(run, metric_sums, strategy.step_stats)
-            # Stop before the update can spread NaNs into the weights. The norm is taken after the all-reduce, so
-            # it is the same on every rank (and a non-finite loss on one rank makes it non-finite everywhere).
-            run.grad_norm = total_grad_norm(run.params)
-            if not math.isfinite(run.grad_norm.item()) or not math.isfinite(run.loss_sum.item()):
-                raise TrainingError(f"step {run.step + 1}: non-finite loss ({run.loss_sum.item()}) or gradient norm "
-                                   f"({run.grad_norm.item()}); lower optim.lr, raise optim.warmup_steps or use fp32")
-            run.emit("on_optimizer_step_begin")
+                emit(callbacks, "on_batch_end", run)
+            run.metrics.update(mean_over_ranks(metric_sums, strategy.step_stats, step_units, d, loss_sum.device))
+
+            # 3. Stop before the update can spread NaNs into the weights. The norm is taken after the all-reduce,
+            # so it is the same on every rank (and a non-finite loss on one rank makes it non-finite everywhere).
+            grad_norm = total_grad_norm(all_params)
+            if not math.isfinite(grad_norm.item()) or not math.isfinite(loss_sum.item()):
+                raise TrainingError(f"step {run.step + 1}: non-finite loss ({loss_sum.item()}) or gradient norm "
+                                    f"({grad_norm.item()}); lower optim.lr, raise optim.warmup_steps or use fp32")
+            if cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(all_params, cfg.optim.grad_clip, grad_norm)
+            emit(callbacks, "on_optimizer_step_begin", run)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             run.step += 1
-            run.finished = run.is_last_step
+            finished = run.step == max_steps
             # Every rank must agree to stop at the same step, whichever ranks saw the signal.
-            if run.all_reduce_sum(torch.tensor(float(stop_requested.is_set()), device=d.device)).item() > 0 \
-                    and not run.finished:
+            if all_reduce_sum(torch.tensor(float(stop_requested.is_set()), device=d.device), d).item() > 0 \
+                    and not finished:
                 run.stop = "SIGTERM"
+            seconds = time.perf_counter() - t0
+            window_seconds, window_tokens = window_seconds + seconds, window_tokens + step_tokens
             if run.step > (run.resumed_from or 0) + 1 or max_steps == 1:
-                timed_seconds += time.perf_counter() - t0
-                timed_steps, timed_tokens = timed_steps + 1, timed_tokens + run.step_tokens
-            run.emit("on_optimizer_step_end")
+                timed_seconds, timed_steps, timed_tokens = timed_seconds + seconds, timed_steps + 1, timed_tokens + step_tokens
+
+            # 4. Validation every eval_every steps and after the last; early stopping on its loss.
+            if cfg.val_data and ((cfg.eval_every > 0 and run.step % cfg.eval_every == 0) or finished):
+                batches = (strategy.eval_batch(i) for i in range(cfg.eval_batches))
+                total = all_reduce_sum(token_loss_total(model, batches, autocast), d)
+                run.val_loss = run.metrics["val/loss"] = (total[0] / total[1]).item()
+                if cfg.early_stopping_patience:
+                    if run.val_loss < run.best_val - cfg.early_stopping_min_delta:
+                        run.best_val, run.bad_validations = run.val_loss, 0
+                    else:
+                        run.bad_validations += 1
+                    if run.bad_validations >= cfg.early_stopping_patience and not finished:
+                        run.stop = (f"early stopping: no val/loss improvement in {run.bad_validations} validations "
+                                    f"(best {run.best_val:.4f})")
+                        finished = True  # a complete run: the final checkpoint goes to out_dir
+
+            # 5. Metrics every log_every steps (and on the last step or a stop): the train loss is the mean over
+            # the step's units on all ranks.
+            if run.step % cfg.log_every == 0 or finished or run.stop:
+                run.train_loss = all_reduce_sum(loss_sum.clone(), d).item() / step_units
+                run.metrics.update({"train/loss": run.train_loss, "train/lr": lr, "train/grad_norm": float(grad_norm),
+                                    "train/tokens_per_sec": window_tokens / window_seconds})
+                window_seconds, window_tokens = 0.0, 0
+            if run.metrics:
+                log.log(run.metrics, step=run.step)
+
+            # 6. A resumable checkpoint every checkpoint_every steps and when asked to stop (SIGTERM).
+            if not finished and ((cfg.checkpoint_every > 0 and run.step % cfg.checkpoint_every == 0) or run.stop):
+                weights, state = trainee.state(run, callbacks, cfg, d)
+                if d.is_main:
+                    path = save_resumable(cfg.checkpoints, run.step, cfg.keep_checkpoints, model=raw_model,
+                                          model_cfg=cfg.model, tokenizer_path=cfg.tokenizer, train_config=cfg,
+                                          train_state=state, model_state=weights)
+                    print0(f"checkpoint {path}")
+            emit(callbacks, "on_optimizer_step_end", run)
             if strategy.sampler.epoch != run.epoch:
-                run.emit("on_epoch_end")
+                emit(callbacks, "on_epoch_end", run)
                 run.epoch = strategy.sampler.epoch
-                run.emit("on_epoch_begin")
-        run.emit("on_epoch_end")
+                emit(callbacks, "on_epoch_begin", run)
+        emit(callbacks, "on_epoch_end", run)
+
         if run.stop:
-            run.print0(f"stopped at step {run.step}/{max_steps}: {run.stop}", flush=True)
+            print0(f"stopped at step {run.step}/{max_steps}: {run.stop}")
         run.summary = {
             "strategy": cfg.strategy,
             "final_train_loss": run.train_loss,
@@ -486,32 +519,21 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
             "resumed_from_step": run.resumed_from,
             "stopped": run.stop,
         }
-        run.emit("on_train_end")
+        if finished:  # else interrupted: the resumable checkpoint is what the run leaves
+            weights, state = trainee.state(run, callbacks, cfg, d)
+            if d.is_main:
+                save_final(cfg, weights, state, raw_model, run.summary, log)
+                print0(f"saved {cfg.out_dir} | {run.summary['tokens_per_sec']:,.0f} tok/s | "
+                       f"{run.summary['wall_seconds']:.1f} s")
+        emit(callbacks, "on_train_end", run)
     except BaseException as e:
-        run.emit("on_error", e)
+        emit(callbacks, "on_error", run, e)
         raise
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous_handler)
     cleanup()
     return run.summary
-
-
-def log_metrics(run: Run, sums: dict[str, torch.Tensor], stats: dict[str, tuple[float, float]]) -> None:
-    """The strategy's metrics for this step, averaged over all ranks: `sums` per loss unit (divided by the
-    step's unit count), `stats` as (sum, count) pairs. Every rank holds the same keys, so one all-reduce does."""
-    keys, stat_keys = sorted(sums), sorted(stats)
-    if not keys and not stat_keys:
-        return
-    device = run.loss_sum.device
-    values = [sums[k].reshape(()).to(device) for k in keys]
-    values += [torch.tensor(float(stats[k][i]), device=device) for k in stat_keys for i in (0, 1)]
-    total = run.all_reduce_sum(torch.stack(values).double()).tolist()
-    for i, k in enumerate(keys):
-        run.metrics[k] = total[i] / run.step_targets
-    for j, k in enumerate(stat_keys):
-        s, n = total[len(keys) + 2 * j], total[len(keys) + 2 * j + 1]
-        run.metrics[k] = s / n if n else float("nan")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,9 +19,9 @@ from typing import Callable
 from astrai_core.chat import ChatFormat, load_chat
 from astrai_core.checkpoint import load_model
 from astrai_core.data import PackedWriter
+from astrai_core.dpo_reference import reference_logps, save_reference_logps
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file, write_json
-from astrai_core.strategies import reference_logps, save_reference_logps
 from tasks.chat_data import build_chat_data
 from tasks.layout import CHAT, DPO_REFERENCE
 from tasks.params import Params

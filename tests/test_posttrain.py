@@ -20,7 +20,8 @@ from astrai_core.io import sha256_file
 from astrai_core.losses import IGNORE_INDEX
 from astrai_core.model import Transformer
 from astrai_core.rewards import REWARDS
-from astrai_core.strategies import PackedRows, open_documents, reference_logps, save_reference_logps
+from astrai_core.data import PackedRows, open_documents
+from astrai_core.dpo_reference import reference_logps, save_reference_logps
 from astrai_core.tokenizer import train_tokenizer
 from astrai_core.train import default_callbacks, train
 from tasks.params import parse_params
@@ -274,11 +275,10 @@ def test_reward_functions_by_hand():
 
 
 def test_dpo_pairs_count_only_response_tokens(chat_setup):
-    from astrai_core.strategies import pair_batch
+    from astrai_core.data import pair_batch
 
     data = open_documents(str(chat_setup["chat"] / "dpo_train.h5"), sha256_file(chat_setup["tokenizer"]), 320)
-    tokens, data.mask_array = data.tokens[:].astype(np.int64), data.loss_mask[:]
-    batch = pair_batch(data, tokens, np.array([0, 3]), torch.device("cpu"))
+    batch = pair_batch(data, np.array([0, 3]), torch.device("cpu"))
     chat = load_chat(chat_setup["tokenizer"])
     records = [json.loads(line) for line in (chat_setup["root"] / "records" / "dpo_train.jsonl").read_text().splitlines()]
     kept = [r for r in records if max(len(chat.encode([{"role": "user", "content": r["prompt"]},
