@@ -25,7 +25,8 @@ A user file may also hold SFT records as {"prompt", "response"}: they become a u
 Its records are split by `test_fraction` (chosen by seed). Everything is deterministic in the seed: two runs write
 the same bytes.
 
-Run alone: `astrai stage chat_data` once the stage is wired, or from Python:
+The plays' parsing is tasks/plays.py, the records' schema and validation tasks/chat_records.py; this module
+derives the demo records and writes the files. Run alone: `astrai stage chat_data`, or from Python:
     build_chat_data(ChatDataParams(), Path("data/corpus"), Path("data/chat"))
 """
 
@@ -36,293 +37,21 @@ import json
 import random
 import re
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from typing import Iterator
 
 from astrai_core.errors import AstraiError
-from astrai_core.rewards import exact_answer, valid_option
 from astrai_core.io import atomic_path
-from astrai_core.tokenizer import SPECIAL_TOKENS
+from tasks.chat_records import (KINDS, TURN_CHARS, check_record, choice_question, continue_prompt, format_speech,
+                                read_records, rendered_chars)
+from tasks.params import DEMO, ChatDataParams
+from tasks.plays import MAX_SPEECH_CHARS, MAX_SPEECH_LINES, Speech, read_plays
 
-KINDS = ("sft", "dpo", "grpo")
-ROLES = ("system", "user", "assistant")
-DEMO = "demo"
-
-
-class ChatDataParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    # "demo" (derived from the plays) or the path of a JSONL file
-    sft: str = DEMO  # {"messages": [...]} or {"prompt", "response"} records
-    dpo: str = DEMO  # {"prompt", "chosen", "rejected"}
-    grpo: str = DEMO  # {"prompt", "answer"[, "options"]}
-    test_fraction: float = Field(0.1, ge=0.0, lt=1.0)  # of a user file's records, held out (chosen by seed)
-    sft_examples: PositiveInt = 3000  # demo sizes of the train files ...
-    dpo_pairs: PositiveInt = 1500
-    grpo_prompts: PositiveInt = 600
-    test_examples: PositiveInt = 200  # ... and of each test file
-    n_options: int = Field(3, ge=2)
-    max_chars: PositiveInt = 600  # a whole rendered record; the model sees 256 tokens of ~3 characters
-    seed: int = 0
-    on_bad_record: Literal["skip", "stop"] = "skip"
-
-
-# --- prompts the evaluation code reuses ----------------------------------------------------------------------------
-
-CHOICE_QUESTION = 'Which of these characters says: "{quote}"?\n{options}'
-CONTINUE_PROMPT = "Continue the scene:\n{speeches}"
-
-
-def choice_question(quote: str, options: list[str]) -> str:
-    # One option per line: each name then starts a line as the answer starts its turn, so it tokenizes the same
-    # way in both places and the model can copy it (", NAME" would give it a leading-space token).
-    return CHOICE_QUESTION.format(quote=quote, options="\n".join(options))
-
-
-def format_speech(speaker: str, lines: list[str] | tuple[str, ...]) -> str:
-    return f"{speaker}.\n" + "\n".join(lines)
-
-
-def continue_prompt(speeches: list[str]) -> str:
-    """The previous speeches, each already "SPEAKER.\\ntext", oldest first."""
-    return CONTINUE_PROMPT.format(speeches="\n\n".join(speeches))
-
-
-# The rewards that check these answers live with the training core: astrai_core/rewards.py (exact_answer,
-# valid_option).
-reward_exact, reward_in_options = exact_answer, valid_option
-
-
-# --- validation -----------------------------------------------------------------------------------------------------
-
-# Each turn costs its two special tokens (role header, end of turn), ~3 characters each at the context's budget.
-TURN_CHARS = 6
-
-
-def rendered_chars(record: dict, kind: str) -> int:
-    """Characters of a normalised record as the model sees it (DPO: the longer of the two replies)."""
-    if kind == "sft":
-        return sum(len(m["content"]) + TURN_CHARS for m in record["messages"])
-    if kind == "dpo":
-        return len(record["prompt"]) + max(len(record["chosen"]), len(record["rejected"])) + 2 * TURN_CHARS
-    return len(record["prompt"]) + len(record["answer"]) + 2 * TURN_CHARS
-
-
-def check_record(record: object, kind: str, max_chars: int) -> tuple[dict | None, str | None]:
-    """(the normalised record, None) or (None, the reason it is refused)."""
-    if not isinstance(record, dict):
-        return None, f"not a JSON object (got {type(record).__name__})"
-    if kind == "sft":
-        out, problem = _check_sft(record)
-    elif kind == "dpo":
-        out, problem = _check_fields(record, ("prompt", "chosen", "rejected"))
-        if out is not None and out["chosen"] == out["rejected"]:
-            out, problem = None, "chosen is identical to rejected"
-    else:
-        out, problem = _check_grpo(record)
-    if out is None:
-        return None, problem
-    n = rendered_chars(out, kind)
-    if n > max_chars:
-        return None, f"longer than the context: {n} characters > max_chars {max_chars}"
-    return out, None
-
-
-def _special_token(text: str) -> str | None:
-    return next((tok for tok in SPECIAL_TOKENS.values() if tok in text), None)
-
-
-def _check_fields(record: dict, names: tuple[str, ...]) -> tuple[dict | None, str | None]:
-    out = {}
-    for name in names:
-        if name not in record:
-            return None, f"missing field '{name}'"
-        value = record[name]
-        if not isinstance(value, str):
-            return None, f"field '{name}' must be a string, got {type(value).__name__}"
-        if not value.strip():
-            return None, f"empty field '{name}'"
-        if tok := _special_token(value):
-            return None, f"field '{name}' contains the special token {tok}"
-        out[name] = value
-    return out, None
-
-
-def _check_sft(record: dict) -> tuple[dict | None, str | None]:
-    if "messages" not in record:
-        if "prompt" in record or "response" in record:
-            pair, problem = _check_fields(record, ("prompt", "response"))
-            if pair is None:
-                return None, problem
-            return {"messages": [{"role": "user", "content": pair["prompt"]},
-                                 {"role": "assistant", "content": pair["response"]}]}, None
-        return None, "neither 'messages' nor 'prompt' and 'response'"
-    messages = record["messages"]
-    if not isinstance(messages, list) or not messages:
-        return None, "'messages' must be a non-empty list"
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            return None, f"message {i}: not an object"
-        if m.get("role") not in ROLES:
-            return None, f"message {i}: unknown role {m.get('role')!r} (expected one of {', '.join(ROLES)})"
-        content = m.get("content")
-        if not isinstance(content, str):
-            return None, f"message {i}: content must be a string, got {type(content).__name__}"
-        if not content.strip():
-            return None, f"message {i}: empty content"
-        if tok := _special_token(content):
-            return None, f"message {i}: content contains the special token {tok}"
-        out.append({"role": m["role"], "content": content})
-    if not any(m["role"] == "assistant" for m in out):
-        return None, "no assistant turn"
-    return {"messages": out}, None
-
-
-def _check_grpo(record: dict) -> tuple[dict | None, str | None]:
-    out, problem = _check_fields(record, ("prompt", "answer"))
-    if out is None:
-        return None, problem
-    out["answer"] = out["answer"].strip()  # rewards compare the stripped completion with it
-    options = record.get("options")
-    if options is None:
-        out["options"] = []
-        return out, None
-    if not isinstance(options, list) or not all(isinstance(o, str) and o.strip() for o in options):
-        return None, "'options' must be a list of non-empty strings"
-    out["options"] = [o.strip() for o in options]
-    if out["answer"] not in out["options"]:
-        return None, f"answer {out['answer']!r} is not among the options"
-    return out, None
-
-
-def read_records(path: Path, kind: str, on_bad: str, max_chars: int = 600) -> tuple[list[dict], list[str]]:
-    """Normalised records of a JSONL file and its problems ("PATH:LINE: reason"); on_bad="stop" raises the first.
-
-    Blank lines are not records. A file with no valid record at all is an error whatever on_bad says."""
-    path = Path(path)
-    records, problems = [], []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            problem = None
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                problem = f"not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})"
-            else:
-                if not line.strip():
-                    continue
-                try:
-                    record, problem = check_record(json.loads(line), kind, max_chars)
-                except json.JSONDecodeError as e:
-                    problem = f"invalid JSON ({e.msg} at column {e.colno})"
-            if problem is not None:
-                if on_bad == "stop":
-                    raise AstraiError(f"{path}:{lineno}: {problem}")
-                problems.append(f"{path}:{lineno}: {problem}")
-            else:
-                records.append(record)
-    if not records:
-        first = f"; first: {problems[0]}" if problems else ""
-        raise AstraiError(f"{path}: no valid {kind} records ({len(problems)} bad{first})")
-    return records, problems
-
-
-# --- plays -> speeches ----------------------------------------------------------------------------------------------
-
-MAX_SPEECH_LINES = 4
-MAX_SPEECH_CHARS = 300
-MIN_SPEAKER_SPEECHES = 2  # a "name" heading a single block is a title, "THE END." or a misparse, not a speaker
 MIN_OPTION_SPEECHES = 5  # GRPO names (the answer and the distractors) are characters with at least this many
 SFT_QUESTION_SHARE = 1 / 2
 LENGTH_TOLERANCE = 0.3  # a rejected speech is within 30% of the chosen one's characters
 QUOTE_CHARS = (20, 100)  # a quoted line long enough to tell speakers apart, short enough for one prompt line
-
-_HEADING = re.compile(r"(ACT|Act|SCENE|Scene|PROLOGUE|Prologue|EPILOGUE|Epilogue|INDUCTION|Induction)\b")
-_DIRECTION = re.compile(r"[\[{][^\]\[{]*\]")  # [Aside.], multi-line [Exeunt ...], and the edition's odd {Aside.]
-_NAME_WORD = re.compile(r"[A-Z0-9][A-Za-z'\-]*\.?|and|AND|of|de|the")
 _GROUPS = {"ALL", "BOTH"}  # speak together: not an answer to "which character says"
-
-
-@dataclass(frozen=True)
-class Speech:
-    play: str
-    scene: int  # consecutive speeches of one scene form a dialogue
-    pos: int  # index among every speech line parsed in the play, before rare names are dropped
-    speaker: str  # as the edition writes it, without the final period: "HAMLET", "FIRST LORD", "Ham"
-    lines: tuple[str, ...]  # stage directions removed
-
-
-def speaker_name(line: str) -> str | None:
-    """The name of a speaker line ("KING HENRY.", "Ham.", "QUINCE", "FIRST LORD. [Aside.]"), else None."""
-    s = _DIRECTION.sub("", line).strip()
-    if not s or line[:1].isspace() or len(s) > 40 or _HEADING.match(s):
-        return None
-    if s.endswith("."):
-        name = s[:-1].rstrip()
-    elif s == s.upper():  # one edition (A Midsummer Night's Dream) writes speakers without the period
-        name = s
-    else:
-        return None
-    words = name.split()
-    if not 1 <= len(words) <= 5 or not all(_NAME_WORD.fullmatch(w) for w in words):
-        return None
-    if not re.search(r"[A-Za-z]", name) or re.fullmatch(r"[IVXLC]+", name):  # "II." numbers a song or a poem
-        return None
-    return name
-
-
-def parse_play(play: str, text: str) -> list[Speech]:
-    """The speeches of a Gutenberg play: a speaker line after a blank line, then the speech up to the next blank
-    line (a stage-direction block between the two is skipped). Poems have no speaker lines and give nothing."""
-    lines = text.replace("\r\n", "\n").split("\n")
-    found: list[tuple[int, str, list[str]]] = []
-    scene = 0
-    for i in range(1, len(lines) - 1):
-        if lines[i - 1].strip():
-            continue
-        if _HEADING.match(lines[i].strip()):
-            scene += 1
-            continue
-        name = speaker_name(lines[i])
-        if name is None:
-            continue
-        body = _body(lines, i + 1)
-        if body:
-            found.append((scene, name, body))
-    counts = Counter(name for _, name, _ in found)
-    # Before the first ACT/SCENE heading come the title and the Dramatis Personae, where "KING JOHN" followed by
-    # the rest of the list parses like a speech; a play without headings keeps everything.
-    first_scene = 1 if scene > 0 else 0
-    return [Speech(play, sc, pos, name, tuple(body)) for pos, (sc, name, body) in enumerate(found)
-            if counts[name] >= MIN_SPEAKER_SPEECHES and sc >= first_scene]
-
-
-def _body(lines: list[str], j: int) -> list[str] | None:
-    """The speech starting at line j: its block, or the block after one blank-separated stage direction."""
-    if j < len(lines) and not lines[j].strip():
-        while j < len(lines) and not lines[j].strip():
-            j += 1
-        if j >= len(lines) or not lines[j].lstrip().startswith("["):
-            return None
-        while j < len(lines) and lines[j].strip():  # the direction block
-            j += 1
-        while j < len(lines) and not lines[j].strip():
-            j += 1
-        if j >= len(lines) or speaker_name(lines[j]) or _HEADING.match(lines[j].strip()):
-            return None
-    block = []
-    while j < len(lines) and lines[j].strip():
-        block.append(lines[j])
-        j += 1
-    text = _DIRECTION.sub("", "\n".join(block))
-    if "[" in text or "]" in text:
-        return None  # a direction that does not close inside the block: not safe to cut
-    body = [ln.strip() for ln in text.split("\n") if ln.strip()]
-    return body or None
 
 
 def _capped(lines: tuple[str, ...], tail: bool = False) -> list[str] | None:
@@ -337,26 +66,6 @@ def _capped(lines: tuple[str, ...], tail: bool = False) -> list[str] | None:
     if not out:
         return None
     return list(reversed(out)) if tail else out
-
-
-def read_plays(path: Path) -> dict[str, list[Speech]]:
-    """{document id: its speeches} of one split file of the corpus stage, in file order."""
-    if not path.is_file():
-        raise AstraiError(f"{path}: not found (run the corpus stage first)")
-    plays = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                doc = json.loads(line)
-                doc_id, text = str(doc["id"]), doc["text"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                doc_id, text = None, None
-            if not isinstance(text, str):
-                raise AstraiError(f"{path}:{lineno}: not a corpus record {{'id': ..., 'text': str}}")
-            plays[doc_id] = parse_play(doc_id, text)
-    return plays
 
 
 # --- speeches -> records --------------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 from astrai_core.config import DPOSettings, GRPOConfig, ModelConfig, RunSettings, TwoStageConfig
 from astrai_core.errors import AstraiError
 from astrai_core.tokenizer import MIN_VOCAB_SIZE
-from tasks.chat_data import ChatDataParams
 
 
 class Strict(BaseModel):
@@ -42,6 +41,25 @@ class TokenizerParams(Strict):
     source: str = "train"
     vocab_size: int = Field(2048, ge=MIN_VOCAB_SIZE)  # every special token and every byte has an id
     min_frequency: PositiveInt = 2
+
+
+DEMO = "demo"  # chat_data: derive the records from the plays
+
+
+class ChatDataParams(Strict):
+    # "demo" (derived from the plays) or the path of a JSONL file
+    sft: str = DEMO  # {"messages": [...]} or {"prompt", "response"} records
+    dpo: str = DEMO  # {"prompt", "chosen", "rejected"}
+    grpo: str = DEMO  # {"prompt", "answer"[, "options"]}
+    test_fraction: float = Field(0.1, ge=0.0, lt=1.0)  # of a user file's records, held out (chosen by seed)
+    sft_examples: PositiveInt = 3000  # demo sizes of the train files ...
+    dpo_pairs: PositiveInt = 1500
+    grpo_prompts: PositiveInt = 600
+    test_examples: PositiveInt = 200  # ... and of each test file
+    n_options: int = Field(3, ge=2)
+    max_chars: PositiveInt = 600  # a whole rendered record; the model sees 256 tokens of ~3 characters
+    seed: int = 0
+    on_bad_record: Literal["skip", "stop"] = "skip"
 
 
 class PackParams(Strict):

@@ -10,8 +10,11 @@ import pytest
 from pydantic import ValidationError
 
 from astrai_core.errors import AstraiError
-from tasks.chat_data import (KINDS, ChatDataParams, build_chat_data, check_record, choice_question, parse_play,
-                             read_records, rendered_chars, reward_exact, reward_in_options)
+from tasks.chat_data import build_chat_data
+from tasks.chat_records import (KINDS, check_record, choice_question, read_records, rendered_chars, reward_exact,
+                                reward_in_options)
+from tasks.params import ChatDataParams
+from tasks.plays import parse_play
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 FILES = [f"{kind}_{split}.jsonl" for kind in KINDS for split in ("train", "test")]
