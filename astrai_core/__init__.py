@@ -1,4 +1,6 @@
-"""AstrAI training core: model, tokenizer, HDF5 data, training loop, checkpoints, generation, evaluation.
+"""AstrAI training core: config, model, tokenizer, data (HDF5 files and what training reads from them), the
+training loop (train.py) with its strategies, losses and callbacks, checkpoints, generation, evaluation.
 
-Imports neither Prefect nor DVC; talks to MLflow only through `astrai_core.tracking` (rank 0).
+Imports neither Prefect nor DVC nor the pipeline (tasks/, flows/); talks to MLflow only through
+`astrai_core.tracking` (rank 0).
 """
