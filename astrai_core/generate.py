@@ -1,8 +1,10 @@
 """Autoregressive sampling with a KV cache: greedy (temperature 0) or temperature / top-k / top-p sampling.
 
-generate: one prompt. The prompt is encoded once (prefill) and each new token costs one single-position forward
-against the cache (for MLA the cache holds the compressed latent). Once the context fills max_seq_len, every
-step re-encodes the last max_seq_len tokens, exactly what a model without a cache would see.
+One decoder (`decode`): the prompts are encoded once (prefill) and each new token costs one single-position
+forward against the cache (for MLA the cache holds the compressed latent).
+
+generate: one prompt, a batch of one. It runs on the model's plain causal path, and once the context fills
+max_seq_len every step re-encodes the last max_seq_len tokens, exactly what a model without a cache would see.
 
 generate_batch: prompts of different lengths at once. They are left-padded (pad id 0, masked out of attention,
 positions counted from each row's first real token), so every row's new tokens sit in the same column and one
@@ -46,6 +48,53 @@ def sample_next(
 
 
 @torch.no_grad()
+def decode(model: Transformer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+           top_k: int | None, top_p: float | None, stop_ids: Iterable[int], generator: torch.Generator | None,
+           padded: bool) -> list[list[int]]:
+    """The new token ids of each prompt. A row stops after max_new_tokens or after emitting one of stop_ids (which
+    is included, so the caller can tell a stop from a cut-off); finished rows are still fed, their tokens ignored,
+    until every row is done. padded: left padding masked out of attention (a batch; it must fit max_seq_len);
+    else the rows share one length and a full context re-encodes its last max_seq_len tokens."""
+    stop = set(stop_ids)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    window, B, longest = model.cfg.max_seq_len, len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(B, longest, dtype=torch.long, device=device)  # pad id 0, never attended to
+    valid = torch.zeros(B, longest, dtype=torch.bool, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+        valid[i, longest - len(p):] = True
+    new: list[list[int]] = [[] for _ in prompts]
+    done = [False] * B
+    cache = None
+    for _ in range(max_new_tokens):
+        if padded and cache is None:  # prefill, positions counted from each row's first real token
+            cache, positions = KVCache(), positions_from_mask(valid)
+            logits = model(ids, cache, positions=positions, mask=padding_mask(valid, longest))[:, -1].float()
+            positions = positions[:, -1:]  # (B, 1): each row's last position
+        elif padded:
+            valid, positions = torch.cat([valid, valid.new_ones(B, 1)], dim=1), positions + 1
+            logits = model(next_ids[:, None], cache, positions=positions, mask=padding_mask(valid, 1))[:, -1].float()
+        elif cache is None or cache.length >= window:  # prefill, or the window is full: re-encode its last part
+            cache = KVCache()
+            logits = model(ids[:, -window:], cache)[:, -1].float()
+        else:  # one position against the cache
+            logits = model(next_ids[:, None], cache)[:, -1].float()
+        next_ids = sample_next(logits, temperature, top_k, top_p, generator)
+        for i, t in enumerate(next_ids.tolist()):
+            if not done[i]:
+                new[i].append(t)
+                done[i] = t in stop
+        if all(done):
+            break
+        if not padded:
+            ids = torch.cat([ids, next_ids[:, None]], dim=1)
+    model.train(was_training)
+    return new
+
+
+@torch.no_grad()
 def generate(
     model: Transformer,
     prompt_ids: list[int],
@@ -61,29 +110,8 @@ def generate(
     so the caller can tell a stop from a cut-off). The context is cropped to the model's max_seq_len."""
     if not prompt_ids:
         raise ValueError("generate needs at least one prompt token (e.g. the BOS id)")
-    stop = set(stop_ids)
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    window = model.cfg.max_seq_len
-    idx = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    new: list[int] = []
-    cache = KVCache()
-    logits = model(idx[:, -window:], cache)[:, -1].float()  # prefill: (1, vocab)
-    for step in range(max_new_tokens):
-        if step > 0:
-            if cache.length < window:
-                logits = model(idx[:, -1:], cache)[:, -1].float()  # one position against the cache
-            else:  # the window is full: re-encode its last max_seq_len tokens
-                cache = KVCache()
-                logits = model(idx[:, -window:], cache)[:, -1].float()
-        next_id = int(sample_next(logits, temperature, top_k, top_p, generator)[0])
-        new.append(next_id)
-        if next_id in stop:
-            break
-        idx = torch.cat([idx, torch.tensor([[next_id]], device=device)], dim=1)
-    model.train(was_training)
-    return new
+    return decode(model, [list(prompt_ids)], max_new_tokens, temperature, top_k, top_p, stop_ids, generator,
+                  padded=False)[0]
 
 
 @torch.no_grad()
@@ -99,44 +127,14 @@ def generate_batch(
     generator: torch.Generator | None = None,
 ) -> list[list[int]]:
     """The new token ids of each prompt, as generate would return them for that prompt alone (greedy: the same
-    tokens). A row stops after max_new_tokens or after emitting one of stop_ids (included); finished rows are
-    still fed, their tokens ignored, until every row is done."""
+    tokens)."""
     if not prompts or not all(prompts):
         raise ValueError("generate_batch needs at least one prompt, each with at least one token (e.g. the BOS id)")
     longest = max(len(p) for p in prompts)
     if longest + max_new_tokens > model.cfg.max_seq_len:
         raise ValueError(f"longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds max_seq_len "
                          f"({model.cfg.max_seq_len}): shorten the prompts or ask for fewer tokens")
-    stop = set(stop_ids)
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    B = len(prompts)
-    ids = torch.zeros(B, longest, dtype=torch.long, device=device)  # pad id 0, never attended to
-    valid = torch.zeros(B, longest, dtype=torch.bool, device=device)
-    for i, p in enumerate(prompts):
-        ids[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
-        valid[i, longest - len(p):] = True
-    positions = positions_from_mask(valid)
-    cache = KVCache()
-    logits = model(ids, cache, positions=positions, mask=padding_mask(valid, longest))[:, -1].float()  # (B, V)
-    positions = positions[:, -1:]  # (B, 1): each row's last position
-    new: list[list[int]] = [[] for _ in prompts]
-    done = [False] * B
-    for step in range(max_new_tokens):
-        if step > 0:
-            valid = torch.cat([valid, valid.new_ones(B, 1)], dim=1)
-            positions = positions + 1
-            logits = model(next_ids[:, None], cache, positions=positions, mask=padding_mask(valid, 1))[:, -1].float()
-        next_ids = sample_next(logits, temperature, top_k, top_p, generator)
-        for i, t in enumerate(next_ids.tolist()):
-            if not done[i]:
-                new[i].append(t)
-                done[i] = t in stop
-        if all(done):
-            break
-    model.train(was_training)
-    return new
+    return decode(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, generator, padded=True)
 
 
 def generate_text(model: Transformer, tokenizer: Tokenizer, prompt: str, **kw) -> str:
