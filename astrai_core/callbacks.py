@@ -1,4 +1,5 @@
-"""Callbacks: observers of the training loop (astrai_core/train.py), the extension point for users.
+"""Callbacks: observers of the training loop (astrai_core/train.py), the extension point for users, and RunState,
+the loop's counters and decisions they observe.
 
 The loop calls every callback's hook in list order at each point of its lifecycle, passing the RunState:
 
@@ -19,13 +20,42 @@ the callback's class name.
 
 from __future__ import annotations
 
+import math
 import sys
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from tqdm import tqdm
 
-if TYPE_CHECKING:
-    from astrai_core.train import RunState
+
+@dataclass
+class RunState:
+    """The loop's counters and decisions. Callbacks receive it to observe (they read it, never change it); a
+    checkpoint keeps state_dict()."""
+
+    max_steps: int
+    is_main: bool
+    step: int = 0  # optimizer steps done
+    micro: int = 0  # micro-step within the current step
+    epoch: int = 0  # passes of the sampler over the training data
+    metrics: dict[str, float] = field(default_factory=dict)  # what this step logs (empty when it logs nothing)
+    train_loss: float = math.nan
+    val_loss: float = math.nan
+    best_val: float = math.inf  # early stopping: the best validation loss so far
+    bad_validations: int = 0  # validations in a row that did not beat best_val
+    stop: str | None = None  # why the run stops before max_steps
+    resumed_from: int | None = None
+    summary: dict[str, Any] = field(default_factory=dict)  # set at the end
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "early_stopping": {"best": self.best_val, "bad": self.bad_validations}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = self.resumed_from = int(state["step"])
+        # Checkpoints written before RunState kept early stopping under the callback of that name.
+        es = state.get("early_stopping") or state.get("callbacks", {}).get("EarlyStopping") or {}
+        self.best_val, self.bad_validations = es.get("best", math.inf), es.get("bad", 0)
+
 
 
 class Callback:

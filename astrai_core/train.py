@@ -47,7 +47,7 @@ import threading
 import time
 import traceback
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from astrai_core.callbacks import Callback, ProgressBar
+from astrai_core.callbacks import Callback, ProgressBar, RunState
 from astrai_core.checkpoint import (clear_resumable, find_resumable, load_weights, save_checkpoint, save_resumable,
                                     verify_checkpoint)
 from astrai_core.config import TrainConfig
@@ -73,35 +73,6 @@ from astrai_core.tracking import MetricLogger
 # Config fields that may change between a run and its resumption without changing what it computes.
 RESUME_MAY_CHANGE = {"train_data", "val_data", "tokenizer", "out_dir", "log_every", "compile", "compile_cache_dir",
                      "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "resume"}
-
-
-@dataclass
-class RunState:
-    """The loop's counters and decisions. Callbacks receive it to observe (they read it, never change it); a
-    checkpoint keeps state_dict()."""
-
-    max_steps: int
-    is_main: bool
-    step: int = 0  # optimizer steps done
-    micro: int = 0  # micro-step within the current step
-    epoch: int = 0  # passes of the sampler over the training data
-    metrics: dict[str, float] = field(default_factory=dict)  # what this step logs (empty when it logs nothing)
-    train_loss: float = math.nan
-    val_loss: float = math.nan
-    best_val: float = math.inf  # early stopping: the best validation loss so far
-    bad_validations: int = 0  # validations in a row that did not beat best_val
-    stop: str | None = None  # why the run stops before max_steps
-    resumed_from: int | None = None
-    summary: dict[str, Any] = field(default_factory=dict)  # set at the end
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "early_stopping": {"best": self.best_val, "bad": self.bad_validations}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = self.resumed_from = int(state["step"])
-        # Checkpoints written before RunState kept early stopping under the callback of that name.
-        es = state.get("early_stopping") or state.get("callbacks", {}).get("EarlyStopping") or {}
-        self.best_val, self.bad_validations = es.get("best", math.inf), es.get("bad", 0)
 
 
 def rng_state() -> dict[str, Any]:

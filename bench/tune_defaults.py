@@ -26,8 +26,7 @@ from astrai_core.distributed import resolve_nproc, run_torchrun
 from astrai_core.evaluate import sequence_nll, summarize, unigram_nll
 from astrai_core.io import sha256_file, write_json
 from tasks.pack import pack
-from tasks.params import load_params
-from tasks.training import train_config
+from tasks.params import load_params, train_config
 from tasks.tokenizer import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,3 +16,8 @@ EVALUATE = Path("data/evaluate")
 REGISTER = Path("data/register")
 
 MODELS = {"pretrain": PRETRAIN, "sft": SFT, "dpo": DPO, "grpo": GRPO}  # the training stages, in chain order
+MODEL_STAGES = tuple(MODELS)  # each one's model starts the next enabled one
+
+
+def model_dir(root: Path, stage: str) -> Path:
+    return root / MODELS[stage]

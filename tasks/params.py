@@ -15,9 +15,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
-from astrai_core.config import DPOSettings, GRPOConfig, ModelConfig, RunSettings, TwoStageConfig
+from astrai_core.config import (DPOConfig, DPOSettings, GRPOConfig, ModelConfig, RunSettings, TrainConfig,
+                                TwoStageConfig)
 from astrai_core.errors import AstraiError
 from astrai_core.tokenizer import MIN_VOCAB_SIZE
+from tasks.layout import CHAT, DPO_REFERENCE, MODEL_STAGES, PACKED, TOKENIZER, model_dir
 
 
 class Strict(BaseModel):
@@ -153,8 +155,6 @@ class Params(Strict):
                              f"({self.tokenizer.vocab_size})")
         # Every training stage's TrainConfig, built now with its real settings: its cross-field checks
         # (astrai_core/config.py) run at parse time, and an error names the section.
-        from tasks.training import MODEL_STAGES, train_config
-
         for stage in MODEL_STAGES:
             try:
                 train_config(self, stage, Path("."))
@@ -168,6 +168,46 @@ class Params(Strict):
     def digest(self) -> str:
         """sha256 of the resolved params (defaults filled in): the `params_hash` tag of a registered model."""
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+# ---- a training section -> the training core's config ----------------------------------------------------------
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_model(params: Params, root: Path, stage: str) -> Path:
+    """The model `stage` starts from: the previous enabled stage's (pretrain's own init_from is in its params)."""
+    before = [s for s in MODEL_STAGES[: MODEL_STAGES.index(stage)] if s == "pretrain" or getattr(params, s).enabled]
+    return model_dir(root, before[-1])
+
+
+def train_config(params: Params, stage: str, root: Path) -> TrainConfig:
+    """The training core's config of `stage`: its section's RunSettings (the strategy's own settings go to the
+    strategy's config) plus the model and the paths under `root`."""
+    section = getattr(params, stage)
+    strategy_cfg = {"dpo": DPOConfig, "grpo": GRPOConfig}.get(stage)
+    own = set(strategy_cfg.model_fields) if strategy_cfg else set()  # dpo.label_smoothing is DPO's, not the token loss's
+    cfg = {k: getattr(section, k) for k in RunSettings.model_fields if k not in own}
+    tokenizer = root / TOKENIZER / "tokenizer.json"
+    if section.compile:
+        cfg["compile_cache_dir"] = str(PROJECT_ROOT / ".cache" / "torchinductor")  # compiled kernels persist
+    if stage == "pretrain":
+        return TrainConfig(**cfg, model=params.model, seq_len=section.seq_len, two_stage=section.two_stage,
+                           init_from=section.init_from, train_data=str(root / PACKED / "train.h5"),
+                           val_data=str(root / PACKED / "validation.h5"), tokenizer=str(tokenizer),
+                           out_dir=str(model_dir(root, stage)))
+    if stage == "sft":
+        data = dict(train_data=str(root / CHAT / "sft_train.h5"), val_data=str(root / CHAT / "sft_test.h5"))
+    elif stage == "dpo":
+        data = dict(train_data=str(root / CHAT / "dpo_train.h5"),
+                    dpo=DPOConfig(**{k: getattr(section, k) for k in own - {"reference_logps"}},
+                                  reference_logps=str(root / DPO_REFERENCE / "train_logps.h5")))
+    else:
+        data = dict(train_data=str(root / CHAT / "grpo_train.jsonl"),
+                    grpo=GRPOConfig(**{k: getattr(section, k) for k in own}))
+    return TrainConfig(**cfg, **data, model=params.model, strategy=stage,
+                       seq_len=params.pretrain.seq_len, tokenizer=str(tokenizer), out_dir=str(model_dir(root, stage)),
+                       init_from=str(start_model(params, root, stage)))
 
 
 def set_dotted(tree: dict, dotted: str, value: Any) -> None:

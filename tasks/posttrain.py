@@ -24,8 +24,8 @@ from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file, write_json
 from tasks.chat_data import build_chat_data
 from tasks.layout import CHAT, DPO_REFERENCE
-from tasks.params import Params
-from tasks.training import start_model, write_skipped
+from tasks.params import Params, start_model
+from tasks.training import write_skipped
 
 SPLITS = ("train", "test")
 

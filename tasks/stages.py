@@ -13,7 +13,7 @@ from typing import Callable
 
 import mlflow
 
-from tasks.layout import CHAT, CORPUS, EVALUATE, PACKED, REGISTER, TOKENIZER
+from tasks.layout import CHAT, CORPUS, EVALUATE, PACKED, REGISTER, TOKENIZER, model_dir
 from tasks.params import Params
 from tasks.tracking import stage_run
 
@@ -55,7 +55,7 @@ def _chat_data(params: Params, root: Path) -> None:
 
 def _train(stage: str) -> Callable[[Params, Path], None]:
     def run(params: Params, root: Path) -> None:
-        from tasks.training import model_dir, train_stage
+        from tasks.training import train_stage
 
         summary = train_stage(params, stage, root, run_id=mlflow.active_run().info.run_id)
         if summary is None:

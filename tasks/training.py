@@ -12,23 +12,13 @@ same params; after a successful run those checkpoints are deleted, so a later ru
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from astrai_core.config import DPOConfig, GRPOConfig, RunSettings, TrainConfig
 from astrai_core.distributed import launch, resolve_nproc
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, write_json
-from tasks.layout import CHAT, DPO_REFERENCE, MODELS, PACKED, TOKENIZER
-
-if TYPE_CHECKING:
-    from tasks.params import Params
-
-MODEL_STAGES = tuple(MODELS)  # each one's model starts the next enabled one
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-
-
-def model_dir(root: Path, stage: str) -> Path:
-    return root / MODELS[stage]
+from tasks.layout import MODEL_STAGES, TOKENIZER, model_dir
+from tasks.params import Params, train_config
 
 
 def previous_model(root: Path, stage: str) -> Path:
@@ -44,41 +34,6 @@ def final_model(root: Path) -> Path:
     """The last trained model of the chain: what evaluation reports last and register registers."""
     return previous_model(root, "grpo") if not (model_dir(root, "grpo") / "model.safetensors").is_file() \
         else model_dir(root, "grpo")
-
-
-def start_model(params: Params, root: Path, stage: str) -> Path:
-    """The model `stage` starts from: the previous enabled stage's (pretrain's own init_from is in its params)."""
-    before = [s for s in MODEL_STAGES[: MODEL_STAGES.index(stage)] if s == "pretrain" or getattr(params, s).enabled]
-    return model_dir(root, before[-1])
-
-
-def train_config(params: Params, stage: str, root: Path) -> TrainConfig:
-    """The training core's config of `stage`: its section's RunSettings (the strategy's own settings go to the
-    strategy's config) plus the model and the paths under `root`."""
-    section = getattr(params, stage)
-    strategy_cfg = {"dpo": DPOConfig, "grpo": GRPOConfig}.get(stage)
-    own = set(strategy_cfg.model_fields) if strategy_cfg else set()  # dpo.label_smoothing is DPO's, not the token loss's
-    cfg = {k: getattr(section, k) for k in RunSettings.model_fields if k not in own}
-    tokenizer = root / TOKENIZER / "tokenizer.json"
-    if section.compile:
-        cfg["compile_cache_dir"] = str(PROJECT_ROOT / ".cache" / "torchinductor")  # compiled kernels persist
-    if stage == "pretrain":
-        return TrainConfig(**cfg, model=params.model, seq_len=section.seq_len, two_stage=section.two_stage,
-                           init_from=section.init_from, train_data=str(root / PACKED / "train.h5"),
-                           val_data=str(root / PACKED / "validation.h5"), tokenizer=str(tokenizer),
-                           out_dir=str(model_dir(root, stage)))
-    if stage == "sft":
-        data = dict(train_data=str(root / CHAT / "sft_train.h5"), val_data=str(root / CHAT / "sft_test.h5"))
-    elif stage == "dpo":
-        data = dict(train_data=str(root / CHAT / "dpo_train.h5"),
-                    dpo=DPOConfig(**{k: getattr(section, k) for k in own - {"reference_logps"}},
-                                  reference_logps=str(root / DPO_REFERENCE / "train_logps.h5")))
-    else:
-        data = dict(train_data=str(root / CHAT / "grpo_train.jsonl"),
-                    grpo=GRPOConfig(**{k: getattr(section, k) for k in own}))
-    return TrainConfig(**cfg, **data, model=params.model, strategy=stage,
-                       seq_len=params.pretrain.seq_len, tokenizer=str(tokenizer), out_dir=str(model_dir(root, stage)),
-                       init_from=str(start_model(params, root, stage)))
 
 
 def write_skipped(out_dir: Path, why: str) -> None:

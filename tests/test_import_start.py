@@ -150,7 +150,7 @@ def test_imported_checkpoint_starts_pretraining_and_exports_back(tmp_path, monke
     from astrai_core.config import ModelConfig, TrainConfig
     from astrai_core.train import train
     from tasks.params import Params
-    from tasks.training import train_config
+    from tasks.params import train_config
     from tasks.tokenizer import build_tokenizer
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)

@@ -56,7 +56,7 @@ def test_sections_resolve_into_the_core_configs():
     """Each training section is the core's RunSettings: what it sets reaches the stage's TrainConfig, and what it
     leaves out takes the core's one default. model.vocab_size left out is the tokenizer's."""
     from astrai_core.config import RunSettings
-    from tasks.training import train_config
+    from tasks.params import train_config
 
     p = load_params(ROOT / "params.yaml", {"sft.label_smoothing": 0.1, "dpo.label_smoothing": 0.2})
     sft, dpo = train_config(p, "sft", ROOT), train_config(p, "dpo", ROOT)
