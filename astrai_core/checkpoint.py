@@ -170,17 +170,11 @@ def load_model(
     verify_checkpoint(ckpt_dir)
     cfg = ModelConfig.model_validate_json((ckpt_dir / "config.json").read_text())
     model = Transformer(cfg)
-    state = load_weights(ckpt_dir, tie_embeddings=False)  # a tied lm_head is re-tied by the model itself
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # shape mismatch
+    try:  # strict: a missing, unexpected or misshapen tensor is refused
+        model.load_state_dict(load_weights(ckpt_dir, cfg.tie_embeddings))
+    except (RuntimeError, KeyError) as e:
         detail = " ".join(str(e).split())[:300]  # one line
         raise AstraiError(f"{ckpt_dir / 'model.safetensors'}: does not match config.json ({detail})") from None
-    if cfg.tie_embeddings:
-        missing = [k for k in missing if k != "lm_head.weight"]  # shared with embed_tokens.weight
-    if missing or unexpected:
-        raise AstraiError(f"{ckpt_dir / 'model.safetensors'}: does not match config.json "
-                          f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
     assert not cfg.tie_embeddings or model.lm_head.weight is model.embed_tokens.weight
     tokenizer = Tokenizer.from_file(str(ckpt_dir / "tokenizer.json"))
     return model.to(device).eval(), tokenizer, cfg

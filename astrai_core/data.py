@@ -33,6 +33,7 @@ import torch
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path
 from astrai_core.losses import IGNORE_INDEX
+from astrai_core.model import document_mask
 
 FORMAT_VERSION = 1
 
@@ -306,7 +307,6 @@ class WindowSampler(IndexSampler):
     def __init__(self, n_tokens: int, seq_len: int, seed: int) -> None:
         super().__init__((n_tokens - 1) // seq_len, seed)
         self.seq_len = seq_len
-        self.n_windows = self.n_items
 
     def starts(self, first: int, n: int) -> np.ndarray:
         return self.indices(first, n) * self.seq_len
@@ -360,8 +360,6 @@ class Documents:
         a, b = int(self.doc_offsets[d]), int(self.doc_offsets[d + 1])
         return row_targets(self.tokens[a:b], self.loss_mask[a:b])
 
-
-open_documents = Documents
 
 
 def row_targets(tokens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -424,7 +422,7 @@ class PackedRows:
         x, y = np.pad(x, (0, pad)), np.pad(y, (0, pad), constant_values=IGNORE_INDEX)
         return x, y, np.pad(p[:-1], (0, pad)), np.pad(doc[:-1], (0, pad), constant_values=len(self.rows[r]))
 
-    def batch(self, rows: np.ndarray, device: torch.device) -> dict[str, torch.Tensor]:
-        """x, y, positions and doc_ids of `rows`, each (len(rows), seq_len)."""
+    def batch(self, rows: np.ndarray, device: torch.device) -> Batch:
+        """`rows` as one batch: positions restart and attention stops at every document boundary."""
         x, y, pos, doc = (torch.from_numpy(np.stack(v)).to(device) for v in zip(*(self.row(int(r)) for r in rows)))
-        return {"x": x, "y": y, "positions": pos, "doc_ids": doc}
+        return Batch(x, {"y": y}, int((y != IGNORE_INDEX).sum()), x.numel(), positions=pos, mask=document_mask(doc))

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from astrai_core.data import Batch, Documents, PackedRows
 from astrai_core.dpo_reference import reference_logps
 from astrai_core.losses import IGNORE_INDEX, token_loss_sum
-from astrai_core.model import document_mask
 
 
 @torch.no_grad()
@@ -95,17 +94,10 @@ def masked_token_loss(model: torch.nn.Module, data_path: str, tokenizer_sha256: 
     """Mean loss (nats) per target token of a conversation file (sft_*.h5): assistant tokens only, conversations
     packed and attention-blocked exactly as SFT trains."""
     rows = PackedRows(Documents(data_path, tokenizer_sha256, model.cfg.vocab_size), seq_len)
-    batches = (rows_batch(rows, np.arange(first, min(first + batch_size, len(rows.rows))))
+    batches = (rows.batch(np.arange(first, min(first + batch_size, len(rows.rows))), torch.device("cpu"))
                for first in range(0, len(rows.rows), batch_size))
     total, count = token_loss_total(model, batches).tolist()
     return total / count
-
-
-def rows_batch(rows: PackedRows, items: np.ndarray, device: torch.device = torch.device("cpu")) -> Batch:
-    """Packed rows as a model-ready batch: positions restart and attention stops at every document boundary."""
-    b = rows.batch(items, device)
-    return Batch(b["x"], {"y": b["y"]}, int((b["y"] != IGNORE_INDEX).sum()), b["x"].numel(), positions=b["positions"],
-                 mask=document_mask(b["doc_ids"]))
 
 
 @torch.no_grad()

@@ -28,7 +28,6 @@ from astrai_core.data import (Batch, Documents, IndexSampler, PackedRows, Window
                               pair_batch, read_windows, row_targets)
 from astrai_core.dpo_reference import load_reference_logps
 from astrai_core.errors import AstraiError
-from astrai_core.evaluate import rows_batch
 from astrai_core.losses import (IGNORE_INDEX, dpo_loss, full_kl_sum, group_advantages, grpo_token_loss,
                                 sequence_logps, token_logps, token_loss_sum)
 from astrai_core.model import Transformer
@@ -202,12 +201,12 @@ class SFTStrategy(Strategy):
 
     def micro_batches(self, step, model):
         items = self.sampler.next_indices(self.per_step)
-        return [rows_batch(self.rows, sel, self.device) for sel in self.my_slices(items)]
+        return [self.rows.batch(sel, self.device) for sel in self.my_slices(items)]
 
     def eval_batch(self, i):
         n, b = len(self.val_rows.rows), self.cfg.batch_size
         first = (i * self.world_size + self.rank) * b
-        return rows_batch(self.val_rows, np.arange(first, first + b) % n, self.device)
+        return self.val_rows.batch(np.arange(first, first + b) % n, self.device)
 
 
 class DPOStrategy(Strategy):

@@ -20,7 +20,7 @@ from astrai_core.io import sha256_file
 from astrai_core.losses import IGNORE_INDEX
 from astrai_core.model import Transformer
 from astrai_core.rewards import REWARDS
-from astrai_core.data import PackedRows, open_documents
+from astrai_core.data import Documents, PackedRows
 from astrai_core.dpo_reference import reference_logps, save_reference_logps
 from astrai_core.tokenizer import train_tokenizer
 from astrai_core.train import default_callbacks, train
@@ -99,7 +99,7 @@ def _no_mlflow_run(monkeypatch):
 # ---- SFT -----------------------------------------------------------------------------------------------------
 
 def test_packed_rows_block_documents_and_learn_only_assistant_tokens(chat_setup):
-    data = open_documents(str(chat_setup["chat"] / "sft_train.h5"), sha256_file(chat_setup["tokenizer"]), 320)
+    data = Documents(str(chat_setup["chat"] / "sft_train.h5"), sha256_file(chat_setup["tokenizer"]), 320)
     rows = PackedRows(data, seq_len=160)
     assert sum(len(r) for r in rows.rows) == data.n_docs and max(len(r) for r in rows.rows) > 1  # packed
     chat = load_chat(chat_setup["tokenizer"])
@@ -277,7 +277,7 @@ def test_reward_functions_by_hand():
 def test_dpo_pairs_count_only_response_tokens(chat_setup):
     from astrai_core.data import pair_batch
 
-    data = open_documents(str(chat_setup["chat"] / "dpo_train.h5"), sha256_file(chat_setup["tokenizer"]), 320)
+    data = Documents(str(chat_setup["chat"] / "dpo_train.h5"), sha256_file(chat_setup["tokenizer"]), 320)
     batch = pair_batch(data, np.array([0, 3]), torch.device("cpu"))
     chat = load_chat(chat_setup["tokenizer"])
     records = [json.loads(line) for line in (chat_setup["root"] / "records" / "dpo_train.jsonl").read_text().splitlines()]
