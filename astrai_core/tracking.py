@@ -29,6 +29,11 @@ def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def mlflow_params(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Dotted keys and MLflow-sized string values (log the full config as an artifact as well)."""
+    return {k: str(v)[:MAX_PARAM_CHARS] for k, v in flatten(tree, prefix).items()}
+
+
 class MetricLogger:
     """Append metrics to `out_dir`/metrics.jsonl and, if MLFLOW_RUN_ID is set, to that MLflow run.
 
@@ -75,7 +80,7 @@ class MetricLogger:
             return
         from mlflow.entities import Param
 
-        flat = [Param(k, str(v)[:MAX_PARAM_CHARS]) for k, v in flatten(params).items()]
+        flat = [Param(k, v) for k, v in mlflow_params(params).items()]
         for i in range(0, len(flat), PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=flat[i : i + PARAMS_PER_BATCH])
 

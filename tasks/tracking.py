@@ -11,12 +11,11 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import mlflow
 
-from astrai_core.tracking import MAX_PARAM_CHARS
-from astrai_core.tracking import flatten as core_flatten
+from astrai_core.tracking import mlflow_params as flatten  # the MLflow params of a config tree
 from tasks.params import Params
 
 PARENT_RUN_ENV = "ASTRAI_PARENT_RUN_ID"
@@ -48,11 +47,6 @@ def setup(params: Params, project_dir: Path) -> str:
         exp_id = mlflow.create_experiment(params.tracking.experiment, artifact_location=artifacts)
     mlflow.set_experiment(experiment_id=exp_id)
     return exp_id
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """Dotted keys and MLflow-sized string values; the full config is logged as an artifact as well."""
-    return {k: str(v)[:MAX_PARAM_CHARS] for k, v in core_flatten(tree, prefix).items()}
 
 
 @contextlib.contextmanager

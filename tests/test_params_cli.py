@@ -96,6 +96,15 @@ def test_cli_typo_in_params_is_one_line_and_nonzero(tmp_path):
     assert not (tmp_path / "data").exists()
 
 
+def test_cli_pipeline_checks_params_before_prefect_starts(tmp_path):
+    """A bad override stops `astrai pipeline` with the key named, before a Prefect server is started."""
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    out = _cli(["pipeline", "--set", "pretrain.optim.min_lr=0.5"], tmp_path, PREFECT_HOME=str(tmp_path / "prefect"))
+    assert out.returncode == 2
+    assert out.stderr.strip() == "astrai: error: params.yaml: pretrain.optim: min_lr (0.5) exceeds lr (0.0015)"
+    assert not (tmp_path / "prefect").exists() and not (tmp_path / "data").exists()
+
+
 def test_cli_missing_corpus_is_one_line_and_leaves_nothing(tmp_path):
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     raw["corpus"]["source"] = str(tmp_path / "nowhere")
