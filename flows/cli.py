@@ -38,8 +38,8 @@ def _parse_override(item: str) -> tuple[str, object]:
 
 @app.command()
 def pipeline(
-    params: Path = typer.Option(Path("params.yaml"), help="Params file (copied into params.yaml for DVC)."),
-    set_: list[str] = typer.Option([], "--set", help="Override a param: KEY=VALUE with a dotted key. Repeatable."),
+    params: Path = typer.Option(Path("params.yaml"), help="Params file for this run (params.yaml itself is left as it is)."),
+    set_: list[str] = typer.Option([], "--set", help="Override a param for this run: KEY=VALUE with a dotted key. Repeatable."),
 ) -> None:
     """Run the whole pipeline as a Prefect flow in this process (a temporary Prefect server starts when
     PREFECT_API_URL is unset), then print where the results are."""

@@ -11,12 +11,14 @@ Run locally: `astrai pipeline` (or `python -m flows.pipeline`). As a deployment:
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlflow
 import yaml
@@ -53,19 +55,75 @@ def run_dvc_stage(stage: str, project_dir: str, env: dict[str, str]) -> str:
     return "skipped" if skipped else "ran"
 
 
-def _apply_overrides(project_dir: Path, params_path: str, overrides: dict[str, Any] | None) -> None:
-    """DVC reads params.yaml, so another params file or overrides are written there (as `dvc exp run -S` does)."""
-    source = (project_dir / params_path).resolve()
-    target = (project_dir / "params.yaml").resolve()
-    if source == target and not overrides:
+# Where a run keeps the user's params.yaml while its own params stand in for it (git-ignored).
+PARAMS_BACKUP = Path(".astrai") / "params.yaml.user"
+PARAMS_OF_RUN = Path(".astrai") / "params.yaml.run"
+
+
+def run_params_text(source: Path, overrides: dict[str, Any]) -> str:
+    """The text of a run's params: `source` with `overrides` (dotted keys) set, its comments and order kept."""
+    from ruamel.yaml import YAML  # round-trip YAML: comments survive an edit (PyYAML drops them)
+
+    rt = YAML()
+    rt.preserve_quotes = True
+    rt.width = 4096  # never re-wrap the user's long lines
+    rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
+    tree = rt.load(source.read_text())
+    for key, value in overrides.items():
+        set_dotted(tree, key, value)
+    out = io.StringIO()
+    rt.dump(tree, out)
+    return out.getvalue()
+
+
+def restore_user_params(root: Path) -> str | None:
+    """Put the user's params.yaml back if a run left its own there (it ended, or was killed before it could).
+    Returns a line saying what happened, or None when there was nothing to restore."""
+    target, backup, ours = root / "params.yaml", root / PARAMS_BACKUP, root / PARAMS_OF_RUN
+    if not backup.exists():
+        return None
+    if target.exists() and ours.exists() and target.read_bytes() != ours.read_bytes():
+        # Someone edited params.yaml while the run used it: their edit wins.
+        backup.unlink()
+        ours.unlink()
+        return "params.yaml was edited during the run: kept as it is"
+    os.replace(backup, target)
+    ours.unlink(missing_ok=True)
+    return "params.yaml restored to the user's file"
+
+
+@contextlib.contextmanager
+def run_params(root: Path, params_path: str, overrides: dict[str, Any] | None, log: Callable[[str], None] = print):
+    """params.yaml holds this run's params (another params file, or overrides) only while the run lasts.
+
+    DVC reads params from params.yaml alone, so the run's params must be there while its stages run, or
+    dvc.lock would record params the outputs were not made with. Afterwards (success, failure, cancel) the
+    user's file is back byte for byte; a run killed before it could restore it is undone at the next start.
+    dvc.lock keeps what the outputs were made with, so `dvc status` then names the overridden params as changed,
+    and the next run without overrides reruns those stages.
+    """
+    note = restore_user_params(root)
+    if note:
+        log(f"{note} (left by an interrupted run)")
+    target = root / "params.yaml"
+    source = (root / params_path).resolve()
+    if source == target.resolve() and not overrides:
+        load_params(target)  # one-line error for a bad file before any stage starts
+        yield
         return
-    raw = load_raw(source)
-    for key, value in (overrides or {}).items():
-        set_dotted(raw, key, value)
-    parse_params(raw, str(source))  # validate before touching params.yaml
+    load_raw(source)  # a missing file or bad YAML: one line naming it
+    text = run_params_text(source, overrides or {})
+    parse_params(yaml.safe_load(text) or {}, str(source))  # exactly what the stages will read, checked first
+    (root / PARAMS_BACKUP).parent.mkdir(exist_ok=True)
+    shutil.copy2(target, root / PARAMS_BACKUP)
+    (root / PARAMS_OF_RUN).write_text(text)
     tmp = target.with_suffix(".yaml.tmp")
-    tmp.write_text(yaml.safe_dump(raw, sort_keys=False))
+    tmp.write_text(text)
     os.replace(tmp, target)
+    try:
+        yield
+    finally:
+        log(restore_user_params(root) or "params.yaml: nothing to restore")
 
 
 @flow(name="astrai-pipeline", log_prints=True)
@@ -74,12 +132,16 @@ def pipeline(params_path: str = "params.yaml", overrides: dict[str, Any] | None 
     """Corpus -> tokenizer -> pack -> pretrain -> chat_data -> sft -> dpo_reference -> dpo -> grpo -> evaluate ->
     register, one Prefect task per stage (a post-training stage disabled in params passes its input on).
 
-    `overrides` maps dotted keys to values, e.g. {"pretrain.max_steps": 50}; they are validated and written
-    into params.yaml so that DVC's record stays true.
+    `overrides` maps dotted keys to values, e.g. {"pretrain.max_steps": 50}; they apply to this run only
+    (see `run_params`): params.yaml is the user's file again when the run ends.
     """
-    logger = get_run_logger()
     root = Path(project_dir or os.getcwd()).resolve()
-    _apply_overrides(root, params_path, overrides)
+    with run_params(root, params_path, overrides, log=get_run_logger().info):
+        return _run_stages(root)
+
+
+def _run_stages(root: Path) -> dict[str, Any]:
+    logger = get_run_logger()
     params = load_params(root / "params.yaml")
     setup(params, root)
 
