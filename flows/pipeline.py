@@ -16,6 +16,8 @@ import io
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -24,7 +26,9 @@ import mlflow
 import yaml
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
+from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
+from prefect.states import Cancelled, State
 
 from astrai_core.proc import stream_process
 from tasks import stages as S
@@ -40,8 +44,13 @@ def dvc_command() -> list[str]:
 
 
 @task(task_run_name="{stage}", retries=0)
-def run_dvc_stage(stage: str, project_dir: str, env: dict[str, str]) -> str:
-    """Run one stage through DVC; returns "ran" or "skipped" (DVC found it up to date)."""
+def run_dvc_stage(stage: str, project_dir: str, env: dict[str, str]) -> str | State:
+    """Run one stage through DVC; returns "ran" or "skipped" (DVC found it up to date).
+
+    DVC deletes a stage's outputs before running it, so a stage that fails or is cancelled would leave none:
+    the last good ones (those dvc.lock records) are checked out again from DVC's cache. A cancel ends this
+    task CANCELLED (Prefect would call the termination signal a crash), and the flow then stops.
+    """
     logger = get_run_logger()
     skipped = False
 
@@ -50,9 +59,26 @@ def run_dvc_stage(stage: str, project_dir: str, env: dict[str, str]) -> str:
         skipped |= "didn't change, skipping" in line
         logger.info(line)
 
-    stream_process(dvc_command() + ["repro", "--single-item", stage], env=env, cwd=project_dir,
-                   on_line=on_line, what=f"dvc repro {stage}")
+    try:
+        stream_process(dvc_command() + ["repro", "--single-item", stage], env=env, cwd=project_dir,
+                       on_line=on_line, what=f"dvc repro {stage}")
+    except TerminationSignal:
+        logger.warning(restore_last_good_outputs(stage, project_dir, env))
+        return Cancelled(message=f"stage {stage} cancelled; its last good outputs are in place")
+    except BaseException:
+        logger.warning(restore_last_good_outputs(stage, project_dir, env))
+        raise
     return "skipped" if skipped else "ran"
+
+
+def restore_last_good_outputs(stage: str, project_dir: str, env: dict[str, str]) -> str:
+    """`dvc checkout` the stage's outputs that dvc.lock records; returns one line saying what happened."""
+    out = subprocess.run(dvc_command() + ["checkout", "--force", stage], cwd=project_dir, env=env,
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if out.returncode == 0:
+        return f"{stage}: the last good outputs (dvc.lock) are back in place"
+    why = ((out.stderr or out.stdout).strip().splitlines() or ["dvc checkout failed"])[-1]
+    return f"{stage}: no earlier outputs restored ({why})"
 
 
 # Where a run keeps the user's params.yaml while its own params stand in for it (git-ignored).
@@ -155,7 +181,10 @@ def _run_stages(root: Path) -> dict[str, Any]:
         env[PARENT_RUN_ENV] = parent.info.run_id
         status = {}
         for stage in STAGE_ORDER:
-            status[stage] = run_dvc_stage(stage, str(root), env)
+            state = run_dvc_stage(stage, str(root), env, return_state=True)
+            if state.is_cancelled():
+                raise TerminationSignal(signal.SIGTERM)  # the flow run ends as the cancel asked, with no more stages
+            status[stage] = state.result()
             if stage == "evaluate":
                 _publish_evaluation(root)
         mlflow.log_dict(status, "stage_status.json")
