@@ -7,6 +7,8 @@ corpus's test plays, whose characters no training record names; the task accurac
 prompts is reported beside it to show what the stages learned in-distribution. metrics.json holds them as
 `<stage>/<metric>` plus the final model's language-modeling metrics under their plain names (what register
 compares); evaluation.md is the table; samples.md has the final model's text and each model's answers.
+For `dvc plots show` / `dvc plots diff` (dvc.yaml's `plots:`): chain.json has one row per model, and
+curves/<stage>.json each training stage's loss curve (DVC plots read JSON, not the stages' metrics.jsonl).
 
 Alone: `astrai stage evaluate` (what dvc.yaml runs).
 """
@@ -84,7 +86,21 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> dict:
         write_json(tmp / "metrics.json", metrics)
         (tmp / "evaluation.md").write_text(evaluation_table(metrics, models))
         (tmp / "samples.md").write_text(samples + _answers(grpo_test, answers))
+        write_plot_data(root, models, metrics, tmp)
     return metrics
+
+
+def write_plot_data(root: Path, models: list[str], metrics: dict, out_dir: Path) -> None:
+    """chain.json: each model's held-out metrics, in chain order; curves/<stage>.json: its training loss by step."""
+    chain = [{"model": stage} | {k: metrics[f"{stage}/{k}"] for k, _, _ in TABLE if f"{stage}/{k}" in metrics}
+             for stage in models]
+    write_json(out_dir / "chain.json", chain)
+    (out_dir / "curves").mkdir()
+    for stage in models:
+        log = model_dir(root, stage) / "metrics.jsonl"
+        rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
+        write_json(out_dir / "curves" / f"{stage}.json",
+                   [{"step": r["step"], "train/loss": r["train/loss"]} for r in rows if "train/loss" in r])
 
 
 def evaluation_table(metrics: dict, models: list[str]) -> str:

@@ -148,3 +148,41 @@ def test_a_cancelled_or_failed_run_leaves_the_last_good_outputs(tmp_path):
     assert (repo / "params.yaml").read_bytes() == user_params
     assert "up to date" in run_ok([VENV_BIN / "dvc", "status", "pretrain"], repo, env)
     assert (repo / "data/pretrain/model.safetensors").is_file()
+
+
+# --- experiments that compare: metrics and plots through DVC ----------------------------------------------------
+
+def test_metrics_compare_across_commits_and_plots_render(tmp_path):
+    """dvc.lock's record of the evaluation is enough for `dvc metrics diff` (and `dvc exp show`) to read an
+    earlier commit's metrics, though git ignores data/; dvc.yaml's plots load without error."""
+    import json
+
+    from conftest import VENV_BIN, make_project, run_ok
+    from tasks.evaluate import write_plot_data
+
+    repo = tmp_path / "project"
+    env = make_project(repo, tmp_path / "remote", "unused")
+    for dep in ("pretrain", "sft", "dpo", "grpo", "packed", "chat"):
+        (repo / "data" / dep).mkdir(parents=True)
+        (repo / "data" / dep / "x").write_text(dep)
+    for step in (1, 2):
+        (repo / "data/pretrain/metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "train/loss": 5.0 / s / step}) + "\n" for s in range(1, 6)))
+        metrics = {"test_bits_per_char": 3.0 / step, "pretrain/test_bits_per_char": 3.0 / step}
+        out = repo / "data/evaluate"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        (out / "metrics.json").write_text(json.dumps(metrics))
+        (out / "samples.md").write_text("s")
+        (out / "evaluation.md").write_text("e")
+        write_plot_data(repo, ["pretrain"], metrics, out)
+        run_ok([VENV_BIN / "dvc", "commit", "-f", "evaluate"], repo, env)
+        if step == 1:
+            run_ok(["git", "add", "dvc.lock"], repo, env)
+            run_ok(["git", "commit", "-qm", "first evaluation"], repo, env)
+    diff = json.loads(run_ok([VENV_BIN / "dvc", "metrics", "diff", "--json"], repo, env))
+    change = diff["data/evaluate/metrics.json"]["test_bits_per_char"]
+    assert change["old"] == 3.0 and change["new"] == 1.5, diff
+    plots = json.loads(run_ok([VENV_BIN / "dvc", "plots", "show", "--json"], repo, env))
+    assert not plots.get("errors"), plots["errors"]
+    assert {"data/evaluate/curves/pretrain.json", "data/evaluate/chain.json"} <= set(plots["data"]), plots["data"].keys()
