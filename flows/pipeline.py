@@ -30,6 +30,7 @@ from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
 
+from astrai_core.errors import AstraiError
 from astrai_core.proc import stream_process
 from tasks import stages as S
 from tasks.params import load_params, load_raw, parse_params, set_dotted
@@ -86,8 +87,30 @@ PARAMS_BACKUP = Path(".astrai") / "params.yaml.user"
 PARAMS_OF_RUN = Path(".astrai") / "params.yaml.run"
 
 
-def run_params_text(source: Path, overrides: dict[str, Any]) -> str:
-    """The text of a run's params: `source` with `overrides` (dotted keys) set, its comments and order kept."""
+PROFILES_DIR = Path("profiles")
+
+
+def load_profile(root: Path, name: str) -> dict[str, Any]:
+    """profiles/NAME.yaml: the params a profile changes, as a nested mapping like params.yaml's."""
+    path = root / PROFILES_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (root / PROFILES_DIR).glob("*.yaml"))
+        raise AstraiError(f"{path}: no such profile; profiles: {', '.join(known) or 'none'}")
+    return load_raw(path)
+
+
+def _merge(tree: dict, changes: dict) -> None:
+    """Set every leaf of `changes` in `tree`, keeping the keys (and comments) of `tree` that it does not name."""
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(tree.get(key), dict):
+            _merge(tree[key], value)
+        else:
+            tree[key] = value
+
+
+def run_params_text(source: Path, overrides: dict[str, Any], profile: dict[str, Any] | None = None) -> str:
+    """The text of a run's params: `source` with a profile merged in, then `overrides` (dotted keys) set, its
+    comments and order kept."""
     from ruamel.yaml import YAML  # round-trip YAML: comments survive an edit (PyYAML drops them)
 
     rt = YAML()
@@ -95,6 +118,7 @@ def run_params_text(source: Path, overrides: dict[str, Any]) -> str:
     rt.width = 4096  # never re-wrap the user's long lines
     rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
     tree = rt.load(source.read_text())
+    _merge(tree, profile or {})
     for key, value in overrides.items():
         set_dotted(tree, key, value)
     out = io.StringIO()
@@ -119,8 +143,9 @@ def restore_user_params(root: Path) -> str | None:
 
 
 @contextlib.contextmanager
-def run_params(root: Path, params_path: str, overrides: dict[str, Any] | None, log: Callable[[str], None] = print):
-    """params.yaml holds this run's params (another params file, or overrides) only while the run lasts.
+def run_params(root: Path, params_path: str, overrides: dict[str, Any] | None, log: Callable[[str], None] = print,
+               profile: str | None = None):
+    """params.yaml holds this run's params (another params file, a profile, overrides) only while the run lasts.
 
     DVC reads params from params.yaml alone, so the run's params must be there while its stages run, or
     dvc.lock would record params the outputs were not made with. Afterwards (success, failure, cancel) the
@@ -133,12 +158,13 @@ def run_params(root: Path, params_path: str, overrides: dict[str, Any] | None, l
         log(f"{note} (left by an interrupted run)")
     target = root / "params.yaml"
     source = (root / params_path).resolve()
-    if source == target.resolve() and not overrides:
+    changes = load_profile(root, profile) if profile else None
+    if source == target.resolve() and not overrides and not changes:
         load_params(target)  # one-line error for a bad file before any stage starts
         yield
         return
     load_raw(source)  # a missing file or bad YAML: one line naming it
-    text = run_params_text(source, overrides or {})
+    text = run_params_text(source, overrides or {}, changes)
     parse_params(yaml.safe_load(text) or {}, str(source))  # exactly what the stages will read, checked first
     (root / PARAMS_BACKUP).parent.mkdir(exist_ok=True)
     shutil.copy2(target, root / PARAMS_BACKUP)
@@ -154,15 +180,16 @@ def run_params(root: Path, params_path: str, overrides: dict[str, Any] | None, l
 
 @flow(name="astrai-pipeline", log_prints=True)
 def pipeline(params_path: str = "params.yaml", overrides: dict[str, Any] | None = None,
-             project_dir: str | None = None) -> dict[str, Any]:
+             project_dir: str | None = None, profile: str | None = None) -> dict[str, Any]:
     """Corpus -> tokenizer -> pack -> pretrain -> chat_data -> sft -> dpo_reference -> dpo -> grpo -> evaluate ->
     register, one Prefect task per stage (a post-training stage disabled in params passes its input on).
 
     `overrides` maps dotted keys to values, e.g. {"pretrain.max_steps": 50}; they apply to this run only
-    (see `run_params`): params.yaml is the user's file again when the run ends.
+    (see `run_params`): params.yaml is the user's file again when the run ends. `profile` names a file in
+    profiles/ merged over the params first (e.g. "quick": the whole chain in about a minute).
     """
     root = Path(project_dir or os.getcwd()).resolve()
-    with run_params(root, params_path, overrides, log=get_run_logger().info):
+    with run_params(root, params_path, overrides, log=get_run_logger().info, profile=profile):
         return _run_stages(root)
 
 

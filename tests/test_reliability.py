@@ -186,3 +186,48 @@ def test_metrics_compare_across_commits_and_plots_render(tmp_path):
     plots = json.loads(run_ok([VENV_BIN / "dvc", "plots", "show", "--json"], repo, env))
     assert not plots.get("errors"), plots["errors"]
     assert {"data/evaluate/curves/pretrain.json", "data/evaluate/chain.json"} <= set(plots["data"]), plots["data"].keys()
+
+
+# --- the quick profile ----------------------------------------------------------------------------------------------
+
+def test_a_profile_is_merged_over_the_params_and_an_unknown_one_is_named(params_root):
+    import yaml as pyyaml
+
+    from flows.pipeline import load_profile, run_params_text
+    from tasks.params import parse_params
+
+    shutil.copytree(PROJECT_ROOT / "profiles", params_root / "profiles")
+    text = run_params_text(params_root / "params.yaml", {"sft.max_steps": 3}, load_profile(params_root, "quick"))
+    params = parse_params(pyyaml.safe_load(text))
+    assert params.pretrain.max_steps == 40 and params.sft.max_steps == 3  # --set wins over the profile
+    assert params.pretrain.dtype == "bf16" and params.grpo.rewards == {"exact_answer": 1.0, "option_prefix": 0.5}
+    assert "# tuned: 1.5e-3 beat 3e-3" in text  # params.yaml's comments stay
+    with pytest.raises(AstraiError, match="no such profile; profiles: quick"):
+        load_profile(params_root, "fast")
+
+
+@pytest.mark.integration
+def test_the_quick_profile_runs_the_whole_chain(tmp_path):
+    """`astrai pipeline --profile quick` on the real params.yaml: every stage runs, a model is registered."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from conftest import make_project
+
+    repo = tmp_path / "project"
+    env = make_project(repo, tmp_path / "remote", "unused")
+    shutil.copy(PROJECT_ROOT / "params.yaml", repo / "params.yaml")
+    shutil.copytree(PROJECT_ROOT / "profiles", repo / "profiles")
+    env.update({"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "PYTHONPATH": str(repo)})
+    env.pop("PREFECT_API_URL", None)
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "pipeline", "--profile", "quick"], cwd=repo, env=env,
+                         capture_output=True, text=True, timeout=900)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    print(f"quick profile: {elapsed:.0f} s")
+    assert "=== AstrAI pipeline finished ===" in out.stdout
+    assert json.loads((repo / "data/register/registration.json").read_text())["version"] == 1
+    assert (repo / "params.yaml").read_bytes() == (PROJECT_ROOT / "params.yaml").read_bytes()
