@@ -60,7 +60,10 @@ def _print_summary(result: dict) -> None:
     print("\n=== AstrAI pipeline finished ===")
     print(f"stages:           {', '.join(f'{k}={v}' for k, v in result['stages'].items())}")
     print(f"MLflow store:     {result['mlflow_tracking_uri']}  (experiment '{result['mlflow_experiment']}')")
-    print(f"MLflow run:       {result['mlflow_parent_run_id']}  (open: make mlflow-ui)")
+    if result.get("up_to_date"):
+        print("nothing ran:      every stage is up to date (dvc status); below: the results of the run that made them")
+    else:
+        print(f"MLflow run:       {result['mlflow_parent_run_id']}  (open: make mlflow-ui)")
     print(f"registered model: {reg['model_uri']}  aliases: {', '.join(reg['aliases'])}")
     print(f"decision:         {reg['decision']}")
     print(f"test bits/char:   {m['test_bits_per_char']:.4f}  (unigram baseline {m['unigram_bits_per_char']:.4f})")
@@ -69,7 +72,10 @@ def _print_summary(result: dict) -> None:
     evaluation = Path(result["samples"]).with_name("evaluation.md")
     if evaluation.is_file():
         print(evaluation.read_text())
-    print(Path(result["samples"]).read_text()[:1500])
+    samples = Path(result["samples"]).read_text()
+    if len(samples) > 1500:  # cut at a line end, and say where the rest is
+        samples = samples[: samples.rfind("\n", 0, 1500) + 1] + f"... (all samples: {result['samples']})"
+    print(samples)
 
 
 @app.command()

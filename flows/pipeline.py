@@ -15,6 +15,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -44,6 +45,11 @@ def dvc_command() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "dvc"]
 
 
+# DVC's advice after every stage ("To track the changes with git, run: git add dvc.lock ... To enable auto
+# staging, run: dvc config core.autostage true"): committing is the user's choice, not news in every task's log.
+DVC_GIT_HINT = re.compile(r"To track the changes with git|To enable auto staging|git add |dvc config core.autostage")
+
+
 @task(task_run_name="{stage}", retries=0)
 def run_dvc_stage(stage: str, project_dir: str, env: dict[str, str]) -> str | State:
     """Run one stage through DVC; returns "ran" or "skipped" (DVC found it up to date).
@@ -58,7 +64,8 @@ def run_dvc_stage(stage: str, project_dir: str, env: dict[str, str]) -> str | St
     def on_line(line: str) -> None:
         nonlocal skipped
         skipped |= "didn't change, skipping" in line
-        logger.info(line)
+        if line.strip() and not DVC_GIT_HINT.match(line.strip()):
+            logger.info(line)
 
     try:
         stream_process(dvc_command() + ["repro", "--single-item", stage], env=env, cwd=project_dir,
@@ -201,6 +208,7 @@ def _run_stages(root: Path) -> dict[str, Any]:
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env.setdefault("DVC_NO_ANALYTICS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")  # a stage's progress lines reach the task log as they are printed
     env[FLOW_RUN_ENV] = str(flow_run.get_id() or "none")
     with mlflow.start_run(run_name=f"pipeline {flow_run.get_name() or ''}".strip(),
                           tags={"astrai.stage": "pipeline", "prefect.flow_run_id": env[FLOW_RUN_ENV]}) as parent:
@@ -215,11 +223,16 @@ def _run_stages(root: Path) -> dict[str, Any]:
             if stage == "evaluate":
                 _publish_evaluation(root)
         mlflow.log_dict(status, "stage_status.json")
+    up_to_date = set(status.values()) == {"skipped"}
+    if up_to_date:  # nothing ran: no pipeline run in MLflow, and the results below are the last run's
+        mlflow.MlflowClient().delete_run(parent.info.run_id)
+        logger.info("nothing ran: every stage is up to date (dvc status); the results are the last run's")
 
     result = {
         "mlflow_tracking_uri": mlflow.get_tracking_uri(),
         "mlflow_experiment": params.tracking.experiment,
-        "mlflow_parent_run_id": parent.info.run_id,
+        "mlflow_parent_run_id": None if up_to_date else parent.info.run_id,
+        "up_to_date": up_to_date,
         "stages": status,
         "metrics": json.loads((root / S.EVALUATE / "metrics.json").read_text()),
         "registration": json.loads((root / S.REGISTER / "registration.json").read_text()),

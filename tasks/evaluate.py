@@ -53,7 +53,8 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> dict:
     grpo_train = _read_jsonl(chat_dir / "grpo_train.jsonl")[: p.task_examples]
     metrics: dict = {"final_model": final}
     answers: dict[str, list[str]] = {}
-    for stage in models:
+    for i, stage in enumerate(models, 1):
+        print(f"evaluate: model {i}/{len(models)}: {stage}", flush=True)  # minutes of work: say where it is
         ckpt = model_dir(root, stage)
         model, tok, cfg = load_model(ckpt)
         tok_sha = sha256_file(ckpt / "tokenizer.json")
@@ -64,9 +65,12 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> dict:
             if len(tokens) < 2:
                 raise AstraiError(f"{root / 'data/packed/test.h5'}: the test split has fewer than 2 tokens")
             n_chars = len(tok.decode(tokens[1:].tolist(), skip_special_tokens=True))  # characters predicted
+        print(f"evaluate: {stage}: bits/char on {len(tokens):,} test tokens", flush=True)
         nll, n = sequence_nll(model, tokens, cfg.max_seq_len, p.batch_size)
         m = {f"test_{k}": v for k, v in summarize(nll, n, n_chars).items()}
         if chat_dir.is_dir():
+            print(f"evaluate: {stage}: held-out SFT loss, preference pairs, {len(grpo_test)} + {len(grpo_train)} "
+                  "questions", flush=True)
             m["sft_test_loss"] = masked_token_loss(model, str(chat_dir / "sft_test.h5"), tok_sha,
                                                    params.pretrain.seq_len, p.batch_size)
             m |= preference_accuracy(model, str(chat_dir / "dpo_test.h5"), tok_sha)

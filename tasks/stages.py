@@ -54,7 +54,7 @@ def _pretrain(params: Params, root: Path) -> None:
 
     run_id = mlflow.active_run().info.run_id
     summary = pretrain(params, root / PACKED, root / TOKENIZER / "tokenizer.json", root / PRETRAIN, run_id=run_id)
-    mlflow.log_metrics({f"final_{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))})
+    mlflow.log_metrics({k if k.startswith("final_") else f"final_{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))})
     mlflow.log_artifact(str(root / PRETRAIN / "config.json"))
 
 
@@ -77,7 +77,7 @@ def _post_train(stage: str) -> Callable[[Params, Path], None]:
         if summary is None:
             mlflow.set_tag("astrai.skipped", f"{stage}.enabled is false")
             return
-        mlflow.log_metrics({f"final_{k}": float(v) for k, v in summary.items()
+        mlflow.log_metrics({k if k.startswith("final_") else f"final_{k}": float(v) for k, v in summary.items()
                             if isinstance(v, (int, float)) and v is not None})
 
     return run

@@ -229,5 +229,66 @@ def test_the_quick_profile_runs_the_whole_chain(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     print(f"quick profile: {elapsed:.0f} s")
     assert "=== AstrAI pipeline finished ===" in out.stdout
+    log = out.stdout + out.stderr  # the long stages say what they are doing
+    assert "evaluate: model 1/4: pretrain" in log and "evaluate: grpo: bits/char on" in log, log[-3000:]
+    assert "dpo_reference: scoring the DPO pairs of data/chat/dpo_train.h5 with data/sft" in log
     assert json.loads((repo / "data/register/registration.json").read_text())["version"] == 1
     assert (repo / "params.yaml").read_bytes() == (PROJECT_ROOT / "params.yaml").read_bytes()
+    assert "git add dvc.lock" not in log  # DVC's advice is not repeated in every task's log
+    samples = (repo / "data/evaluate/samples.md").read_text()
+    if len(samples) > 1500:  # the summary cuts the samples at a line end and says where the rest is
+        assert "... (all samples: " in out.stdout and samples[:200] in out.stdout
+
+    import mlflow
+
+    client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])
+    runs = client.search_runs([client.get_experiment_by_name("astrai").experiment_id])
+    names = {k for r in runs for k in r.data.metrics}
+    assert "final_train_loss" in names and not any(k.startswith("final_final") for k in names), names
+
+    # Nothing changed: the second run opens no MLflow pipeline run and says the results are the last run's.
+    again = subprocess.run([sys.executable, "-m", "flows.cli", "pipeline", "--profile", "quick"], cwd=repo, env=env,
+                           capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-6000:]
+    assert "nothing ran:" in again.stdout
+    pipelines = client.search_runs([runs[0].info.experiment_id], filter_string="tags.`astrai.stage` = 'pipeline'")
+    assert len(pipelines) == 1, [r.info.run_id for r in pipelines]
+
+
+def test_make_clean_removes_every_output(tmp_path):
+    import subprocess
+
+    for name in ("Makefile", "data/README.md"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(PROJECT_ROOT / name, tmp_path / name)
+    for out in ("corpus", "chat", "sft", "dpo_reference", "dpo", "grpo", "pretrain.ckpts", "evaluate"):
+        (tmp_path / "data" / out).mkdir()
+        (tmp_path / "data" / out / "f").write_text("x")
+    (tmp_path / "data/pretrain.train_config.json").write_text("{}")
+    subprocess.run(["make", "clean"], cwd=tmp_path, check=True, capture_output=True)
+    assert [p.name for p in (tmp_path / "data").iterdir()] == ["README.md"]
+
+
+# --- bad input to `astrai generate`: one line, exit 2 ------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "ckpt", "--prompt", ""], "--prompt: empty"),
+    (["--model", "ckpt", "--prompt", "x", "--max-new-tokens", "-5"], "--max-new-tokens -5: must be at least 1"),
+    (["--model", "ckpt", "--prompt", "x", "--temperature", "-1"], "--temperature -1.0: must be >= 0"),
+    (["--model", "ckpt", "--prompt", "x", "--top-k", "-3"], "--top-k -3: must be >= 0"),
+    (["--model", "ckpt", "--prompt", "x", "--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]"),
+    (["--model", "models:/nope/1", "--prompt", "x"], "models:/nope/1: "),
+    (["--model", "models:/nope@champion", "--prompt", "x"], "models:/nope@champion: "),
+])
+def test_generate_refuses_bad_input_in_one_line(tmp_path, args, message):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "generate", *args], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, (out.stdout, out.stderr[-2000:])
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("astrai: error: ") and message in last, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
