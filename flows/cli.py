@@ -134,6 +134,13 @@ def generate(model: str = typer.Option(..., help="A checkpoint directory or an M
                                        "(the template stored with the checkpoint's tokenizer), as SFT trained."),
              seed: int = typer.Option(0, help="Sampling seed.")) -> None:
     """Generate a continuation of PROMPT (or, with --chat, a reply to it) with a checkpoint or a registered model."""
+    for bad, msg in ((not prompt, "--prompt: empty; give some text to continue"),
+                     (max_new_tokens < 1, f"--max-new-tokens {max_new_tokens}: must be at least 1"),
+                     (temperature < 0, f"--temperature {temperature}: must be >= 0 (0 = greedy)"),
+                     (top_k < 0, f"--top-k {top_k}: must be >= 0 (0 = all tokens)"),
+                     (not 0 < top_p <= 1, f"--top-p {top_p}: must be in (0, 1]")):
+        if bad:
+            _fail(msg)
     if chat:
         import torch
 
@@ -155,6 +162,7 @@ def generate(model: str = typer.Option(..., help="A checkpoint directory or an M
         return
     if model.startswith(("models:/", "runs:/")):
         import mlflow
+        from mlflow.exceptions import MlflowException
 
         from tasks.params import Params, load_params
         from tasks.tracking import tracking_uri
@@ -162,7 +170,10 @@ def generate(model: str = typer.Option(..., help="A checkpoint directory or an M
         # The same store the pipeline uses: MLFLOW_TRACKING_URI, else params.yaml's tracking.uri, else mlflow/.
         params = load_params("params.yaml") if Path("params.yaml").is_file() else Params()
         mlflow.set_tracking_uri(tracking_uri(params, Path.cwd()))
-        pyfunc = mlflow.pyfunc.load_model(model)
+        try:
+            pyfunc = mlflow.pyfunc.load_model(model)
+        except MlflowException as e:  # no such model, version or alias
+            _fail(f"{model}: {str(e).splitlines()[0]}")
         text = pyfunc.predict([prompt], params={"max_new_tokens": max_new_tokens, "temperature": temperature,
                                                 "top_k": top_k, "seed": seed})[0]
     else:
