@@ -134,7 +134,7 @@ class Run:
 
     @property
     def is_last_step(self) -> bool:
-        return self.step == self.max_steps
+        return self.step >= self.max_steps
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -398,6 +398,9 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
               evaluate=evaluate, max_steps=max_steps, tokens_per_step=tokens_per_step)
     if ckpt is not None:
         run.restore(ckpt)
+        if run.step > max_steps:  # the loop would never reach max_steps
+            raise AstraiError(f"{ckpt}: checkpoint at step {run.step} is beyond max_steps {max_steps}; raise "
+                              "max_steps or delete the checkpoint directory to start over")
         run.print0(f"resuming from {ckpt} (step {run.step})", flush=True)
     # A resumed run keeps the metrics up to its checkpoint and appends.
     run.log = MetricLogger(Path(cfg.out_dir).with_name(Path(cfg.out_dir).name + ".logs"), enabled=d.is_main,

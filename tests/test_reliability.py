@@ -292,3 +292,30 @@ def test_generate_refuses_bad_input_in_one_line(tmp_path, args, message):
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("astrai: error: ") and message in last, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+
+
+# --- training that never ends ---------------------------------------------------------------------------------------
+
+def test_a_checkpoint_beyond_max_steps_is_refused(core_tiny_data, tmp_path, monkeypatch):
+    """A (manifest-consistent) checkpoint whose step is past max_steps: refused, not trained forever."""
+    import json
+
+    import torch
+
+    from astrai_core.io import sha256_file
+    from astrai_core.train import train
+    from test_train import make_cfg
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    cfg = make_cfg(core_tiny_data, tmp_path / "out", max_steps=10, checkpoint_every=5, val_data=None,
+                   checkpoint_dir=str(tmp_path / "ckpts"), keep_checkpoints=5, resume="auto")
+    train(cfg)
+    newest = sorted((tmp_path / "ckpts").glob("step_*"))[-1]
+    state = torch.load(newest / "train_state.pt", weights_only=True)
+    state["step"] = 999
+    torch.save(state, newest / "train_state.pt")
+    manifest = json.loads((newest / "manifest.json").read_text())
+    manifest["files"]["train_state.pt"] = sha256_file(newest / "train_state.pt")
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(AstraiError, match="step 999 is beyond max_steps 10"):
+        train(cfg)
