@@ -8,6 +8,7 @@ The torchrun children learn the stage's run from MLFLOW_RUN_ID (see astrai_core.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -31,21 +32,36 @@ def tracking_uri(params: Params, project_dir: Path) -> str:
     return f"sqlite:///{(project_dir / 'mlflow' / 'mlflow.db').resolve()}"
 
 
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """One process at a time through a local sqlite store's first use: MLflow creates (migrates) the schema
+    then, and two processes doing it at once crash one of them. Other stores handle their own concurrency."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
+        yield
+
+
 def setup(params: Params, project_dir: Path) -> str:
     """Point MLflow at the store and make sure the experiment exists; returns the experiment id."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     uri = tracking_uri(params, project_dir)
     mlflow.set_tracking_uri(uri)
     os.environ["MLFLOW_TRACKING_URI"] = uri  # for child processes (torchrun ranks)
-    exp = mlflow.get_experiment_by_name(params.tracking.experiment)
-    if exp is not None:
-        exp_id = exp.experiment_id
-    else:
-        artifacts = None
-        if uri.startswith("sqlite:///"):
-            # Keep artifacts beside the sqlite file, not in whatever directory the process happens to run in.
-            artifacts = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").resolve().as_uri()
-        exp_id = mlflow.create_experiment(params.tracking.experiment, artifact_location=artifacts)
+    with store_lock(uri):  # also makes "create the experiment if missing" one step
+        exp = mlflow.get_experiment_by_name(params.tracking.experiment)
+        if exp is not None:
+            exp_id = exp.experiment_id
+        else:
+            artifacts = None
+            if uri.startswith("sqlite:///"):
+                # Keep artifacts beside the sqlite file, not in whatever directory the process happens to run in.
+                artifacts = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").resolve().as_uri()
+            exp_id = mlflow.create_experiment(params.tracking.experiment, artifact_location=artifacts)
     mlflow.set_experiment(experiment_id=exp_id)
     return exp_id
 

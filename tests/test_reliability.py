@@ -319,3 +319,55 @@ def test_a_checkpoint_beyond_max_steps_is_refused(core_tiny_data, tmp_path, monk
     (newest / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(AstraiError, match="step 999 is beyond max_steps 10"):
         train(cfg)
+
+
+# --- two users, one registry ----------------------------------------------------------------------------------------
+
+def test_a_fresh_sqlite_store_survives_two_processes_at_once(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = ("from pathlib import Path; from tasks.params import Params; from tasks.tracking import setup; "
+            "print(setup(Params(), Path('.')))")
+    env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-1500:] for _, err in outs]
+    assert len({out.strip() for out, _ in outs}) == 1  # one experiment, the same id for all
+
+
+def test_two_registrations_at_once_agree_with_the_registry(tmp_path):
+    """Both read "no champion" and move the alias: each looks again after moving it, so the better version ends
+    champion and the two decisions read as one registration after the other."""
+    import threading
+
+    import mlflow
+
+    from tasks.register import claim_champion
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    client.create_registered_model("m")
+    bpc = {}
+    for v, value in (("1", 2.5), ("2", 2.4)):
+        client.create_model_version("m", source=str(tmp_path))
+        client.set_model_version_tag("m", v, "test_bits_per_char", f"{value:.6f}")
+        bpc[v] = value
+    barrier, results = threading.Barrier(2), {}
+
+    def register(version):
+        barrier.wait()  # both start together: each reads "no champion" before either moves the alias
+        results[version] = claim_champion(client, "m", version, bpc[version], settle=0.3)
+
+    threads = [threading.Thread(target=register, args=(v,)) for v in ("1", "2")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert str(client.get_model_version_by_alias("m", "champion").version) == "2"
+    # The decisions read as if one registration came after the other: never both "no previous champion".
+    assert results["2"][0] is True, results
+    if results["1"][0]:
+        assert "beats version 1's" in results["2"][1], results
+    assert sum("no previous champion" in why for _, why in results.values()) <= 1, results
