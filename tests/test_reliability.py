@@ -371,3 +371,55 @@ def test_two_registrations_at_once_agree_with_the_registry(tmp_path):
     if results["1"][0]:
         assert "beats version 1's" in results["2"][1], results
     assert sum("no previous champion" in why for _, why in results.values()) <= 1, results
+
+
+# --- processes: the ranks die with their launcher ----------------------------------------------------------------
+
+@pytest.mark.integration
+def test_sigkill_of_the_launcher_group_kills_the_ranks(core_tiny_data, tmp_path):
+    """torchrun starts the ranks in sessions of their own; SIGKILL of torchrun's process group must not leave
+    them training."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from test_train import make_cfg
+
+    cfg = make_cfg(core_tiny_data, tmp_path / "out", max_steps=100000, log_every=1, val_data=None)
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_text(cfg.model_dump_json())
+    env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT), OMP_NUM_THREADS="1")
+    env.pop("MLFLOW_RUN_ID", None)
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                 "-m", "astrai_core.train", "--config", str(cfg_path)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def ranks() -> list[int]:
+        found = []
+        for proc in Path("/proc").iterdir():
+            try:
+                cmd = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if str(cfg_path).encode() in cmd and b"torch.distributed.run" not in cmd:
+                found.append(int(proc.name))
+        return found
+
+    try:
+        for line in launcher.stdout:
+            if line.startswith("step "):
+                break
+        assert len(ranks()) == 2
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.time() + 10
+        while ranks() and time.time() < deadline:
+            time.sleep(0.2)
+        assert not ranks(), "ranks left training after their launcher was killed"
+    finally:
+        for pid in ranks():
+            os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
