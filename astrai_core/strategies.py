@@ -546,6 +546,11 @@ class GRPOStrategy(Strategy):
                 stats[key][0] += float(value)
                 stats[key][1] += n
         self.step_stats = {k: tuple(v) for k, v in stats.items()}
+        # With on_reward_error: skip, a reward that always fails would "train" on zero advantages and exit 0.
+        failed, groups = run.all_reduce_sum(torch.tensor(stats["grpo/reward_errors"], device=self.device)).tolist()
+        if failed == groups:
+            raise AstraiError(f"step {run.step + 1}: every reward failed on every rank (grpo.on_reward_error: skip), "
+                              "nothing to learn from; fix the reward functions (grpo.rewards)")
         return out
 
     def _reward(self, completion: str, record: dict) -> float:
