@@ -56,6 +56,11 @@ def build_corpus(params: CorpusParams, out_dir: Path, cache_dir: Path | None = N
     split_of = assign_splits(ids, params.validation_fraction, params.test_fraction, params.seed)
     if not any(s == "train" for s in split_of.values()):
         raise AstraiError(f"{params.source}: {len(ids)} document(s) leave none for train; add documents or lower the fractions")
+    for split, key in (("validation", "validation_fraction"), ("test", "test_fraction")):
+        # Found now rather than when pretrain needs a validation window or evaluate a test split.
+        if getattr(params, key) > 0 and split not in split_of.values():
+            raise AstraiError(f"{params.source}: {len(ids)} document(s) leave none for {split}; add documents "
+                              f"(3 or more) or set corpus.{key}: 0")
 
     stats = {s: {"documents": 0, "characters": 0, "bytes": 0, "ids": []} for s in SPLITS}
     with atomic_path(out_dir) as tmp:
@@ -109,6 +114,8 @@ def _limited(documents: Documents, max_documents: int | None) -> Iterator[tuple[
 def _check_text(text: str, where: str) -> str:
     if not text.strip():
         raise AstraiError(f"{where}: empty (or whitespace-only) document")
+    if "\x00" in text:  # valid UTF-8, but binary data (e.g. a file of NUL bytes), not text
+        raise AstraiError(f"{where}: contains NUL bytes; not a text document")
     return text
 
 

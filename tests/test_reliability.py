@@ -423,3 +423,22 @@ def test_sigkill_of_the_launcher_group_kills_the_ranks(core_tiny_data, tmp_path)
             os.kill(pid, signal.SIGKILL)
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
+
+
+# --- corpus edge cases -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("files, message", [
+    ({"a.txt": "one document\n", "b.txt": "two documents\n"}, "2 document(s) leave none for validation"),
+    ({"a.txt": "text\n", "b.txt": "more\n", "c.txt": "\x00" * 10_000}, "c.txt: contains NUL bytes"),
+])
+def test_corpus_refuses_what_would_fail_later(tmp_path, files, message):
+    from tasks.corpus import build_corpus
+    from tasks.params import CorpusParams
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, text in files.items():
+        (src / name).write_text(text, encoding="utf-8")
+    with pytest.raises(AstraiError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        build_corpus(CorpusParams(source=str(src)), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
