@@ -442,3 +442,17 @@ def test_corpus_refuses_what_would_fail_later(tmp_path, files, message):
     with pytest.raises(AstraiError, match=message.replace("(", r"\(").replace(")", r"\)")):
         build_corpus(CorpusParams(source=str(src)), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_corpus_names_a_symlink_loop(tmp_path):
+    from tasks.corpus import build_corpus
+    from tasks.params import CorpusParams
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(4):
+        (src / f"{i}.txt").write_text(f"document {i}\n")
+    (src / "x.txt").symlink_to(src / "y.txt")
+    (src / "y.txt").symlink_to(src / "x.txt")
+    with pytest.raises(AstraiError, match="x.txt: symlink leads to no file"):
+        build_corpus(CorpusParams(source=str(src)), tmp_path / "out")
