@@ -19,7 +19,6 @@ from pathlib import Path
 import mlflow
 import yaml
 from mlflow.exceptions import MlflowException
-from mlflow.models import infer_signature
 
 import astrai_core
 from astrai_core.errors import AstraiError
@@ -111,7 +110,9 @@ def register(params: Params, checkpoint_dir: Path, metrics_path: Path, out_dir: 
             python_model=str(Path(__file__).with_name("pyfunc_model.py")),
             artifacts=artifacts,
             code_paths=[str(Path(astrai_core.__file__).parent)],
-            signature=infer_signature(["ROMEO.\n"], ["text"], params=PREDICT_PARAMS),
+            # An input example (and predict's type hints) give the signature, params included, and spare the log
+            # MLflow's warnings; MLflow runs predict on it once, so the logged model is known to load and answer.
+            input_example=(["ROMEO.\n"], PREDICT_PARAMS),
             pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "safetensors", "tokenizers", "numpy", "pydantic")],
             registered_model_name=name,
         )

@@ -49,6 +49,7 @@ def store_lock(uri: str) -> Iterator[None]:
 def setup(params: Params, project_dir: Path) -> str:
     """Point MLflow at the store and make sure the experiment exists; returns the experiment id."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # tqdm bars are noise in a stage's log
     uri = tracking_uri(params, project_dir)
     mlflow.set_tracking_uri(uri)
     os.environ["MLFLOW_TRACKING_URI"] = uri  # for child processes (torchrun ranks)

@@ -456,3 +456,47 @@ def test_corpus_names_a_symlink_loop(tmp_path):
     (src / "y.txt").symlink_to(src / "x.txt")
     with pytest.raises(AstraiError, match="x.txt: symlink leads to no file"):
         build_corpus(CorpusParams(source=str(src)), tmp_path / "out")
+
+
+# --- a quiet register stage ------------------------------------------------------------------------------------------
+
+def test_register_logs_the_model_without_warnings_or_progress_bars(tmp_path, core_tiny_data, monkeypatch, capfd):
+    import json
+    import warnings
+
+    import mlflow
+
+    from astrai_core.config import TrainConfig
+    from astrai_core.train import train
+    from tasks.params import Params
+    from tasks.register import register
+    from tasks.tracking import setup
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    cfg = TrainConfig.model_validate(dict(
+        model=dict(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32),
+        optim=dict(lr=1e-2, min_lr=1e-3, warmup_steps=2), train_data=str(core_tiny_data["train"]),
+        tokenizer=str(core_tiny_data["tokenizer"]), out_dir=str(tmp_path / "ckpt"), seq_len=32, batch_size=8,
+        max_steps=3, log_every=1, device="cpu"))
+    train(cfg)
+    (tmp_path / "metrics.json").write_text(json.dumps({"test_bits_per_char": 2.0}))
+    previous = mlflow.get_tracking_uri()
+    params = Params(register={"model_name": "quiet"})
+    try:
+        setup(params, tmp_path)
+        capfd.readouterr()
+        with warnings.catch_warnings(record=True) as caught, mlflow.start_run():
+            warnings.simplefilter("always")
+            register(params, tmp_path / "ckpt", tmp_path / "metrics.json", tmp_path / "register", tmp_path)
+        model = mlflow.pyfunc.load_model("models:/quiet@champion")
+        assert model.metadata.get_params_schema() is not None  # the params are part of the signature
+        assert isinstance(model.predict(["the king"], params={"max_new_tokens": 3})[0], str)
+    finally:
+        mlflow.set_tracking_uri(previous)
+        monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
+    out, err = capfd.readouterr()
+    mlflow_warnings = [str(w.message) for w in caught if "mlflow" in (w.filename or "")]
+    assert not mlflow_warnings, mlflow_warnings
+    assert "Downloading artifacts" not in out + err and "\x1b[" not in out + err, (out + err)[-2000:]
