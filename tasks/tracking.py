@@ -11,10 +11,12 @@ import contextlib
 import fcntl
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
 import mlflow
+import yaml
 
 from astrai_core.tracking import MAX_PARAM_CHARS
 from astrai_core.tracking import flatten as core_flatten
@@ -85,4 +87,25 @@ def stage_run(stage: str, params: Params, project_dir: Path) -> Iterator[mlflow.
         if isinstance(section, dict):
             mlflow.log_params(flatten(section, f"{stage}."))
         mlflow.log_text(json.dumps(params.model_dump(mode="json"), indent=2), "params.json")
+        log_stage_inputs(stage, project_dir)
         yield run
+
+
+def log_stage_inputs(stage: str, project_dir: Path) -> None:
+    """MLflow's Datasets column: each data directory the stage reads (its `data/` deps in dvc.yaml), named by
+    its path, with the DVC hash dvc.lock records for it as digest (what `dvc checkout` would restore)."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+
+    dvc_yaml, lock = project_dir / "dvc.yaml", project_dir / "dvc.lock"
+    if not dvc_yaml.is_file() or not lock.is_file():
+        return
+    deps = (yaml.safe_load(dvc_yaml.read_text())["stages"].get(stage) or {}).get("deps", [])
+    md5 = {out["path"]: out.get("md5", "") for s in (yaml.safe_load(lock.read_text()) or {}).get("stages", {}).values()
+           for out in s.get("outs", [])}
+    for dep in deps:
+        if dep.startswith("data/") and md5.get(dep):
+            with warnings.catch_warnings():  # MLflow registers its local source twice and warns of the ambiguity
+                warnings.simplefilter("ignore", UserWarning)
+                source = resolve_dataset_source(str((project_dir / dep).resolve()))
+            mlflow.log_input(MetaDataset(source, name=dep, digest=md5[dep].removesuffix(".dir")), context=stage)

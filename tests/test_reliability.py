@@ -500,3 +500,28 @@ def test_register_logs_the_model_without_warnings_or_progress_bars(tmp_path, cor
     mlflow_warnings = [str(w.message) for w in caught if "mlflow" in (w.filename or "")]
     assert not mlflow_warnings, mlflow_warnings
     assert "Downloading artifacts" not in out + err and "\x1b[" not in out + err, (out + err)[-2000:]
+
+
+def test_a_stage_run_records_its_data_as_mlflow_datasets(tmp_path, monkeypatch):
+    import mlflow
+
+    from tasks.params import Params
+    from tasks.tracking import stage_run
+
+    shutil.copy(PROJECT_ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    (tmp_path / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {
+        "pack": {"outs": [{"path": "data/packed", "md5": "a" * 32 + ".dir"}]},
+        "tokenizer": {"outs": [{"path": "data/tokenizer", "md5": "b" * 32 + ".dir"}]}}}))
+    for d in ("data/packed", "data/tokenizer"):
+        (tmp_path / d).mkdir(parents=True)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.delenv("ASTRAI_PARENT_RUN_ID", raising=False)
+    previous = mlflow.get_tracking_uri()
+    try:
+        with stage_run("pretrain", Params(), tmp_path) as run:
+            run_id = run.info.run_id
+        inputs = mlflow.MlflowClient().get_run(run_id).inputs.dataset_inputs
+    finally:
+        mlflow.set_tracking_uri(previous)
+    assert {(i.dataset.name, i.dataset.digest) for i in inputs} == {("data/packed", "a" * 32),
+                                                                     ("data/tokenizer", "b" * 32)}
