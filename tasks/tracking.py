@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import json
 import os
+import socket
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -77,9 +78,12 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
 @contextlib.contextmanager
 def stage_run(stage: str, params: Params, project_dir: Path) -> Iterator[mlflow.ActiveRun]:
     """Open the stage's MLflow run (a child of ASTRAI_PARENT_RUN_ID when set) with its params logged."""
-    setup(params, project_dir)
+    exp_id = setup(params, project_dir)
+    close_dead_runs(exp_id, stage)
     parent = os.environ.get(PARENT_RUN_ENV) or None
-    tags = {"astrai.stage": stage, "astrai.source": "prefect" if parent else "dvc"}
+    # host + pid let a later run tell a stage that was killed (its run left RUNNING) from one still going.
+    tags = {"astrai.stage": stage, "astrai.source": "prefect" if parent else "dvc",
+            "astrai.host": socket.gethostname(), "astrai.pid": str(os.getpid())}
     if os.environ.get(FLOW_RUN_ENV):
         tags["prefect.flow_run_id"] = os.environ[FLOW_RUN_ENV]
     with mlflow.start_run(run_name=stage, parent_run_id=parent, nested=parent is not None, tags=tags) as run:
@@ -89,6 +93,19 @@ def stage_run(stage: str, params: Params, project_dir: Path) -> Iterator[mlflow.
         mlflow.log_text(json.dumps(params.model_dump(mode="json"), indent=2), "params.json")
         log_stage_inputs(stage, project_dir)
         yield run
+
+
+def close_dead_runs(experiment_id: str, stage: str) -> None:
+    """Mark FAILED the runs of `stage` left RUNNING by a process of this host that no longer exists (a stage
+    killed with SIGKILL never ends its run)."""
+    client = mlflow.MlflowClient()
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`astrai.stage` = '{stage}' and "
+                              f"tags.`astrai.host` = '{socket.gethostname()}' and attributes.status = 'RUNNING'")
+    for run in runs:
+        pid = int(run.data.tags.get("astrai.pid", "0"))
+        if pid and pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+            client.set_tag(run.info.run_id, "astrai.ended", f"process {pid} was gone; marked failed by the next run")
+            client.set_terminated(run.info.run_id, status="FAILED")
 
 
 def log_stage_inputs(stage: str, project_dir: Path) -> None:

@@ -525,3 +525,31 @@ def test_a_stage_run_records_its_data_as_mlflow_datasets(tmp_path, monkeypatch):
         mlflow.set_tracking_uri(previous)
     assert {(i.dataset.name, i.dataset.digest) for i in inputs} == {("data/packed", "a" * 32),
                                                                      ("data/tokenizer", "b" * 32)}
+
+
+def test_a_killed_stage_run_is_marked_failed_by_the_next_one(tmp_path, monkeypatch):
+    import socket
+    import subprocess
+
+    import mlflow
+
+    from tasks.params import Params
+    from tasks.tracking import setup, stage_run
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.delenv("ASTRAI_PARENT_RUN_ID", raising=False)
+    previous = mlflow.get_tracking_uri()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that existed and is gone
+    try:
+        exp = setup(Params(), tmp_path)
+        client = mlflow.MlflowClient()
+        tags = {"astrai.stage": "pretrain", "astrai.host": socket.gethostname()}
+        killed = client.create_run(exp, tags=tags | {"astrai.pid": str(gone.pid)}).info.run_id
+        alive = client.create_run(exp, tags=tags | {"astrai.pid": "1"}).info.run_id  # still running elsewhere
+        with stage_run("pretrain", Params(), tmp_path):
+            pass
+        status = {r: client.get_run(r).info.status for r in (killed, alive)}
+    finally:
+        mlflow.set_tracking_uri(previous)
+    assert status == {killed: "FAILED", alive: "RUNNING"}
