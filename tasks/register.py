@@ -78,7 +78,11 @@ def claim_champion(client: mlflow.MlflowClient, name: str, version: str, bpc: fl
             return False, (f"version {version} stays candidate: test bpc {bpc:.4f} does not beat champion version "
                            f"{champ_version}'s {champ_bpc:.4f}")
         compared = (champ_version, champ_bpc)
-        client.set_registered_model_alias(name, "champion", version)
+        try:
+            client.set_registered_model_alias(name, "champion", version)
+        except MlflowException:  # another registration set it at the same instant (sqlite: unique constraint)
+            time.sleep(settle * random.random())
+            continue
         time.sleep(settle * (1 + random.random()))  # let a racing registration's move land, then look again
     raise AstraiError(f"model {name!r}: alias champion keeps moving; another registration is racing this one")
 
