@@ -52,7 +52,10 @@ run-deployment:
 	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(BIN)/prefect deployment run 'astrai-pipeline/default' --watch
 
 stop:  ## stop the worker (SIGTERM, then SIGINT) and the server started above
-	-@if [ -f $(PREFECT_HOME)/worker.pid ]; then pid=$$(cat $(PREFECT_HOME)/worker.pid); kill -TERM $$pid 2>/dev/null; sleep 2; kill -INT $$pid 2>/dev/null; rm -f $(PREFECT_HOME)/worker.pid; fi
+	-@if [ -f $(PREFECT_HOME)/worker.pid ]; then pid=$$(cat $(PREFECT_HOME)/worker.pid); \
+	  for sig in TERM INT; do kill -$$sig $$pid 2>/dev/null || break; \
+	    for i in $$(seq 30); do kill -0 $$pid 2>/dev/null || break; sleep 1; done; done; \
+	  rm -f $(PREFECT_HOME)/worker.pid; fi
 	-@if [ -f $(PREFECT_HOME)/server.pid ]; then kill -TERM $$(cat $(PREFECT_HOME)/server.pid) 2>/dev/null; rm -f $(PREFECT_HOME)/server.pid; fi
 	@echo stopped
 
@@ -64,4 +67,5 @@ bench: setup
 	$(BIN)/python bench/throughput.py
 
 clean:  ## remove generated data, the MLflow store and Prefect's home (not the venv)
-	rm -rf data/corpus data/tokenizer data/packed data/pretrain data/evaluate data/register mlflow/mlflow.db mlflow/artifacts .prefect
+	find data -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +  # every stage's output, checkpoints too
+	rm -rf mlflow/mlflow.db mlflow/artifacts .prefect .astrai dvc_plots

@@ -13,10 +13,12 @@ loads the checkpoint it resumes from; only global rank 0 writes).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
 import shutil
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,8 +52,19 @@ class Dist:
         return self.rank == 0
 
 
+def die_with_launcher() -> None:
+    """torchrun starts each rank in a session of its own, so SIGKILL of the launcher's process group (a stage
+    killed, a job cancelled) would leave the ranks training and writing outputs: on Linux, ask the kernel to
+    SIGKILL this rank when the torchrun agent that started it dies."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    pr_set_pdeathsig = 1  # from <sys/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def init_distributed(backend: str = "auto", device: str = "auto") -> Dist:
     """Join the process group torchrun set up (if any) and pick this rank's device."""
+    die_with_launcher()
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from astrai_core.data import (Batch, Documents, IndexSampler, PackedRows, WindowSampler, open_tokens, pad_rows,
                               pair_batch, read_windows, row_targets)
@@ -327,6 +328,14 @@ class GRPOStrategy(Strategy):
                 stats[key][0] += float(value)
                 stats[key][1] += n
         self.step_stats = {k: tuple(v) for k, v in stats.items()}
+        # With on_reward_error: skip, a reward that always fails would "train" on zero advantages and exit 0.
+        errors = torch.tensor(stats["grpo/reward_errors"], dtype=torch.float64, device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(errors)
+        failed, groups = errors.tolist()
+        if failed == groups:
+            raise AstraiError(f"step {step + 1}: every reward failed on every rank (grpo.on_reward_error: skip), "
+                              "nothing to learn from; fix the reward functions (grpo.rewards)")
         return out
 
     def _reward(self, completion: str, record: dict) -> float:

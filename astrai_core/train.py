@@ -356,6 +356,9 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
     run = RunState(max_steps=max_steps, is_main=d.is_main)
     if ckpt is not None:
         trainee.restore(ckpt, run, callbacks, cfg, d)
+        if run.step > max_steps:  # the loop would never reach max_steps
+            raise AstraiError(f"{ckpt}: checkpoint at step {run.step} is beyond max_steps {max_steps}; raise "
+                              "max_steps or delete the checkpoint directory to start over")
         print0(f"resuming from {ckpt} (step {run.step})")
     # metrics.jsonl + MLflow on rank 0, a no-op elsewhere; a resumed run keeps the lines up to its checkpoint.
     log = MetricLogger(Path(cfg.out_dir).with_name(Path(cfg.out_dir).name + ".logs"), enabled=d.is_main,
@@ -423,7 +426,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             run.step += 1
-            finished = run.step == max_steps
+            finished = run.step >= max_steps
             # Every rank must agree to stop at the same step, whichever ranks saw the signal.
             if all_reduce_sum(torch.tensor(float(stop_requested.is_set()), device=d.device), d).item() > 0 \
                     and not finished:

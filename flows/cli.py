@@ -38,22 +38,19 @@ def _parse_override(item: str) -> tuple[str, object]:
 
 @app.command()
 def pipeline(
-    params: Path = typer.Option(Path("params.yaml"), help="Params file (copied into params.yaml for DVC)."),
-    set_: list[str] = typer.Option([], "--set", help="Override a param: KEY=VALUE with a dotted key. Repeatable."),
+    params: Path = typer.Option(Path("params.yaml"), help="Params file for this run (params.yaml itself is left as it is)."),
+    set_: list[str] = typer.Option([], "--set", help="Override a param for this run: KEY=VALUE with a dotted key. Repeatable."),
+    profile: Optional[str] = typer.Option(None, help="profiles/NAME.yaml merged over the params for this run "
+                                          "(quick: the whole chain in about a minute); --set wins over it."),
 ) -> None:
     """Run the whole pipeline as a Prefect flow in this process (a temporary Prefect server starts when
     PREFECT_API_URL is unset), then print where the results are."""
-    from tasks.params import load_params
+    from flows.pipeline import params_of_run, pipeline as flow
 
     overrides = dict(_parse_override(s) for s in set_)
     try:
-        load_params(params, overrides)  # a bad key stops here, before Prefect starts a server
-    except AstraiError as e:
-        _fail(str(e))
-    from flows.pipeline import pipeline as flow
-
-    try:
-        result = flow(params_path=str(params), overrides=overrides or None)
+        params_of_run(Path.cwd(), str(params), overrides, profile)  # a bad key stops here, before Prefect starts
+        result = flow(params_path=str(params), overrides=overrides or None, profile=profile)
     except AstraiError as e:
         _fail(str(e))
     _print_summary(result)
@@ -64,7 +61,10 @@ def _print_summary(result: dict) -> None:
     print("\n=== AstrAI pipeline finished ===")
     print(f"stages:           {', '.join(f'{k}={v}' for k, v in result['stages'].items())}")
     print(f"MLflow store:     {result['mlflow_tracking_uri']}  (experiment '{result['mlflow_experiment']}')")
-    print(f"MLflow run:       {result['mlflow_parent_run_id']}  (open: make mlflow-ui)")
+    if result.get("up_to_date"):
+        print("nothing ran:      every stage is up to date (dvc status); below: the results of the run that made them")
+    else:
+        print(f"MLflow run:       {result['mlflow_parent_run_id']}  (open: make mlflow-ui)")
     print(f"registered model: {reg['model_uri']}  aliases: {', '.join(reg['aliases'])}")
     print(f"decision:         {reg['decision']}")
     print(f"test bits/char:   {m['test_bits_per_char']:.4f}  (unigram baseline {m['unigram_bits_per_char']:.4f})")
@@ -73,7 +73,10 @@ def _print_summary(result: dict) -> None:
     evaluation = Path(result["samples"]).with_name("evaluation.md")
     if evaluation.is_file():
         print(evaluation.read_text())
-    print(Path(result["samples"]).read_text()[:1500])
+    samples = Path(result["samples"]).read_text()
+    if len(samples) > 1500:  # cut at a line end, and say where the rest is
+        samples = samples[: samples.rfind("\n", 0, 1500) + 1] + f"... (all samples: {result['samples']})"
+    print(samples)
 
 
 @app.command()
@@ -122,6 +125,13 @@ def generate(model: str = typer.Option(..., help="A checkpoint directory or an M
                                        "(the template stored with the checkpoint's tokenizer), as SFT trained."),
              seed: int = typer.Option(0, help="Sampling seed.")) -> None:
     """Generate a continuation of PROMPT (or, with --chat, a reply to it) with a checkpoint or a registered model."""
+    for bad, msg in ((not prompt, "--prompt: empty; give some text to continue"),
+                     (max_new_tokens < 1, f"--max-new-tokens {max_new_tokens}: must be at least 1"),
+                     (temperature < 0, f"--temperature {temperature}: must be >= 0 (0 = greedy)"),
+                     (top_k < 0, f"--top-k {top_k}: must be >= 0 (0 = all tokens)"),
+                     (not 0 < top_p <= 1, f"--top-p {top_p}: must be in (0, 1]")):
+        if bad:
+            _fail(msg)
     if chat:
         import torch
 
@@ -143,6 +153,7 @@ def generate(model: str = typer.Option(..., help="A checkpoint directory or an M
         return
     if model.startswith(("models:/", "runs:/")):
         import mlflow
+        from mlflow.exceptions import MlflowException
 
         from tasks.params import Params, load_params
         from tasks.tracking import tracking_uri
@@ -150,7 +161,10 @@ def generate(model: str = typer.Option(..., help="A checkpoint directory or an M
         # The same store the pipeline uses: MLFLOW_TRACKING_URI, else params.yaml's tracking.uri, else mlflow/.
         params = load_params("params.yaml") if Path("params.yaml").is_file() else Params()
         mlflow.set_tracking_uri(tracking_uri(params, Path.cwd()))
-        pyfunc = mlflow.pyfunc.load_model(model)
+        try:
+            pyfunc = mlflow.pyfunc.load_model(model)
+        except MlflowException as e:  # no such model, version or alias
+            _fail(f"{model}: {str(e).splitlines()[0]}")
         text = pyfunc.predict([prompt], params={"max_new_tokens": max_new_tokens, "temperature": temperature,
                                                 "top_k": top_k, "seed": seed})[0]
     else:

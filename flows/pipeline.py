@@ -11,19 +11,27 @@ Run locally: `astrai pipeline` (or `python -m flows.pipeline`). As a deployment:
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import re
 import shutil
+import signal
+import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlflow
 import yaml
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
+from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
+from prefect.states import Cancelled, State
 
+from astrai_core.errors import AstraiError
 from astrai_core.proc import stream_process
 from tasks import stages as S
 from tasks.params import load_params, load_raw, parse_params, set_dotted
@@ -37,55 +45,180 @@ def dvc_command() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "dvc"]
 
 
+# DVC's advice after every stage ("To track the changes with git, run: git add dvc.lock ... To enable auto
+# staging, run: dvc config core.autostage true"): committing is the user's choice, not news in every task's log.
+DVC_GIT_HINT = re.compile(r"To track the changes with git|To enable auto staging|git add |dvc config core.autostage")
+
+
 @task(task_run_name="{stage}", retries=0)
-def run_dvc_stage(stage: str, project_dir: str, env: dict[str, str]) -> str:
-    """Run one stage through DVC; returns "ran" or "skipped" (DVC found it up to date)."""
+def run_dvc_stage(stage: str, project_dir: str, env: dict[str, str]) -> str | State:
+    """Run one stage through DVC; returns "ran" or "skipped" (DVC found it up to date).
+
+    DVC deletes a stage's outputs before running it, so a stage that fails or is cancelled would leave none:
+    the last good ones (those dvc.lock records) are checked out again from DVC's cache. A cancel ends this
+    task CANCELLED (Prefect would call the termination signal a crash), and the flow then stops.
+    """
     logger = get_run_logger()
     skipped = False
 
     def on_line(line: str) -> None:
         nonlocal skipped
         skipped |= "didn't change, skipping" in line
-        logger.info(line)
+        if line.strip() and not DVC_GIT_HINT.match(line.strip()):
+            logger.info(line)
 
-    stream_process(dvc_command() + ["repro", "--single-item", stage], env=env, cwd=project_dir,
-                   on_line=on_line, what=f"dvc repro {stage}")
+    try:
+        stream_process(dvc_command() + ["repro", "--single-item", stage], env=env, cwd=project_dir,
+                       on_line=on_line, what=f"dvc repro {stage}")
+    except TerminationSignal:
+        logger.warning(restore_last_good_outputs(stage, project_dir, env))
+        return Cancelled(message=f"stage {stage} cancelled; its last good outputs are in place")
+    except BaseException:
+        logger.warning(restore_last_good_outputs(stage, project_dir, env))
+        raise
     return "skipped" if skipped else "ran"
 
 
-def _apply_overrides(project_dir: Path, params_path: str, overrides: dict[str, Any] | None) -> None:
-    """DVC reads params.yaml, so another params file or overrides are written there (as `dvc exp run -S` does)."""
-    source = (project_dir / params_path).resolve()
-    target = (project_dir / "params.yaml").resolve()
-    if source == target and not overrides:
+def restore_last_good_outputs(stage: str, project_dir: str, env: dict[str, str]) -> str:
+    """`dvc checkout` the stage's outputs that dvc.lock records; returns one line saying what happened."""
+    out = subprocess.run(dvc_command() + ["checkout", "--force", stage], cwd=project_dir, env=env,
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if out.returncode == 0:
+        return f"{stage}: the last good outputs (dvc.lock) are back in place"
+    why = ((out.stderr or out.stdout).strip().splitlines() or ["dvc checkout failed"])[-1]
+    return f"{stage}: no earlier outputs restored ({why})"
+
+
+# Where a run keeps the user's params.yaml while its own params stand in for it (git-ignored).
+PARAMS_BACKUP = Path(".astrai") / "params.yaml.user"
+PARAMS_OF_RUN = Path(".astrai") / "params.yaml.run"
+
+
+PROFILES_DIR = Path("profiles")
+
+
+def load_profile(root: Path, name: str) -> dict[str, Any]:
+    """profiles/NAME.yaml: the params a profile changes, as a nested mapping like params.yaml's."""
+    path = root / PROFILES_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (root / PROFILES_DIR).glob("*.yaml"))
+        raise AstraiError(f"{path}: no such profile; profiles: {', '.join(known) or 'none'}")
+    return load_raw(path)
+
+
+def _merge(tree: dict, changes: dict) -> None:
+    """Set every leaf of `changes` in `tree`, keeping the keys (and comments) of `tree` that it does not name."""
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(tree.get(key), dict):
+            _merge(tree[key], value)
+        else:
+            tree[key] = value
+
+
+def run_params_text(source: Path, overrides: dict[str, Any], profile: dict[str, Any] | None = None) -> str:
+    """The text of a run's params: `source` with a profile merged in, then `overrides` (dotted keys) set, its
+    comments and order kept."""
+    from ruamel.yaml import YAML  # round-trip YAML: comments survive an edit (PyYAML drops them)
+
+    rt = YAML()
+    rt.preserve_quotes = True
+    rt.width = 4096  # never re-wrap the user's long lines
+    rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
+    tree = rt.load(source.read_text())
+    _merge(tree, profile or {})
+    for key, value in overrides.items():
+        set_dotted(tree, key, value)
+    out = io.StringIO()
+    rt.dump(tree, out)
+    return out.getvalue()
+
+
+def restore_user_params(root: Path) -> str | None:
+    """Put the user's params.yaml back if a run left its own there (it ended, or was killed before it could).
+    Returns a line saying what happened, or None when there was nothing to restore."""
+    target, backup, ours = root / "params.yaml", root / PARAMS_BACKUP, root / PARAMS_OF_RUN
+    if not backup.exists():
+        return None
+    if target.exists() and ours.exists() and target.read_bytes() != ours.read_bytes():
+        # Someone edited params.yaml while the run used it: their edit wins.
+        backup.unlink()
+        ours.unlink()
+        return "params.yaml was edited during the run: kept as it is"
+    os.replace(backup, target)
+    ours.unlink(missing_ok=True)
+    return "params.yaml restored to the user's file"
+
+
+def params_of_run(root: Path, params_path: str, overrides: dict[str, Any] | None, profile: str | None) -> str | None:
+    """The validated text of a run's params, or None when the run uses params.yaml as it is. A bad file, profile
+    or override stops here with one line naming it, before any stage (or a Prefect server) starts."""
+    target = root / "params.yaml"
+    source = (root / params_path).resolve()
+    changes = load_profile(root, profile) if profile else None
+    if source == target.resolve() and not overrides and not changes:
+        load_params(target)
+        return None
+    load_raw(source)  # a missing file or bad YAML: one line naming it
+    text = run_params_text(source, overrides or {}, changes)
+    parse_params(yaml.safe_load(text) or {}, str(source))  # exactly what the stages will read
+    return text
+
+
+@contextlib.contextmanager
+def run_params(root: Path, params_path: str, overrides: dict[str, Any] | None, log: Callable[[str], None] = print,
+               profile: str | None = None):
+    """params.yaml holds this run's params (another params file, a profile, overrides) only while the run lasts.
+
+    DVC reads params from params.yaml alone, so the run's params must be there while its stages run, or
+    dvc.lock would record params the outputs were not made with. Afterwards (success, failure, cancel) the
+    user's file is back byte for byte; a run killed before it could restore it is undone at the next start.
+    dvc.lock keeps what the outputs were made with, so `dvc status` then names the overridden params as changed,
+    and the next run without overrides reruns those stages.
+    """
+    note = restore_user_params(root)
+    if note:
+        log(f"{note} (left by an interrupted run)")
+    text = params_of_run(root, params_path, overrides, profile)
+    if text is None:
+        yield
         return
-    raw = load_raw(source)
-    for key, value in (overrides or {}).items():
-        set_dotted(raw, key, value)
-    parse_params(raw, str(source))  # validate before touching params.yaml
+    target = root / "params.yaml"
+    (root / PARAMS_BACKUP).parent.mkdir(exist_ok=True)
+    shutil.copy2(target, root / PARAMS_BACKUP)
+    (root / PARAMS_OF_RUN).write_text(text)
     tmp = target.with_suffix(".yaml.tmp")
-    tmp.write_text(yaml.safe_dump(raw, sort_keys=False))
+    tmp.write_text(text)
     os.replace(tmp, target)
+    try:
+        yield
+    finally:
+        log(restore_user_params(root) or "params.yaml: nothing to restore")
 
 
 @flow(name="astrai-pipeline", log_prints=True)
 def pipeline(params_path: str = "params.yaml", overrides: dict[str, Any] | None = None,
-             project_dir: str | None = None) -> dict[str, Any]:
+             project_dir: str | None = None, profile: str | None = None) -> dict[str, Any]:
     """Corpus -> tokenizer -> pack -> pretrain -> chat_data -> sft -> dpo_reference -> dpo -> grpo -> evaluate ->
     register, one Prefect task per stage (a post-training stage disabled in params passes its input on).
 
-    `overrides` maps dotted keys to values, e.g. {"pretrain.max_steps": 50}; they are validated and written
-    into params.yaml so that DVC's record stays true.
+    `overrides` maps dotted keys to values, e.g. {"pretrain.max_steps": 50}; they apply to this run only
+    (see `run_params`): params.yaml is the user's file again when the run ends. `profile` names a file in
+    profiles/ merged over the params first (e.g. "quick": the whole chain in about a minute).
     """
-    logger = get_run_logger()
     root = Path(project_dir or os.getcwd()).resolve()
-    _apply_overrides(root, params_path, overrides)
+    with run_params(root, params_path, overrides, log=get_run_logger().info, profile=profile):
+        return _run_stages(root)
+
+
+def _run_stages(root: Path) -> dict[str, Any]:
+    logger = get_run_logger()
     params = load_params(root / "params.yaml")
     setup(params, root)
 
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env.setdefault("DVC_NO_ANALYTICS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")  # a stage's progress lines reach the task log as they are printed
     env[FLOW_RUN_ENV] = str(flow_run.get_id() or "none")
     with mlflow.start_run(run_name=f"pipeline {flow_run.get_name() or ''}".strip(),
                           tags={"astrai.stage": "pipeline", "prefect.flow_run_id": env[FLOW_RUN_ENV]}) as parent:
@@ -93,15 +226,23 @@ def pipeline(params_path: str = "params.yaml", overrides: dict[str, Any] | None 
         env[PARENT_RUN_ENV] = parent.info.run_id
         status = {}
         for stage in STAGE_ORDER:
-            status[stage] = run_dvc_stage(stage, str(root), env)
+            state = run_dvc_stage(stage, str(root), env, return_state=True)
+            if state.is_cancelled():
+                raise TerminationSignal(signal.SIGTERM)  # the flow run ends as the cancel asked, with no more stages
+            status[stage] = state.result()
             if stage == "evaluate":
                 _publish_evaluation(root)
         mlflow.log_dict(status, "stage_status.json")
+    up_to_date = set(status.values()) == {"skipped"}
+    if up_to_date:  # nothing ran: no pipeline run in MLflow, and the results below are the last run's
+        mlflow.MlflowClient().delete_run(parent.info.run_id)
+        logger.info("nothing ran: every stage is up to date (dvc status); the results are the last run's")
 
     result = {
         "mlflow_tracking_uri": mlflow.get_tracking_uri(),
         "mlflow_experiment": params.tracking.experiment,
-        "mlflow_parent_run_id": parent.info.run_id,
+        "mlflow_parent_run_id": None if up_to_date else parent.info.run_id,
+        "up_to_date": up_to_date,
         "stages": status,
         "metrics": json.loads((root / S.EVALUATE / "metrics.json").read_text()),
         "registration": json.loads((root / S.REGISTER / "registration.json").read_text()),

@@ -27,7 +27,7 @@ import tarfile
 import tempfile
 from fnmatch import fnmatch
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file, write_json
@@ -56,6 +56,11 @@ def build_corpus(params: CorpusParams, out_dir: Path, cache_dir: Path | None = N
     split_of = assign_splits(ids, params.validation_fraction, params.test_fraction, params.seed)
     if not any(s == "train" for s in split_of.values()):
         raise AstraiError(f"{params.source}: {len(ids)} document(s) leave none for train; add documents or lower the fractions")
+    for split, key in (("validation", "validation_fraction"), ("test", "test_fraction")):
+        # Found now rather than when pretrain needs a validation window or evaluate a test split.
+        if getattr(params, key) > 0 and split not in split_of.values():
+            raise AstraiError(f"{params.source}: {len(ids)} document(s) leave none for {split}; add documents "
+                              f"(3 or more) or set corpus.{key}: 0")
 
     stats = {s: {"documents": 0, "characters": 0, "bytes": 0, "ids": []} for s in SPLITS}
     with atomic_path(out_dir) as tmp:
@@ -109,6 +114,8 @@ def _limited(documents: Documents, max_documents: int | None) -> Iterator[tuple[
 def _check_text(text: str, where: str) -> str:
     if not text.strip():
         raise AstraiError(f"{where}: empty (or whitespace-only) document")
+    if "\x00" in text:  # valid UTF-8, but binary data (e.g. a file of NUL bytes), not text
+        raise AstraiError(f"{where}: contains NUL bytes; not a text document")
     return text
 
 
@@ -132,13 +139,12 @@ def _find_files(source: str) -> list[tuple[Path, str]]:
     """Sorted (path, id prefix) pairs of the .txt/.jsonl files a directory or glob names."""
     root = Path(source).expanduser()
     if root.is_dir():
-        matches = [p for p in root.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file()]
+        matches = _text_files(root.rglob("*"))
         base = root
     else:
         if not glob.has_magic(source) and not root.exists():
             raise AstraiError(f"{source}: corpus source not found (expected 'shakespeare', a directory or a glob)")
-        matches = [Path(p) for p in glob.glob(str(root), recursive=True)]
-        matches = [p for p in matches if p.suffix in (".txt", ".jsonl") and p.is_file()]
+        matches = _text_files(Path(p) for p in glob.glob(str(root), recursive=True))
         # ids are relative to the pattern's fixed prefix ("data/raw/**/*.txt" -> "data/raw")
         fixed = list(_until_magic(root.parts))
         base = Path(*fixed) if fixed else Path(".")
@@ -147,6 +153,18 @@ def _find_files(source: str) -> list[tuple[Path, str]]:
     if not matches:
         raise AstraiError(f"{source}: no .txt or .jsonl files found")
     return sorted((p, p.relative_to(base).as_posix()) for p in matches)
+
+
+def _text_files(paths: Iterable[Path]) -> list[Path]:
+    """The .txt/.jsonl files among `paths`; a symlink to nowhere (broken, or a loop) is an error, not a skip."""
+    found = []
+    for p in paths:
+        if p.suffix in (".txt", ".jsonl"):
+            if p.is_file():
+                found.append(p)
+            elif p.is_symlink():
+                raise AstraiError(f"{p}: symlink leads to no file (broken, or a loop)")
+    return found
 
 
 def _until_magic(parts: tuple[str, ...]) -> Iterator[str]:

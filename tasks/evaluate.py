@@ -7,6 +7,8 @@ corpus's test plays, whose characters no training record names; the task accurac
 prompts is reported beside it to show what the stages learned in-distribution. metrics.json holds them as
 `<stage>/<metric>` plus the final model's language-modeling metrics under their plain names (what register
 compares); evaluation.md is the table; samples.md has the final model's text and each model's answers.
+For `dvc plots show` / `dvc plots diff` (dvc.yaml's `plots:`): chain.json has one row per model, and
+curves/<stage>.json each training stage's loss curve (DVC plots read JSON, not the stages' metrics.jsonl).
 
 Alone: `astrai stage evaluate` (what dvc.yaml runs).
 """
@@ -51,7 +53,8 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> dict:
     grpo_train = _read_jsonl(chat_dir / "grpo_train.jsonl")[: p.task_examples]
     metrics: dict = {"final_model": final}
     answers: dict[str, list[str]] = {}
-    for stage in models:
+    for i, stage in enumerate(models, 1):
+        print(f"evaluate: model {i}/{len(models)}: {stage}", flush=True)  # minutes of work: say where it is
         ckpt = model_dir(root, stage)
         model, tok, cfg = load_model(ckpt)
         tok_sha = sha256_file(ckpt / "tokenizer.json")
@@ -62,9 +65,12 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> dict:
             if len(tokens) < 2:
                 raise AstraiError(f"{root / 'data/packed/test.h5'}: the test split has fewer than 2 tokens")
             n_chars = len(tok.decode(tokens[1:].tolist(), skip_special_tokens=True))  # characters predicted
+        print(f"evaluate: {stage}: bits/char on {len(tokens):,} test tokens", flush=True)
         nll, n = sequence_nll(model, tokens, cfg.max_seq_len, p.batch_size)
         m = {f"test_{k}": v for k, v in summarize(nll, n, n_chars).items()}
         if chat_dir.is_dir():
+            print(f"evaluate: {stage}: held-out SFT loss, preference pairs, {len(grpo_test)} + {len(grpo_train)} "
+                  "questions", flush=True)
             m["sft_test_loss"] = masked_token_loss(model, str(chat_dir / "sft_test.h5"), tok_sha,
                                                    params.pretrain.seq_len, p.batch_size)
             m |= preference_accuracy(model, str(chat_dir / "dpo_test.h5"), tok_sha)
@@ -84,7 +90,21 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> dict:
         write_json(tmp / "metrics.json", metrics)
         (tmp / "evaluation.md").write_text(evaluation_table(metrics, models))
         (tmp / "samples.md").write_text(samples + _answers(grpo_test, answers))
+        write_plot_data(root, models, metrics, tmp)
     return metrics
+
+
+def write_plot_data(root: Path, models: list[str], metrics: dict, out_dir: Path) -> None:
+    """chain.json: each model's held-out metrics, in chain order; curves/<stage>.json: its training loss by step."""
+    chain = [{"model": stage} | {k: metrics[f"{stage}/{k}"] for k, _, _ in TABLE if f"{stage}/{k}" in metrics}
+             for stage in models]
+    write_json(out_dir / "chain.json", chain)
+    (out_dir / "curves").mkdir()
+    for stage in models:
+        log = model_dir(root, stage) / "metrics.jsonl"
+        rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
+        write_json(out_dir / "curves" / f"{stage}.json",
+                   [{"step": r["step"], "train/loss": r["train/loss"]} for r in rows if "train/loss" in r])
 
 
 def evaluation_table(metrics: dict, models: list[str]) -> str:

@@ -131,6 +131,7 @@ def dpo_reference(params: Params, root: Path, on_line: Callable[[str], None] = p
     ref = start_model(params, root, "dpo")  # what the dpo stage starts from
     data = root / CHAT / "dpo_train.h5"
     model, _, _ = load_model(ref)
+    on_line(f"dpo_reference: scoring the DPO pairs of {data.relative_to(root)} with {ref.relative_to(root)}")
     logps = reference_logps(model, str(data), sha256_file(ref / "tokenizer.json"), dtype=params.dpo.dtype)
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()

@@ -9,6 +9,8 @@ Input: a list of prompts, or a DataFrame with a `prompt` column. Output: the gen
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlflow.pyfunc
 import torch
 
@@ -19,7 +21,8 @@ class AstraiLanguageModel(mlflow.pyfunc.PythonModel):
 
         self.model, self.tokenizer, _ = load_model(context.artifacts["checkpoint"])
 
-    def predict(self, context, model_input, params=None):
+    # Type hints: MLflow validates the input against them (and infers the signature) instead of warning.
+    def predict(self, context, model_input: list[str], params: dict[str, Any] | None = None) -> list[str]:
         from astrai_core.generate import generate_text
 
         params = params or {}

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import tempfile
+import time
 from importlib.metadata import version
 from pathlib import Path
 
 import mlflow
 import yaml
 from mlflow.exceptions import MlflowException
-from mlflow.models import infer_signature
 
 import astrai_core
 from astrai_core.errors import AstraiError
@@ -56,7 +57,39 @@ def champion_bpc(client: mlflow.MlflowClient, name: str) -> tuple[str | None, fl
     except MlflowException:
         return None, None
     bpc = champ.tags.get("test_bits_per_char")
-    return champ.version, (float(bpc) if bpc is not None else None)
+    return str(champ.version), (float(bpc) if bpc is not None else None)
+
+
+def claim_champion(client: mlflow.MlflowClient, name: str, version: str, bpc: float,
+                   settle: float = 0.5) -> tuple[bool, str]:
+    """Move alias `champion` to `version` if its test bpc beats the current champion's; returns (promoted, why).
+
+    Another registration may decide at the same moment (two users, one registry), and MLflow has no
+    compare-and-set for aliases. So after moving the alias this waits `settle` s and reads it again: if another
+    version took it meanwhile, the comparison is made again against that one. Both sides end agreeing with the
+    registry: the better version is champion, the other says it stays candidate.
+    """
+    compared: tuple[str | None, float | None] = (None, None)
+    for _ in range(20):
+        champ_version, champ_bpc = champion_bpc(client, name)
+        if champ_version == version:
+            return True, decision_line(version, bpc, *compared)
+        if champ_bpc is not None and bpc >= champ_bpc:
+            return False, (f"version {version} stays candidate: test bpc {bpc:.4f} does not beat champion version "
+                           f"{champ_version}'s {champ_bpc:.4f}")
+        compared = (champ_version, champ_bpc)
+        try:
+            client.set_registered_model_alias(name, "champion", version)
+        except MlflowException:  # another registration set it at the same instant (sqlite: unique constraint)
+            time.sleep(settle * random.random())
+            continue
+        time.sleep(settle * (1 + random.random()))  # let a racing registration's move land, then look again
+    raise AstraiError(f"model {name!r}: alias champion keeps moving; another registration is racing this one")
+
+
+def decision_line(version: str, bpc: float, old_version: str | None, old_bpc: float | None) -> str:
+    return (f"version {version} is champion: test bpc {bpc:.4f}"
+            + (f" beats version {old_version}'s {old_bpc:.4f}" if old_bpc is not None else " (no previous champion)"))
 
 
 def register(params: Params, checkpoint_dir: Path, metrics_path: Path, out_dir: Path, project_dir: Path) -> dict:
@@ -65,7 +98,6 @@ def register(params: Params, checkpoint_dir: Path, metrics_path: Path, out_dir: 
     metrics = json.loads(metrics_path.read_text())
     bpc = float(metrics["test_bits_per_char"])
     client = mlflow.MlflowClient()
-    champ_version, champ_bpc = champion_bpc(client, name)
 
     # The Hugging Face export travels with the version as the model artifact "hf" (transformers loads it directly:
     # download_artifacts("models:/NAME@champion") has artifacts/hf). Options transformers lacks are registered
@@ -82,7 +114,9 @@ def register(params: Params, checkpoint_dir: Path, metrics_path: Path, out_dir: 
             python_model=str(Path(__file__).with_name("pyfunc_model.py")),
             artifacts=artifacts,
             code_paths=[str(Path(astrai_core.__file__).parent)],
-            signature=infer_signature(["ROMEO.\n"], ["text"], params=PREDICT_PARAMS),
+            # An input example (and predict's type hints) give the signature, params included, and spare the log
+            # MLflow's warnings; MLflow runs predict on it once, so the logged model is known to load and answer.
+            input_example=(["ROMEO.\n"], PREDICT_PARAMS),
             pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "safetensors", "tokenizers", "numpy", "pydantic")],
             registered_model_name=name,
         )
@@ -103,18 +137,12 @@ def register(params: Params, checkpoint_dir: Path, metrics_path: Path, out_dir: 
         client.set_model_version_tag(name, str(mv), key, value)
     client.set_registered_model_alias(name, "candidate", str(mv))
 
-    promote = champ_bpc is None or bpc < champ_bpc
-    if promote:
-        client.set_registered_model_alias(name, "champion", str(mv))
-        decision = (f"version {mv} is champion: test bpc {bpc:.4f}"
-                    + (f" beats version {champ_version}'s {champ_bpc:.4f}" if champ_bpc is not None else " (no previous champion)"))
-    else:
-        decision = f"version {mv} stays candidate: test bpc {bpc:.4f} does not beat champion version {champ_version}'s {champ_bpc:.4f}"
+    promote, decision = claim_champion(client, name, str(mv), bpc)
     mlflow.set_tag("astrai.registration", decision)
     mlflow.log_text(decision + "\n", "registration_decision.txt")
 
     result = {"model_name": name, "version": int(mv), "model_uri": f"models:/{name}/{mv}", "aliases": ["candidate"] + (["champion"] if promote else []),
-              "champion_version": int(mv) if promote else (int(champ_version) if champ_version else None),
+              "champion_version": int(mv) if promote else int(champion_bpc(client, name)[0]),
               "decision": decision, "tags": tags}
     write_json(out_dir / "registration.json", result)
     return result

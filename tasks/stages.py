@@ -61,7 +61,7 @@ def _train(stage: str) -> Callable[[Params, Path], None]:
         if summary is None:
             mlflow.set_tag("astrai.skipped", f"{stage}.enabled is false")
             return
-        mlflow.log_metrics({f"final_{k}": float(v) for k, v in summary.items()
+        mlflow.log_metrics({k if k.startswith("final_") else f"final_{k}": float(v) for k, v in summary.items()
                             if isinstance(v, (int, float)) and v is not None})
         if stage == "pretrain":
             mlflow.log_artifact(str(model_dir(root, stage) / "config.json"))

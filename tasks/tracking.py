@@ -8,12 +8,16 @@ The torchrun children learn the stage's run from MLFLOW_RUN_ID (see astrai_core.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import socket
+import warnings
 from pathlib import Path
 from typing import Iterator
 
 import mlflow
+import yaml
 
 from astrai_core.tracking import mlflow_params as flatten  # the MLflow params of a config tree
 from tasks.params import Params
@@ -30,21 +34,37 @@ def tracking_uri(params: Params, project_dir: Path) -> str:
     return f"sqlite:///{(project_dir / 'mlflow' / 'mlflow.db').resolve()}"
 
 
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """One process at a time through a local sqlite store's first use: MLflow creates (migrates) the schema
+    then, and two processes doing it at once crash one of them. Other stores handle their own concurrency."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
+        yield
+
+
 def setup(params: Params, project_dir: Path) -> str:
     """Point MLflow at the store and make sure the experiment exists; returns the experiment id."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # tqdm bars are noise in a stage's log
     uri = tracking_uri(params, project_dir)
     mlflow.set_tracking_uri(uri)
     os.environ["MLFLOW_TRACKING_URI"] = uri  # for child processes (torchrun ranks)
-    exp = mlflow.get_experiment_by_name(params.tracking.experiment)
-    if exp is not None:
-        exp_id = exp.experiment_id
-    else:
-        artifacts = None
-        if uri.startswith("sqlite:///"):
-            # Keep artifacts beside the sqlite file, not in whatever directory the process happens to run in.
-            artifacts = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").resolve().as_uri()
-        exp_id = mlflow.create_experiment(params.tracking.experiment, artifact_location=artifacts)
+    with store_lock(uri):  # also makes "create the experiment if missing" one step
+        exp = mlflow.get_experiment_by_name(params.tracking.experiment)
+        if exp is not None:
+            exp_id = exp.experiment_id
+        else:
+            artifacts = None
+            if uri.startswith("sqlite:///"):
+                # Keep artifacts beside the sqlite file, not in whatever directory the process happens to run in.
+                artifacts = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").resolve().as_uri()
+            exp_id = mlflow.create_experiment(params.tracking.experiment, artifact_location=artifacts)
     mlflow.set_experiment(experiment_id=exp_id)
     return exp_id
 
@@ -52,9 +72,12 @@ def setup(params: Params, project_dir: Path) -> str:
 @contextlib.contextmanager
 def stage_run(stage: str, params: Params, project_dir: Path) -> Iterator[mlflow.ActiveRun]:
     """Open the stage's MLflow run (a child of ASTRAI_PARENT_RUN_ID when set) with its params logged."""
-    setup(params, project_dir)
+    exp_id = setup(params, project_dir)
+    close_dead_runs(exp_id, stage)
     parent = os.environ.get(PARENT_RUN_ENV) or None
-    tags = {"astrai.stage": stage, "astrai.source": "prefect" if parent else "dvc"}
+    # host + pid let a later run tell a stage that was killed (its run left RUNNING) from one still going.
+    tags = {"astrai.stage": stage, "astrai.source": "prefect" if parent else "dvc",
+            "astrai.host": socket.gethostname(), "astrai.pid": str(os.getpid())}
     if os.environ.get(FLOW_RUN_ENV):
         tags["prefect.flow_run_id"] = os.environ[FLOW_RUN_ENV]
     with mlflow.start_run(run_name=stage, parent_run_id=parent, nested=parent is not None, tags=tags) as run:
@@ -62,4 +85,38 @@ def stage_run(stage: str, params: Params, project_dir: Path) -> Iterator[mlflow.
         if isinstance(section, dict):
             mlflow.log_params(flatten(section, f"{stage}."))
         mlflow.log_text(json.dumps(params.model_dump(mode="json"), indent=2), "params.json")
+        log_stage_inputs(stage, project_dir)
         yield run
+
+
+def close_dead_runs(experiment_id: str, stage: str) -> None:
+    """Mark FAILED the runs of `stage` left RUNNING by a process of this host that no longer exists (a stage
+    killed with SIGKILL never ends its run)."""
+    client = mlflow.MlflowClient()
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`astrai.stage` = '{stage}' and "
+                              f"tags.`astrai.host` = '{socket.gethostname()}' and attributes.status = 'RUNNING'")
+    for run in runs:
+        pid = int(run.data.tags.get("astrai.pid", "0"))
+        if pid and pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+            client.set_tag(run.info.run_id, "astrai.ended", f"process {pid} was gone; marked failed by the next run")
+            client.set_terminated(run.info.run_id, status="FAILED")
+
+
+def log_stage_inputs(stage: str, project_dir: Path) -> None:
+    """MLflow's Datasets column: each data directory the stage reads (its `data/` deps in dvc.yaml), named by
+    its path, with the DVC hash dvc.lock records for it as digest (what `dvc checkout` would restore)."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+
+    dvc_yaml, lock = project_dir / "dvc.yaml", project_dir / "dvc.lock"
+    if not dvc_yaml.is_file() or not lock.is_file():
+        return
+    deps = (yaml.safe_load(dvc_yaml.read_text())["stages"].get(stage) or {}).get("deps", [])
+    md5 = {out["path"]: out.get("md5", "") for s in (yaml.safe_load(lock.read_text()) or {}).get("stages", {}).values()
+           for out in s.get("outs", [])}
+    for dep in deps:
+        if dep.startswith("data/") and md5.get(dep):
+            with warnings.catch_warnings():  # MLflow registers its local source twice and warns of the ambiguity
+                warnings.simplefilter("ignore", UserWarning)
+                source = resolve_dataset_source(str((project_dir / dep).resolve()))
+            mlflow.log_input(MetaDataset(source, name=dep, digest=md5[dep].removesuffix(".dir")), context=stage)
