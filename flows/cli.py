@@ -45,11 +45,13 @@ def pipeline(
 ) -> None:
     """Run the whole pipeline as a Prefect flow in this process (a temporary Prefect server starts when
     PREFECT_API_URL is unset), then print where the results are."""
-    from flows.pipeline import params_of_run, pipeline as flow
+    from tasks.params import params_of_run
 
     overrides = dict(_parse_override(s) for s in set_)
     try:
-        params_of_run(Path.cwd(), str(params), overrides, profile)  # a bad key stops here, before Prefect starts
+        params_of_run(Path(), str(params), overrides, profile)  # a bad key stops here, before Prefect starts
+        from flows.pipeline import pipeline as flow
+
         result = flow(params_path=str(params), overrides=overrides or None, profile=profile)
     except AstraiError as e:
         _fail(str(e))

@@ -12,7 +12,6 @@ Run locally: `astrai pipeline` (or `python -m flows.pipeline`). As a deployment:
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import re
@@ -34,7 +33,7 @@ from prefect.states import Cancelled, State
 from astrai_core.errors import AstraiError
 from astrai_core.proc import stream_process
 from tasks import stages as S
-from tasks.params import load_params, load_raw, parse_params, set_dotted
+from tasks.params import params_of_run
 from tasks.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, flatten, setup
 
 STAGE_ORDER = list(S.STAGES)
@@ -94,45 +93,6 @@ PARAMS_BACKUP = Path(".astrai") / "params.yaml.user"
 PARAMS_OF_RUN = Path(".astrai") / "params.yaml.run"
 
 
-PROFILES_DIR = Path("profiles")
-
-
-def load_profile(root: Path, name: str) -> dict[str, Any]:
-    """profiles/NAME.yaml: the params a profile changes, as a nested mapping like params.yaml's."""
-    path = root / PROFILES_DIR / f"{name}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in (root / PROFILES_DIR).glob("*.yaml"))
-        raise AstraiError(f"{path}: no such profile; profiles: {', '.join(known) or 'none'}")
-    return load_raw(path)
-
-
-def _merge(tree: dict, changes: dict) -> None:
-    """Set every leaf of `changes` in `tree`, keeping the keys (and comments) of `tree` that it does not name."""
-    for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(tree.get(key), dict):
-            _merge(tree[key], value)
-        else:
-            tree[key] = value
-
-
-def run_params_text(source: Path, overrides: dict[str, Any], profile: dict[str, Any] | None = None) -> str:
-    """The text of a run's params: `source` with a profile merged in, then `overrides` (dotted keys) set, its
-    comments and order kept."""
-    from ruamel.yaml import YAML  # round-trip YAML: comments survive an edit (PyYAML drops them)
-
-    rt = YAML()
-    rt.preserve_quotes = True
-    rt.width = 4096  # never re-wrap the user's long lines
-    rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
-    tree = rt.load(source.read_text())
-    _merge(tree, profile or {})
-    for key, value in overrides.items():
-        set_dotted(tree, key, value)
-    out = io.StringIO()
-    rt.dump(tree, out)
-    return out.getvalue()
-
-
 def restore_user_params(root: Path) -> str | None:
     """Put the user's params.yaml back if a run left its own there (it ended, or was killed before it could).
     Returns a line saying what happened, or None when there was nothing to restore."""
@@ -147,21 +107,6 @@ def restore_user_params(root: Path) -> str | None:
     os.replace(backup, target)
     ours.unlink(missing_ok=True)
     return "params.yaml restored to the user's file"
-
-
-def params_of_run(root: Path, params_path: str, overrides: dict[str, Any] | None, profile: str | None) -> str | None:
-    """The validated text of a run's params, or None when the run uses params.yaml as it is. A bad file, profile
-    or override stops here with one line naming it, before any stage (or a Prefect server) starts."""
-    target = root / "params.yaml"
-    source = (root / params_path).resolve()
-    changes = load_profile(root, profile) if profile else None
-    if source == target.resolve() and not overrides and not changes:
-        load_params(target)
-        return None
-    load_raw(source)  # a missing file or bad YAML: one line naming it
-    text = run_params_text(source, overrides or {}, changes)
-    parse_params(yaml.safe_load(text) or {}, str(source))  # exactly what the stages will read
-    return text
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ dvc.yaml). Unknown keys and invalid values stop the run with a one-line message 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import warnings
 from pathlib import Path
@@ -257,3 +258,59 @@ def load_params(path: str | Path = "params.yaml", overrides: dict[str, Any] | No
     for key, value in (overrides or {}).items():
         set_dotted(raw, key, value)
     return parse_params(raw, str(path))
+
+
+# ---- a run's params: params.yaml with a profile and overrides (flows/pipeline.py puts them in place) ----------
+
+PROFILES_DIR = Path("profiles")
+
+
+def load_profile(root: Path, name: str) -> dict[str, Any]:
+    """profiles/NAME.yaml: the params a profile changes, as a nested mapping like params.yaml's."""
+    path = root / PROFILES_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (root / PROFILES_DIR).glob("*.yaml"))
+        raise AstraiError(f"{path}: no such profile; profiles: {', '.join(known) or 'none'}")
+    return load_raw(path)
+
+
+def _merge(tree: dict, changes: dict) -> None:
+    """Set every leaf of `changes` in `tree`, keeping the keys (and comments) of `tree` that it does not name."""
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(tree.get(key), dict):
+            _merge(tree[key], value)
+        else:
+            tree[key] = value
+
+
+def run_params_text(source: Path, overrides: dict[str, Any], profile: dict[str, Any] | None = None) -> str:
+    """The text of a run's params: `source` with a profile merged in, then `overrides` (dotted keys) set, its
+    comments and order kept."""
+    from ruamel.yaml import YAML  # round-trip YAML: comments survive an edit (PyYAML drops them)
+
+    rt = YAML()
+    rt.preserve_quotes = True
+    rt.width = 4096  # never re-wrap the user's long lines
+    rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
+    tree = rt.load(source.read_text())
+    _merge(tree, profile or {})
+    for key, value in overrides.items():
+        set_dotted(tree, key, value)
+    out = io.StringIO()
+    rt.dump(tree, out)
+    return out.getvalue()
+
+
+def params_of_run(root: Path, params_path: str, overrides: dict[str, Any] | None, profile: str | None) -> str | None:
+    """The validated text of a run's params, or None when the run uses params.yaml as it is. A bad file, profile
+    or override stops here with one line naming it, before any stage (or a Prefect server) starts."""
+    target = root / "params.yaml"
+    source = (root / params_path).resolve()
+    changes = load_profile(root, profile) if profile else None
+    if source == target.resolve() and not overrides and not changes:
+        load_params(target)
+        return None
+    load_raw(root / params_path)  # a missing file or bad YAML: one line naming it
+    text = run_params_text(source, overrides or {}, changes)
+    parse_params(yaml.safe_load(text) or {}, str(root / params_path))  # exactly what the stages will read
+    return text

@@ -193,7 +193,7 @@ def test_metrics_compare_across_commits_and_plots_render(tmp_path):
 def test_a_profile_is_merged_over_the_params_and_an_unknown_one_is_named(params_root):
     import yaml as pyyaml
 
-    from flows.pipeline import load_profile, run_params_text
+    from tasks.params import load_profile, run_params_text
     from tasks.params import parse_params
 
     shutil.copytree(PROJECT_ROOT / "profiles", params_root / "profiles")
