@@ -1,0 +1,99 @@
+"""Runs the model on a scheduled batch against the paged KV pool.
+
+The model is used as it is: Transformer.forward(idx, cache, positions=, mask=) calls cache.extend(layer, *new)
+once per layer and attends over what it returns. PagedCache is such a cache: extend scatters each row's new
+entries into the pool (slot = block_table[pos // block_size] * block_size + pos % block_size) and gathers each
+row's entries back in position order, padded to the longest row; the mask hides the padding. So every attention
+variant works unchanged: the pool holds whatever the layer caches ((k, v) per kv head, or MLA's latent and RoPE
+key), each as a (slots, *per-token shape) tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from astrai_core.engine.sequence import Sequence
+from astrai_core.model import Transformer
+
+
+def token_shapes(model: Transformer) -> list[tuple[int, ...]]:
+    """Per-token shape of each tensor one layer caches (KVCache's layout with the batch and time dims removed)."""
+    cfg = model.cfg
+    if cfg.attention == "mla":
+        return [(cfg.mla_kv_rank,), (1, cfg.mla_rope_dim)]
+    return [(cfg.n_kv_heads, cfg.head_dim), (cfg.n_kv_heads, cfg.head_dim)]
+
+
+def bytes_per_block(model: Transformer, block_size: int) -> int:
+    dtype = next(model.parameters()).dtype
+    per_token = sum(torch.Size(s).numel() for s in token_shapes(model)) * model.cfg.n_layers
+    return per_token * block_size * dtype.itemsize
+
+
+class KVPool:
+    """The preallocated KV memory: per layer, one (num_blocks * block_size, *shape) tensor per cached tensor."""
+
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int) -> None:
+        p = next(model.parameters())
+        self.block_size = block_size
+        self.layers = [[torch.zeros(num_blocks * block_size, *shape, dtype=p.dtype, device=p.device)
+                        for shape in token_shapes(model)] for _ in range(model.cfg.n_layers)]
+
+
+class PagedCache:
+    """The cache interface Transformer.forward expects (extend, length) over the pool, for one forward.
+
+    rows, cols: (N,) batch row and column of each real new token; write_slots: (N,) its pool slot.
+    read_slots: (B, S) the slot of each row's positions 0..S-1 (padding points at slot 0, masked out)."""
+
+    def __init__(self, pool: KVPool, rows: torch.Tensor, cols: torch.Tensor, write_slots: torch.Tensor,
+                 read_slots: torch.Tensor) -> None:
+        self.pool, self.rows, self.cols = pool, rows, cols
+        self.write_slots, self.read_slots = write_slots, read_slots
+        self.length = 0  # the model asserts length + T <= max_seq_len and adds T; positions come from the batch
+
+    def extend(self, layer: int, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = []
+        for stored, t in zip(self.pool.layers[layer], new):  # t: (B, *head dims, T, d)
+            stored[self.write_slots] = t.movedim(-2, 1)[self.rows, self.cols]
+            out.append(stored[self.read_slots].movedim(1, -2).contiguous())  # (B, *head dims, S, d)
+        return tuple(out)
+
+
+class Runner:
+    def __init__(self, model: Transformer, pool: KVPool) -> None:
+        self.model, self.pool = model, pool
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def run(self, batch: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Compute the next n tokens of each (seq, n) (its tokens[num_cached : num_cached + n]) and store their
+        KV; -> (B, vocab) fp32 logits at each row's last computed position."""
+        bs, dev = self.pool.block_size, self.device
+        starts = torch.tensor([s.num_cached for s, _ in batch], device=dev)
+        counts = torch.tensor([n for _, n in batch], device=dev)
+        B, T = len(batch), int(counts.max())
+        ends = starts + counts
+        S = int(ends.max())
+        t = torch.arange(T, device=dev)
+        real = t[None, :] < counts[:, None]  # (B, T) real new tokens
+        positions = torch.where(real, starts[:, None] + t[None, :], 0)
+        idx = torch.zeros(B, T, dtype=torch.long, device=dev)
+        for i, (s, n) in enumerate(batch):
+            idx[i, :n] = torch.tensor(s.tokens[s.num_cached:s.num_cached + n])
+        width = max(len(s.block_table) for s, _ in batch)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s, _ in batch], device=dev)
+
+        def slot(pos: torch.Tensor) -> torch.Tensor:
+            return tables.gather(1, pos // bs) * bs + pos % bs
+
+        rows, cols = real.nonzero(as_tuple=True)
+        write_slots = slot(positions)[rows, cols]
+        keys = torch.arange(S, device=dev)
+        in_row = keys[None, :] < ends[:, None]  # (B, S) positions this row has
+        read_slots = torch.where(in_row, slot(torch.where(in_row, keys[None, :], 0)), 0)
+        # query (i, t) sees keys up to its own position; a padding query (position 0) sees key 0 only.
+        mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # (B, 1, T, S)
+        cache = PagedCache(self.pool, rows, cols, write_slots, read_slots)
+        logits = self.model(idx, cache, positions=positions, mask=mask)
+        return logits[torch.arange(B, device=dev), counts - 1].float()
