@@ -40,6 +40,7 @@ class EngineConfig:
     prefill_chunk: int = 64  # prompt tokens prefilled per step per newcomer (chunked prefill)
     max_waiting: int = 256  # queue bound; submit raises QueueFull beyond it
     prefix_cache: bool = True
+    batch_invariant: bool = True  # each row's arithmetic independent of its batch mates (runner.Runner)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "block_size", "prefill_chunk", "max_waiting"):
@@ -66,9 +67,9 @@ class Engine:
                              f"full context ({self.context_length} tokens): raise kv_blocks or kv_memory_mb")
         self.kv_bytes = num_blocks * block_bytes
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache)
-        self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, min(cfg.prefill_chunk, self.context_length),
-                                   self.context_length)
-        self.runner = Runner(model, KVPool(model, num_blocks, cfg.block_size))
+        chunk = min(cfg.prefill_chunk, self.context_length)
+        self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, chunk, self.context_length)
+        self.runner = Runner(model, KVPool(model, num_blocks, cfg.block_size), chunk, cfg.batch_invariant)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: deque[Sequence] = deque()

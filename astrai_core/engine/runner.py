@@ -10,7 +10,10 @@ key), each as a (slots, *per-token shape) tensor.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from astrai_core.engine.sequence import Sequence
 from astrai_core.model import Transformer
@@ -60,9 +63,25 @@ class PagedCache:
         return tuple(out)
 
 
+def gemm_invariant_rows(m: int) -> bool:
+    """Whether a CPU gemm with m rows gives each row the same bits as any other such gemm would. Measured on
+    torch 2.13 (MKL/oneDNN, x86): m = 4, 8 and m >= 12 all agree row by row; m = 1..3 and the last m % 4 rows of
+    m = 5..11 go through other kernels, with another summation order (tests/test_engine.py checks this first)."""
+    return m in (4, 8) or m >= 12
+
+
 class Runner:
-    def __init__(self, model: Transformer, pool: KVPool) -> None:
-        self.model, self.pool = model, pool
+    """batch_invariant: give every row the same arithmetic whatever shares its batch, at a small cost:
+    * token rows (batch x tokens, what every linear layer sees) padded to a count where the gemm is row-invariant;
+    * every row attends over the same key length, the whole context: SDPA's CPU kernel sums the keys in vector
+      lanes, so a row padded to another length rounds differently even though the padding is masked out;
+    * every prefill forward has prefill_chunk query positions (the attention kernel's rounding depends on it).
+    What stays: a decode (1 query) and a prefill compute the same position with different rounding, so a
+    preempted request's recomputed cache, or a prefix block another request computed with other chunk bounds,
+    may differ in the last bits; and MoE experts see as many rows as the batch routes to them."""
+
+    def __init__(self, model: Transformer, pool: KVPool, prefill_chunk: int, batch_invariant: bool = True) -> None:
+        self.model, self.pool, self.prefill_chunk, self.batch_invariant = model, pool, prefill_chunk, batch_invariant
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()
@@ -70,19 +89,26 @@ class Runner:
         """Compute the next n tokens of each (seq, n) (its tokens[num_cached : num_cached + n]) and store their
         KV; -> (B, vocab) fp32 logits at each row's last computed position."""
         bs, dev = self.pool.block_size, self.device
-        starts = torch.tensor([s.num_cached for s, _ in batch], device=dev)
+        rows_out = len(batch)
+        T = max(n for _, n in batch)
+        if self.batch_invariant:
+            T = T if T == 1 else self.prefill_chunk
+            while not gemm_invariant_rows(len(batch) * T):  # rows of 0 tokens: computed, never stored
+                batch = batch + [(None, 0)]
+        starts = torch.tensor([s.num_cached if s else 0 for s, _ in batch], device=dev)
         counts = torch.tensor([n for _, n in batch], device=dev)
-        B, T = len(batch), int(counts.max())
+        B = len(batch)
         ends = starts + counts
-        S = int(ends.max())
+        S = self.model.cfg.max_seq_len if self.batch_invariant else int(ends.max())
         t = torch.arange(T, device=dev)
         real = t[None, :] < counts[:, None]  # (B, T) real new tokens
         positions = torch.where(real, starts[:, None] + t[None, :], 0)
         idx = torch.zeros(B, T, dtype=torch.long, device=dev)
-        for i, (s, n) in enumerate(batch):
+        for i, (s, n) in enumerate(batch[:rows_out]):
             idx[i, :n] = torch.tensor(s.tokens[s.num_cached:s.num_cached + n])
-        width = max(len(s.block_table) for s, _ in batch)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s, _ in batch], device=dev)
+        width = max(len(s.block_table) for s, _ in batch[:rows_out])
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) if s else [0] * width
+                               for s, _ in batch], device=dev)
 
         def slot(pos: torch.Tensor) -> torch.Tensor:
             return tables.gather(1, pos // bs) * bs + pos % bs
@@ -95,5 +121,6 @@ class Runner:
         # query (i, t) sees keys up to its own position; a padding query (position 0) sees key 0 only.
         mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # (B, 1, T, S)
         cache = PagedCache(self.pool, rows, cols, write_slots, read_slots)
-        logits = self.model(idx, cache, positions=positions, mask=mask)
-        return logits[torch.arange(B, device=dev), counts - 1].float()
+        with sdpa_kernel(SDPBackend.MATH) if self.batch_invariant else contextlib.nullcontext():
+            logits = self.model(idx, cache, positions=positions, mask=mask)
+        return logits[torch.arange(rows_out, device=dev), counts[:rows_out] - 1].float()
