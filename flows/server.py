@@ -123,10 +123,15 @@ class OpenAIBody(Body):
     stream_options: StreamOptions | None = None
     n: int | None = 1
     logprobs: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
 
     _stop = field_validator("stop", mode="before")(_openai_stops)
     _n = field_validator("n")(_refuse("n other than 1 (one choice per request)", 1))
     _logprobs = field_validator("logprobs")(_refuse("logprobs", False))
+    _penalties = field_validator("presence_penalty", "frequency_penalty")(_refuse("penalties other than 0", 0, 0.0))
+    _logit_bias = field_validator("logit_bias")(_refuse("logit_bias", {}))
 
 
 def _text_content(value: Any) -> Any:
