@@ -386,7 +386,8 @@ class EngineCollector:
                   "requests_waiting": ("waiting", "Requests waiting to be admitted"),
                   "kv_blocks_total": ("kv_blocks_total", "KV cache blocks in the pool"),
                   "kv_blocks_used": ("kv_blocks_used", "KV cache blocks held by requests"),
-                  "kv_blocks_free": ("kv_blocks_free", "KV cache blocks free to allocate")}
+                  "kv_blocks_free": ("kv_blocks_free", "KV cache blocks free to allocate"),
+                  "kv_cache_bytes": ("kv_bytes", "Memory of the preallocated KV block pool")}
         counters = {"prefix_cache_hits": ("prefix_cache_hits", "Prompt KV blocks found in the prefix cache"),
                     "prefix_cache_queries": ("prefix_cache_queries", "Prompt KV blocks looked up in the prefix cache"),
                     "prompt_tokens": ("prompt_tokens_total", "Prompt tokens submitted"),

@@ -205,7 +205,7 @@ def test_models_health_and_metrics(server, oai):
     m = _metrics(server)
     for name in ("astrai_requests_running", "astrai_requests_waiting", "astrai_kv_blocks_used", "astrai_kv_blocks_free",
                  "astrai_prefix_cache_hits_total", "astrai_prefix_cache_queries_total",
-                 "astrai_generation_tokens_total", "astrai_time_to_first_token_seconds_count"):
+                 "astrai_generation_tokens_total", "astrai_time_to_first_token_seconds_count", "astrai_kv_cache_bytes"):
         assert name in m, name
     assert m["astrai_kv_blocks_used"] + m["astrai_kv_blocks_free"] == 64
 
