@@ -242,6 +242,7 @@ def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAM
     from astrai_core.engine import Engine, EngineConfig
     from flows.server import create_app
 
+    api_key = api_key or None  # an empty ASTRAI_API_KEY means no key
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -251,6 +252,8 @@ def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAM
               "to serve without a key")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        _fail(f"--device {device}: expected auto, cpu or cuda (and cuda needs a GPU build of torch and a GPU)")
     with tempfile.TemporaryDirectory(prefix="astrai-serve-") as tmp:  # a registry download, gone once loaded
         if model.startswith("models:/"):
             checkpoint, model_id = _download_registered(model, Path(tmp))

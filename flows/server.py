@@ -90,8 +90,13 @@ class Body(BaseModel):
 
     model: str
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int | None = Field(None, ge=1)  # an extension in the OpenAI routes, as vLLM has it
+    top_k: int | None = Field(None, ge=-1)  # an extension in the OpenAI routes, as vLLM has it; 0 or -1: off
     stream: bool = False
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off(cls, value: int | None) -> int | None:
+        return value if value is not None and value > 0 else None
 
 
 def _refuse(what: str, *allowed: Any) -> Callable[[Any], Any]:
