@@ -112,6 +112,8 @@ class Engine:
         """Gauges and counters (read without locking: each value is current within a step). ttft_seconds: the
         last TTFT_KEPT times to first token (submit to first sampled token), also as ttft_seconds_sum/_count."""
         b = self.blocks
+        with self._lock:
+            ttft = list(self.ttft_recent), self.ttft_sum, self.ttft_count
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting) + len(self._inbox),
@@ -121,8 +123,7 @@ class Engine:
             "prompt_tokens_total": self.prompt_tokens_total, "generated_tokens_total": self.generated_tokens_total,
             "requests_finished_total": self.requests_finished_total,
             "preemptions_total": self.scheduler.preemptions,
-            "ttft_seconds": list(self.ttft_recent), "ttft_seconds_sum": self.ttft_sum,
-            "ttft_seconds_count": self.ttft_count,
+            "ttft_seconds": ttft[0], "ttft_seconds_sum": ttft[1], "ttft_seconds_count": ttft[2],
         }
 
     def start(self) -> None:
@@ -198,9 +199,10 @@ class Engine:
         self.generated_tokens_total += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
-            self.ttft_sum += now - seq.arrival
-            self.ttft_count += 1
-            self.ttft_recent.append(now - seq.arrival)
+            with self._lock:  # stats() copies the deque from another thread
+                self.ttft_sum += now - seq.arrival
+                self.ttft_count += 1
+                self.ttft_recent.append(now - seq.arrival)
         token, reason = seq.output_ids[-1], seq.finish_reason
         self._send(seq, [] if reason == "stop" else [token], reason)
 

@@ -75,7 +75,9 @@ class Runner:
     * token rows (batch x tokens, what every linear layer sees) padded to a count where the gemm is row-invariant;
     * every row attends over the same key length, the whole context: SDPA's CPU kernel sums the keys in vector
       lanes, so a row padded to another length rounds differently even though the padding is masked out;
-    * every prefill forward has prefill_chunk query positions (the attention kernel's rounding depends on it).
+    * every prefill forward has prefill_chunk query positions (the attention kernel's rounding depends on it);
+    * SDPA's math kernel: the CPU flash kernel splits a small batch's work across threads in a way that changes
+      a row's rounding with the batch size (seen with 2 threads), the math kernel computes each row alone.
     What stays: a decode (1 query) and a prefill compute the same position with different rounding, so a
     preempted request's recomputed cache, or a prefix block another request computed with other chunk bounds,
     may differ in the last bits; and MoE experts see as many rows as the batch routes to them."""
