@@ -314,6 +314,8 @@ def test_seeded_sampling_is_reproducible_whatever_shares_the_batch():
     alone = [run(Engine(model, EngineConfig(kv_blocks=128, block_size=4)), [p], sp)[0].tokens
              for p, sp in zip(prompts, params)]
     assert together == alone
+    assert together[0] == generate(model, prompts[0], 10, temperature=1.0, top_p=0.9,
+                                   generator=torch.Generator().manual_seed(100))  # the same sampler and draws
     other_seed = run(Engine(model, EngineConfig(kv_blocks=128, block_size=4)), [prompts[0]],
                      SamplingParams(max_tokens=10, temperature=1.0, seed=7))[0].tokens
     assert other_seed != together[0]

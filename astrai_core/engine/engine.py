@@ -18,6 +18,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from astrai_core.engine.block_manager import BlockManager
 from astrai_core.engine.runner import KVPool, Runner, bytes_per_block
 from astrai_core.engine.scheduler import Scheduler
@@ -98,6 +100,8 @@ class Engine:
             if len(self._inbox) + len(self.scheduler.waiting) >= self.config.max_waiting:
                 raise QueueFull(f"{self.config.max_waiting} requests are waiting already")
             seq = Sequence(next(self._ids), list(prompt_ids), params, on_event)
+            if params.seed is not None:
+                seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed)
             self._inbox.append(seq)
         self._wake.set()
         return seq.id

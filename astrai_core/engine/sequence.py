@@ -60,11 +60,7 @@ class Sequence:
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
-    generator: torch.Generator | None = None
-
-    def __post_init__(self) -> None:
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+    generator: torch.Generator | None = None  # seeded per request, on the logits' device (set by Engine.submit)
 
     @property
     def tokens(self) -> list[int]:
