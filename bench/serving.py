@@ -14,12 +14,15 @@ What is measured, in one run on one machine:
   time), time to first token p50/p99 (request sent -> first streamed text), inter-token latency p50 (over
   requests, each request's (last text - first text) / (tokens - 1)), and the KV pool's size and the most blocks
   in use (polled from /metrics).
+* shared prefix: prompts that all start with the same half-context prefix, at concurrency 4, on a fresh server
+  with the prefix cache and on one without (--no-prefix-cache): time to first token of each, and their ratio.
 * naive: the same model in this process, one request at a time through astrai_core.generate.generate (a
   KV-cached loop, batch 1) over the level-1 prompts: what serving without batching gives.
 
 The default model is the demo's shape (params.yaml: 256 wide, 4 layers, vocab 2048, context 256) with random
 weights and a tokenizer trained here: speed does not depend on the weights. The report records the machine and
-its load average, since anything else running on the shared cores skews every number.
+its load average, since anything else running on the shared cores skews every number; both sides use --threads
+torch threads (default 1).
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ from astrai_core.tokenizer import special_id, train_tokenizer  # noqa: E402
 
 WORDS = ("the king queen lord lady fool ghost speaks loves follows betrays crown horse night brother people "
          "sword castle rain sun and to of in my your thou art hath doth what light yonder window breaks").split()
+
+
+THREADS = 1  # torch threads of the server and of the naive loop (--threads)
 
 
 def machine() -> dict:
@@ -166,6 +172,54 @@ def naive(model, prompts: list[list[int]], max_tokens: int, eos: int) -> dict:
             "ttft_p50_ms": round(1000 * percentile(ttfts, 50), 1)}
 
 
+def start_server(ckpt: Path, options: list[str], tmp: Path) -> tuple[subprocess.Popen, str, str]:
+    """`astrai serve` on a free port: (process, base url, served model id)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp / f"server-{port}.log", "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--model", str(ckpt), "--port",
+                                   str(port), *options], cwd=ROOT,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(THREADS)},
+                                  stdout=log, stderr=subprocess.STDOUT)
+    for _ in range(600):
+        try:
+            return server, url, httpx.get(f"{url}/v1/models", timeout=1).json()["data"][0]["id"]
+        except httpx.TransportError:
+            if server.poll() is not None:
+                raise SystemExit(f"astrai serve exited:\n{(tmp / f'server-{port}.log').read_text()}")
+            time.sleep(0.2)
+    server.kill()
+    raise SystemExit("astrai serve did not start in 2 minutes")
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    server.terminate()
+    server.wait(timeout=30)
+
+
+def shared_prefix(ckpt: Path, tokenizer, context: int, tmp: Path, requests: int = 16, concurrency: int = 4) -> dict:
+    """Time to first token when every prompt starts with the same half-context prefix (a long shared system
+    prompt), with the prefix cache and without (--no-prefix-cache): a fresh server each."""
+    header = prompts_for(tokenizer, 1, context // 2, context // 2, seed=1000)[0]
+    prompts = [header + tail for tail in prompts_for(tokenizer, requests, 8, 24, seed=1001)]
+    out = {"prefix_tokens": len(header), "requests": requests, "concurrency": concurrency, "max_tokens": 8}
+    for name, options in (("prefix_cache", []), ("no_prefix_cache", ["--no-prefix-cache"])):
+        server, url, model_id = start_server(ckpt, options, tmp)
+        try:
+            asyncio.run(load_level(url, model_id, prompts_for(tokenizer, 2, 8, 16, seed=99), 2, 4))  # warm-up
+            row = asyncio.run(load_level(url, model_id, prompts, concurrency, 8))
+            m = metrics(url)
+            out[name] = {k: row[k] for k in ("ttft_p50_ms", "ttft_p99_ms", "output_tokens_per_s")}
+            out[name]["prefix_cache_hit_rate"] = round(m["astrai_prefix_cache_hits_total"]
+                                                       / max(1, m["astrai_prefix_cache_queries_total"]), 3)
+            print(name, json.dumps(out[name]), flush=True)
+        finally:
+            stop_server(server)
+    out["ttft_p50_ratio_without_over_with"] = round(out["no_prefix_cache"]["ttft_p50_ms"]
+                                                    / out["prefix_cache"]["ttft_p50_ms"], 2)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="checkpoint directory (default: random weights at the demo shape)")
@@ -177,8 +231,14 @@ def main() -> None:
     ap.add_argument("--min-prompt", type=int, default=8)
     ap.add_argument("--max-prompt", type=int, default=160)
     ap.add_argument("--serve-args", default="", help="extra `astrai serve` options, e.g. '--no-prefix-cache'")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for the server and the naive loop (1: "
+                    "on a shared, loaded machine two threads that wait on each other run up to 10x slower)")
+    ap.add_argument("--no-prefix-scenario", action="store_true", help="skip the shared-prefix TTFT comparison")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "serving_report.json")
     args = ap.parse_args()
+    global THREADS
+    THREADS = args.threads
+    torch.set_num_threads(args.threads)
     levels = args.levels or ([1, 4, 16] if args.quick else [1, 4, 16, 64])
     report = {"machine": machine(), "settings": {k: v for k, v in vars(args).items() if k != "out"}}
 
@@ -188,20 +248,9 @@ def main() -> None:
         report["model"] = {"checkpoint": str(args.model or "random weights, demo shape"), **cfg.model_dump(
             include={"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"}),
             "parameters": sum(p.numel() for p in model.parameters())}
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        log = open(Path(tmp) / "server.log", "w")
-        server = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--model", str(ckpt), "--port",
-                                   str(port), "--max-batch-size", str(max(levels)), *args.serve_args.split()],
-                                  cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log,
-                                  stderr=subprocess.STDOUT)
+        server, url, model_id = start_server(ckpt, ["--max-batch-size", str(max(levels)), *args.serve_args.split()],
+                                             Path(tmp))
         try:
-            for _ in range(600):
-                try:
-                    model_id = httpx.get(f"{url}/v1/models", timeout=1).json()["data"][0]["id"]
-                    break
-                except httpx.TransportError:
-                    time.sleep(0.2)
             m = metrics(url)
             report["kv_pool"] = {"blocks": int(m["astrai_kv_blocks_total"]),
                                  "mib": round(m["astrai_kv_cache_bytes"] / 2**20, 1)}
@@ -216,8 +265,9 @@ def main() -> None:
                 report["served"].append(row)
                 print(json.dumps(row), flush=True)
         finally:
-            server.terminate()
-            server.wait(timeout=30)
+            stop_server(server)
+        if not args.no_prefix_scenario:
+            report["shared_prefix"] = shared_prefix(ckpt, tokenizer, cfg.max_seq_len, Path(tmp))
         n = args.requests or (4 if args.quick else 8)
         report["naive"] = naive(model, prompts_for(tokenizer, n, args.min_prompt, args.max_prompt, seed=0),
                                 args.max_tokens, special_id(tokenizer, "eos"))

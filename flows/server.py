@@ -289,12 +289,9 @@ class Submission:
             raise ApiError(400, str(e)) from None
 
     async def next_event(self) -> tuple[list[int], str | None]:
-        while True:
-            try:
-                return await asyncio.wait_for(self.events.get(), timeout=1.0)
-            except TimeoutError:
-                if not self.engine.alive:  # the loop died without finishing this request
-                    return [], "error"
+        # No timeout needed: the engine ends every request it accepted with a last event, "error" included
+        # when its loop dies.
+        return await self.events.get()
 
     def cancel(self) -> None:
         if not self.done:

@@ -95,9 +95,9 @@ def _start_server(args: list[str], cwd: Path, env: dict | None = None) -> tuple[
     port = _free_port()
     # One torch thread: the tiny model gains nothing from two, and the test machine's cores are shared.
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
-    log = open(cwd / f"server-{port}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--port", str(port), *args], cwd=cwd,
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(cwd / f"server-{port}.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--port", str(port), *args], cwd=cwd,
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
