@@ -218,6 +218,11 @@ def test_chat_greedy_equals_offline_generate_with_usage(served, oai):
     assert r.choices[0].message.content == text and r.choices[0].finish_reason == "stop"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), len(out))
     assert r.usage.total_tokens == len(prompt) + len(out)
+    # OpenAI's newer "developer" role is the system role of the chat template.
+    system_text, system_prompt, _ = _offline_chat(served, [{"role": "system", "content": "be brief"}] + USER, 40)
+    r = oai.chat.completions.create(model=MODEL_ID, messages=[{"role": "developer", "content": "be brief"}] + USER,
+                                    max_tokens=40, temperature=0)
+    assert r.choices[0].message.content == system_text and r.usage.prompt_tokens == len(system_prompt)
     # Cut short: finish_reason "length", and max_completion_tokens (the newer name) works too.
     r = oai.chat.completions.create(model=MODEL_ID, messages=USER, max_completion_tokens=3, temperature=0)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
@@ -246,6 +251,8 @@ def test_completions_plain_text_equal_offline(served, oai):
                                            stream=True))
     assert "".join(c.choices[0].text for c in streamed) == text
     assert streamed[-1].choices[0].finish_reason == "length"
+    # Without max_tokens, 16 tokens as in OpenAI's API.
+    assert oai.completions.create(model=MODEL_ID, prompt="the king", temperature=0).usage.completion_tokens == 16
     # Token ids as the prompt, as the OpenAI API allows.
     ids = served["tokenizer"].encode("the king", add_special_tokens=False).ids
     assert oai.completions.create(model=MODEL_ID, prompt=ids, max_tokens=24, temperature=0).choices[0].text == text
@@ -298,6 +305,13 @@ def test_anthropic_messages(served, claude):
     assert (m.usage.input_tokens, m.usage.output_tokens) == (len(prompt), len(out))
     m = claude.messages.create(model=MODEL_ID, system=system, messages=USER, max_tokens=2, extra_body={"temperature": 0})
     assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 2
+    # A final assistant message is a prefill: the reply continues its text.
+    chat, tok = served["chat"], served["tokenizer"]
+    prompt = chat.encode_prompt(USER) + tok.encode("the queen", add_special_tokens=False).ids
+    out = generate(served["model"], prompt, 40, stop_ids=chat.stop_ids)
+    m = claude.messages.create(model=MODEL_ID, max_tokens=40, extra_body={"temperature": 0},
+                               messages=USER + [{"role": "assistant", "content": "the queen"}])
+    assert m.content[0].text == chat.decode_reply(out) and m.usage.input_tokens == len(prompt)
 
 
 def test_anthropic_stream_event_sequence(served, server):
