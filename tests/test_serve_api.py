@@ -480,13 +480,23 @@ def test_auth_headers(server, served):
 
 def test_engine_failure_turns_health_503_and_requests_fail_cleanly(served):
     proc, url = _start_server(["--model", str(served["ckpt"]), "--kv-blocks", "32"], served["root"],
-                              {"ASTRAI_SERVE_DEBUG_FAIL_AFTER_STEPS": "3"})
+                              {"ASTRAI_SERVE_DEBUG_FAIL_AFTER_STEPS": "20"})
     try:
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
-        with pytest.raises(openai.InternalServerError) as e:  # the request in flight when the loop dies
-            client.completions.create(model=MODEL_ID, prompt="the king", max_tokens=50)
-        assert "engine" in e.value.body["message"]
+
+        async def in_flight_when_it_dies():  # one streaming and one plain request, both running at step 20
+            body = {"model": MODEL_ID, "prompt": "the king", "max_tokens": 150, "temperature": 0}
+            async with httpx.AsyncClient(timeout=60) as client:
+                async def stream():
+                    async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+                        return r.status_code, [line async for line in r.aiter_lines() if line]
+                return await asyncio.gather(stream(), client.post(f"{url}/v1/completions", json=body))
+
+        (stream_status, lines), plain = asyncio.run(in_flight_when_it_dies())
+        assert plain.status_code == 500 and "engine" in plain.json()["error"]["message"]
+        # The stream had started (200): it ends with an error event in OpenAI's shape, then [DONE].
+        assert stream_status == 200 and lines[-1] == "data: [DONE]"
+        assert "engine" in json.loads(lines[-2].removeprefix("data: "))["error"]["message"]
         health = httpx.get(f"{url}/health", timeout=10)
         assert health.status_code == 503 and health.json()["status"] == "engine stopped"
         assert _metrics(url)["astrai_engine_alive"] == 0
