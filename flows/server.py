@@ -303,12 +303,13 @@ async def run_generation(sub: Submission, text: TextStream, ttft: Histogram, sta
                          ) -> AsyncIterator[str | Finish]:
     """Pieces of reply text as they become final, then one Finish. Cancels the engine request when it ends early
     (a stop string, an error, or the consumer went away)."""
-    tokens = 0
+    tokens, first = 0, True
     try:
         while True:
             ids, finish = await sub.next_event()
-            if ids and tokens == 0:
+            if first and finish not in ("error", "cancelled"):  # a first token (an immediate stop token too)
                 ttft.observe(time.perf_counter() - started)
+                first = False
             tokens += len(ids)
             if finish is not None:
                 sub.done = True
