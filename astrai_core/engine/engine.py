@@ -71,7 +71,7 @@ class Engine:
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache)
         chunk = min(cfg.prefill_chunk, self.context_length)
         self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, chunk, self.context_length)
-        self.runner = Runner(model, KVPool(model, num_blocks, cfg.block_size), chunk, cfg.batch_invariant)
+        self.runner = Runner(model, KVPool(model, num_blocks, cfg.block_size), cfg.batch_invariant)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: deque[Sequence] = deque()

@@ -70,20 +70,25 @@ def gemm_invariant_rows(m: int) -> bool:
     return m in (4, 8) or m >= 12
 
 
-class Runner:
-    """batch_invariant: give every row the same arithmetic whatever shares its batch, at a small cost:
-    * token rows (batch x tokens, what every linear layer sees) padded to a count where the gemm is row-invariant;
-    * every row attends over the same key length, the whole context: SDPA's CPU kernel sums the keys in vector
-      lanes, so a row padded to another length rounds differently even though the padding is masked out;
-    * every prefill forward has prefill_chunk query positions (the attention kernel's rounding depends on it);
-    * SDPA's math kernel: the CPU flash kernel splits a small batch's work across threads in a way that changes
-      a row's rounding with the batch size (seen with 2 threads), the math kernel computes each row alone.
-    What stays: a decode (1 query) and a prefill compute the same position with different rounding, so a
-    preempted request's recomputed cache, or a prefix block another request computed with other chunk bounds,
-    may differ in the last bits; and MoE experts see as many rows as the batch routes to them."""
+# SDPA's math kernel (measured like gemm_invariant_rows): a query's output has the same bits for any number of
+# queries >= 4 and any key length >= 16 (masked keys add exact zeros); fewer take other code paths.
+MIN_QUERIES, MIN_KEYS = 4, 16
 
-    def __init__(self, model: Transformer, pool: KVPool, prefill_chunk: int, batch_invariant: bool = True) -> None:
-        self.model, self.pool, self.prefill_chunk, self.batch_invariant = model, pool, prefill_chunk, batch_invariant
+
+class Runner:
+    """batch_invariant: every position's arithmetic is the same whatever else the forward computes: other rows,
+    a decode or a prefill chunk (so chunk sizes, preemption and recompute, and prefix blocks computed by another
+    request change no bit either). What it takes, each measured on this CPU (torch 2.13):
+    * SDPA's math kernel: the CPU flash kernel splits a small batch's work across threads in a way that changes
+      a row's rounding with the batch size; the math kernel computes each row alone;
+    * at least MIN_QUERIES query positions per row (a decode gets 3 padding queries, never stored) and
+      MIN_KEYS keys, and token rows (batch x queries: what every linear layer sees) padded to a count where the
+      gemm is row-invariant. The padding costs up to 4x the rows of a decode step.
+    Not covered: MoE experts see as many rows as the batch routes to them. And generate() itself runs single
+    rows (gemv) and SDPA's flash kernel, so the engine matches its tokens, not its last bits."""
+
+    def __init__(self, model: Transformer, pool: KVPool, batch_invariant: bool = True) -> None:
+        self.model, self.pool, self.batch_invariant = model, pool, batch_invariant
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()
@@ -94,14 +99,14 @@ class Runner:
         rows_out = len(batch)
         T = max(n for _, n in batch)
         if self.batch_invariant:
-            T = T if T == 1 else self.prefill_chunk
+            T = max(T, MIN_QUERIES)
             while not gemm_invariant_rows(len(batch) * T):  # rows of 0 tokens: computed, never stored
                 batch = batch + [(None, 0)]
         starts = torch.tensor([s.num_cached if s else 0 for s, _ in batch], device=dev)
         counts = torch.tensor([n for _, n in batch], device=dev)
         B = len(batch)
         ends = starts + counts
-        S = self.model.cfg.max_seq_len if self.batch_invariant else int(ends.max())
+        S = max(int(ends.max()), MIN_KEYS) if self.batch_invariant else int(ends.max())
         t = torch.arange(T, device=dev)
         real = t[None, :] < counts[:, None]  # (B, T) real new tokens
         positions = torch.where(real, starts[:, None] + t[None, :], 0)
