@@ -3,7 +3,8 @@
 Runs N mixed requests (prompt lengths 1-48 tokens, a third of them starting with one of a few shared 16-32 token
 headers so the prefix cache hits, 4-24 new tokens each) through one Engine (batch 16, prefill chunks of 16, a
 pool small enough that preemption happens), then each request alone through astrai_core.generate.generate, and
-counts the tokens that differ. For each request that diverges, the logits generate() saw at the first differing
+counts the tokens that differ. The top-2 logit gap at every greedy step of the solo runs shows how many near-ties
+the run met. For each request that diverges, the logits generate() saw at the first differing
 position (a forward over the prompt and the common tokens) give the top-2 gap: a difference is acceptable only
 as a near-tie, where last-bit rounding picks the other token; a wide gap would be a bug. A tiny random model
 (weights scaled up so its distributions are about as peaked as a trained model's) on one thread.
@@ -90,6 +91,15 @@ def main() -> None:
     want = [generate(model, prompt, n) for prompt, n in reqs]
     solo_s = time.perf_counter() - t
 
+    # How close the calls were: the top-2 gap at every greedy step of the solo runs (one uncached forward each).
+    gaps = []
+    with torch.no_grad():
+        for (prompt, _), b in zip(reqs, want):
+            logits = model(torch.tensor([prompt + b[:-1]]))[0, len(prompt) - 1:].float()
+            top2 = logits.topk(2, dim=-1).values
+            gaps.append(top2[:, 0] - top2[:, 1])
+    gaps = torch.cat(gaps)
+
     diverged = []
     for i, ((prompt, _), a, b) in enumerate(zip(reqs, got, want)):
         if a == b:
@@ -113,6 +123,8 @@ def main() -> None:
         "requests_diverging": len(diverged),
         "tokens_differing": sum(d["tokens_differing"] for d in diverged),
         "largest_top2_gap_at_a_divergence": max((d["top2_gap"] for d in diverged), default=None),
+        "greedy_steps": len(gaps), "smallest_top2_gap": float(gaps.min()),
+        "steps_with_top2_gap_below": {str(t): int((gaps < t).sum()) for t in (1e-3, 1e-4, 1e-5, 1e-6)},
         "divergences": diverged,
     }
     print(json.dumps({k: v for k, v in report.items() if k != "divergences"}, indent=1))

@@ -381,6 +381,8 @@ def test_bad_requests_raise():
     engine = Engine(model, EngineConfig(kv_blocks=64, block_size=4, max_waiting=2))
     with pytest.raises(ValueError, match="prompt has 64 tokens; the context is 64"):
         engine.submit(list(range(64)), greedy(1), Collector())
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 97\): got 3..97"):
+        engine.submit([3, 97], greedy(1), Collector())
     with pytest.raises(ValueError, match="no tokens"):
         engine.submit([], greedy(1), Collector())
     with pytest.raises(ValueError, match="max_tokens"):

@@ -61,7 +61,7 @@ class Engine:
     def __init__(self, model: Transformer, config: EngineConfig | None = None) -> None:
         self.model, self.config = model.eval(), config or EngineConfig()
         cfg = self.config
-        self.context_length = model.cfg.max_seq_len
+        self.context_length, self.vocab_size = model.cfg.max_seq_len, model.cfg.vocab_size
         block_bytes = bytes_per_block(model, cfg.block_size)
         num_blocks = cfg.kv_blocks or int(cfg.kv_memory_mb * 2**20 // block_bytes)
         if num_blocks * cfg.block_size < self.context_length:  # else a long request could never be admitted
@@ -88,12 +88,15 @@ class Engine:
     # --- any thread -------------------------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: OnEvent) -> int:
-        """Queue a request; -> its id. Raises ValueError (empty prompt, or one that leaves no room to generate),
-        QueueFull, or RuntimeError when the engine loop has died."""
+        """Queue a request; -> its id. Raises ValueError (empty prompt, one that leaves no room to generate, a token
+        id outside the vocabulary), QueueFull, or RuntimeError when the engine loop has died."""
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
         if len(prompt_ids) >= self.context_length:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context is {self.context_length}")
+        if not 0 <= min(prompt_ids) <= max(prompt_ids) < self.vocab_size:  # else the embedding fails in the loop
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}): got {min(prompt_ids)}.."
+                             f"{max(prompt_ids)}")
         with self._lock:
             if not self.alive:
                 raise RuntimeError(f"the engine has stopped after an error: {self.error!r}")

@@ -41,7 +41,7 @@ class Scheduler:
             self.running.append(seq)
         batch = []
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING:  # preempted below to make room for an older sequence
+            if seq.status is not Status.RUNNING:  # preempted in this loop, to make room for an older sequence
                 continue
             n = min(seq.num_to_compute, self.prefill_chunk)
             while not self.blocks.grow(seq, seq.num_cached + n):
