@@ -91,6 +91,8 @@ class Body(BaseModel):
     model: str
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # an extension in the OpenAI routes, as vLLM has it; 0 or -1: off
+    # The range torch.Generator.manual_seed takes; in the Anthropic route an extension, as top_k is in OpenAI's.
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stream: bool = False
 
     @field_validator("top_k")
@@ -121,7 +123,6 @@ class StreamOptions(BaseModel):
 
 class OpenAIBody(Body):
     temperature: float = Field(1.0, ge=0, le=2)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens in chat; wins if both
     stop: list[str] = []
@@ -475,7 +476,7 @@ def create_app(engine: Engine, chat: ChatFormat, model_id: str, api_key: str | N
         # A reply runs at most to the end of the context (the engine ends it there with "length").
         budget = context - len(prompt_ids)
         params = SamplingParams(max_tokens=min(max_tokens or budget, budget), temperature=temperature,
-                                top_p=body.top_p, top_k=body.top_k, seed=getattr(body, "seed", None),
+                                top_p=body.top_p, top_k=body.top_k, seed=body.seed,
                                 stop_token_ids=stop_ids)
         return Submission(engine, prompt_ids, params)
 

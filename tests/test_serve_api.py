@@ -331,10 +331,13 @@ def test_anthropic_stream_event_sequence(served, server):
     assert data[-2]["usage"]["output_tokens"] == len(out)
 
 
-def test_seeded_sampling_is_reproducible(oai):
+def test_seeded_sampling_is_reproducible(oai, claude):
     kw = dict(model=MODEL_ID, messages=USER, max_tokens=12, temperature=1.0, top_p=0.9, seed=7,
               extra_body={"top_k": 20})
     a, b = (oai.chat.completions.create(**kw).choices[0].message.content for _ in range(2))
+    assert a == b
+    kw = dict(model=MODEL_ID, messages=USER, max_tokens=12, extra_body={"temperature": 1.0, "top_k": 20, "seed": 7})
+    a, b = (claude.messages.create(**kw).content[0].text for _ in range(2))
     assert a == b
 
 
