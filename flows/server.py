@@ -480,7 +480,18 @@ def create_app(engine: Engine, chat: ChatFormat, model_id: str, api_key: str | N
                                 stop_token_ids=stop_ids)
         return Submission(engine, prompt_ids, params)
 
+    # Tokenizing megabytes would stall every stream on this event loop for seconds, so a text that cannot fit the
+    # context is refused before: no token covers more than this many bytes of text.
+    max_token_bytes = max(len(t.encode()) for t in tokenizer.get_vocab())
+
+    def check_length(texts: list[str], field: str) -> None:
+        size = sum(len(t.encode()) for t in texts)
+        if size > context * max_token_bytes:
+            raise ApiError(400, f"prompt has more than {context} tokens ({size} bytes of text, at most "
+                                f"{max_token_bytes} per token); the context is {context}", param=field)
+
     def chat_prompt(messages: list[dict], field: str) -> list[int]:
+        check_length([m["content"] for m in messages], field)
         try:
             return chat.encode_prompt(messages)
         except AstraiError as e:
@@ -575,6 +586,7 @@ def create_app(engine: Engine, chat: ChatFormat, model_id: str, api_key: str | N
         started = time.perf_counter()
         body: CompletionBody = await parse(request, CompletionBody)
         if isinstance(body.prompt, str):
+            check_length([body.prompt], "prompt")
             prompt_ids = tokenizer.encode(body.prompt, add_special_tokens=False).ids
         else:
             prompt_ids = list(body.prompt)
@@ -591,6 +603,7 @@ def create_app(engine: Engine, chat: ChatFormat, model_id: str, api_key: str | N
         turns = [{"role": m.role, "content": m.content} for m in body.messages]
         system = [{"role": "system", "content": body.system}] if body.system else []
         if turns[-1]["role"] == "assistant":  # a prefilled reply: the model continues the assistant's text
+            check_length([m["content"] for m in system + turns], "messages")
             prompt_ids = (chat_prompt(system + turns[:-1], "messages")
                           + tokenizer.encode(turns[-1]["content"], add_special_tokens=False).ids)
         else:

@@ -414,7 +414,7 @@ def test_queue_full_is_503(server):
 
 
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])
-def test_error_statuses_in_each_protocols_shape(server, protocol):
+def test_error_statuses_in_each_protocols_shape(served, server, protocol):
     path = "/v1/chat/completions" if protocol == "openai" else "/v1/messages"
     good = {"model": MODEL_ID, "messages": USER, "max_tokens": 5}
     auth = {"authorization": f"Bearer {KEY}"}
@@ -448,7 +448,11 @@ def test_error_statuses_in_each_protocols_shape(server, protocol):
     assert status == 413 and kind == ("invalid_request_error" if protocol == "openai" else "request_too_large")
     long = {**good, "messages": [{"role": "user", "content": "the king " * 200}]}
     status, message, _ = post(long)
-    assert status == 400 and f"the context is {CONTEXT}" in message and "prompt has" in message
+    assert status == 400 and f"prompt has {len(served['chat'].encode_prompt(long['messages']))} tokens; " \
+                              f"the context is {CONTEXT}" in message
+    huge = {**good, "messages": [{"role": "user", "content": "the king " * 300_000}]}  # 2.7 MB: refused untokenized
+    status, message, _ = post(huge)
+    assert status == 400 and f"prompt has more than {CONTEXT} tokens" in message
     status, _, kind = post(good, headers={})
     assert status == 401 and kind == "authentication_error"
     status, _, _ = post(good, headers={"x-api-key": "wrong"})
