@@ -39,7 +39,7 @@ from astrai_core.engine import Engine, QueueFull, SamplingParams
 from astrai_core.errors import AstraiError
 from astrai_core.tokenizer import special_id
 
-MAX_BODY_BYTES = 4 * 1024 * 1024  # far more text than any context here holds; bigger bodies get 413
+MAX_BODY_BYTES = 1024 * 1024  # far more text than any context here holds; bigger bodies get 413
 GREEDY_BELOW = 1e-5  # temperatures this small sample greedily (dividing logits by them would overflow)
 OPENAI_MAX_STOPS = 4  # as OpenAI documents
 ANTHROPIC_MAX_STOPS = 16
