@@ -9,7 +9,7 @@ position (a forward over the prompt and the common tokens) give the top-2 gap: a
 as a near-tie, where last-bit rounding picks the other token; a wide gap would be a bug. A tiny random model
 (weights scaled up so its distributions are about as peaked as a trained model's) on one thread.
 
-    python bench/engine.py [--requests 1000] [--arch default] [--no-batch-invariant] [--out report.json]
+    python bench/engine.py [--requests 1000] [--arch default] [--batch-invariant] [--out report.json]
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--arch", choices=list(ARCHS), default="default")
     ap.add_argument("--scale", type=float, default=2.0, help="weights multiplied by this after the random init")
-    ap.add_argument("--no-batch-invariant", action="store_true")
+    ap.add_argument("--batch-invariant", action="store_true", help="EngineConfig(batch_invariant=True)")
     ap.add_argument("--kv-blocks", type=int, default=40, help="blocks of 16 tokens (16 full contexts need 96)")
     ap.add_argument("--out", help="write the report as JSON here")
     args = ap.parse_args()
@@ -75,7 +75,7 @@ def main() -> None:
     reqs = requests(args.requests, SHAPE["vocab_size"])
 
     engine = Engine(model, EngineConfig(max_batch_size=16, block_size=16, kv_blocks=args.kv_blocks, prefill_chunk=16,
-                                        max_waiting=len(reqs), batch_invariant=not args.no_batch_invariant))
+                                        max_waiting=len(reqs), batch_invariant=args.batch_invariant))
     got: list[list[int]] = [[] for _ in reqs]
     for i, (prompt, n) in enumerate(reqs):
         engine.submit(prompt, SamplingParams(max_tokens=n, temperature=0),
@@ -114,7 +114,7 @@ def main() -> None:
     total = sum(len(b) for b in want)
     report = {
         "machine": f"{cpu_name()}, torch {torch.__version__}, 1 thread",
-        "arch": args.arch, "batch_invariant": not args.no_batch_invariant, "requests": len(reqs),
+        "arch": args.arch, "batch_invariant": args.batch_invariant, "requests": len(reqs),
         "tokens": total, "engine_steps": steps, "engine_seconds": round(engine_s, 2),
         "engine_tokens_per_s": round(total / engine_s, 1), "solo_seconds": round(solo_s, 2),
         "solo_tokens_per_s": round(total / solo_s, 1),

@@ -294,8 +294,8 @@ def logits_trace(monkeypatch) -> dict[int, list[torch.Tensor]]:
 
 
 @pytest.mark.parametrize("name", ["default", "mqa_qk_norm", "mla"])
-def test_a_request_gets_bit_identical_logits_whatever_shares_its_batch(name, monkeypatch):
-    """Not only the same tokens: the same logits, to the bit, alone or among others, whatever the chunk size,
+def test_batch_invariant_mode_gives_bit_identical_logits_whatever_shares_the_batch(name, monkeypatch):
+    """batch_invariant=True: not only the same tokens: the same logits, to the bit, alone or among others, whatever the chunk size,
     across preemption and recompute, with prefix blocks another request computed. (MoE is left out: its experts
     see as many rows as the batch routes to them; bench/engine.py measures it.)"""
     if not platform_is_batch_invariant():
@@ -305,12 +305,13 @@ def test_a_request_gets_bit_identical_logits_whatever_shares_its_batch(name, mon
     prompts = [p + [1] * (30 - len(p)) for p in prompts_for(8, seed=3, longest=30)]
     prompts += [prompts[0][:12] + [5, 6], prompts[1] + [7, 8, 9]]  # prefix-cache hits
     params = [greedy(14 + 2 * i) for i in range(len(prompts))]
-    engine = Engine(model, EngineConfig(kv_blocks=20, block_size=4, prefill_chunk=8, max_batch_size=10))
+    engine = Engine(model, EngineConfig(kv_blocks=20, block_size=4, prefill_chunk=8, max_batch_size=10,
+                                        batch_invariant=True))
     run(engine, prompts, params)
     assert engine.stats()["preemptions_total"] > 0 and engine.stats()["prefix_cache_hits"] > 0
     together = [trace.pop(i) for i in range(len(prompts))]
     for i, (p, sp) in enumerate(zip(prompts, params)):
-        run(Engine(model, EngineConfig(kv_blocks=32, block_size=4, prefill_chunk=64)), [p], sp)
+        run(Engine(model, EngineConfig(kv_blocks=32, block_size=4, prefill_chunk=64, batch_invariant=True)), [p], sp)
         alone = trace.pop(0)
         assert all(torch.equal(a, b) for a, b in zip(alone, together[i], strict=True)), f"request {i}"
 

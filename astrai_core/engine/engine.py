@@ -42,7 +42,8 @@ class EngineConfig:
     prefill_chunk: int = 64  # prompt tokens prefilled per step per newcomer (chunked prefill)
     max_waiting: int = 256  # queue bound; submit raises QueueFull beyond it
     prefix_cache: bool = True
-    batch_invariant: bool = True  # each row's arithmetic independent of its batch mates (runner.Runner)
+    # Bit-identical logits for a request whatever else runs (runner.Runner), at a measured cost: off by default.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "block_size", "prefill_chunk", "max_waiting"):
