@@ -166,7 +166,8 @@ class Engine:
             self._live.update((s.id, s) for s in self._inbox)
             self._inbox.clear()
         for seq in list(self._live.values()):
-            self._finish(seq, "error")
+            if not seq.closed:  # a request may have had its last event in the step that failed
+                self._finish(seq, "error")
 
     def step(self) -> bool:
         """One scheduler iteration: take in new requests and cancellations, run one forward for the batch,
@@ -216,6 +217,7 @@ class Engine:
 
     def _send(self, seq: Sequence, tokens: list[int], reason: str | None) -> None:
         """on_event, shielded: a callback that raises (its client is gone) cancels its own request only."""
+        seq.closed = reason is not None
         try:
             seq.on_event(tokens, reason)
         except Exception:  # noqa: BLE001

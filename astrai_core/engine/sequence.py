@@ -58,6 +58,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chain hash of each full block in block_table
     num_cached: int = 0
     finish_reason: str | None = None
+    closed: bool = False  # its last event (with the finish reason) has been sent
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     generator: torch.Generator | None = None  # seeded per request, on the logits' device (set by Engine.submit)
