@@ -228,6 +228,9 @@ def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAM
                                                     "(default: the engine's, 256)."),
           no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Do not share KV blocks of equal "
                                                "prompt prefixes between requests."),
+          batch_invariant: bool = typer.Option(False, "--batch-invariant", help="Bit-identical results whatever "
+                                               "shares a request's batch (greedy output equals generate() alone "
+                                               "even at near-ties); slower."),
           device: str = typer.Option("auto", help="auto (cuda when present, else cpu), cpu or cuda.")) -> None:
     """Serve a model over HTTP with OpenAI- and Anthropic-compatible routes (/v1/chat/completions,
     /v1/completions, /v1/messages, /v1/models), /health and /metrics, on the continuous-batching engine."""
@@ -269,7 +272,8 @@ def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAM
     options = {"kv_blocks": kv_blocks, "kv_memory_mb": kv_memory_mb, "block_size": block_size,
                "max_batch_size": max_batch_size, "max_waiting": max_waiting}
     try:
-        config = EngineConfig(**{k: v for k, v in options.items() if v is not None}, prefix_cache=not no_prefix_cache)
+        config = EngineConfig(**{k: v for k, v in options.items() if v is not None}, prefix_cache=not no_prefix_cache,
+                              batch_invariant=batch_invariant)
         engine = Engine(m, config)
     except ValueError as e:
         _fail(str(e))

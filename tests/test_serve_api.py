@@ -123,8 +123,11 @@ def _stop_server(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def server(served):
+    # --batch-invariant: outputs equal solo generate() exactly whatever the batch mix (without it they may differ
+    # at near-ties, and which requests share a batch depends on timing).
     proc, url = _start_server(["--model", str(served["ckpt"]), "--api-key", KEY, "--kv-blocks", "64",
-                               "--block-size", "16", "--max-batch-size", "4", "--max-waiting", "8"], served["root"])
+                               "--block-size", "16", "--max-batch-size", "4", "--max-waiting", "8",
+                               "--batch-invariant"], served["root"])
     yield url
     _stop_server(proc)
 
