@@ -9,7 +9,7 @@ position (a forward over the prompt and the common tokens) give the top-2 gap: a
 as a near-tie, where last-bit rounding picks the other token; a wide gap would be a bug. A tiny random model
 (weights scaled up so its distributions are about as peaked as a trained model's) on one thread.
 
-    python bench/engine.py [--requests 1000] [--arch default] [--batch-invariant] [--out report.json]
+    python bench/engine.py [--requests 1000] [--arch default] [--vocab 256] [--batch-invariant] [--out report.json]
 """
 
 from __future__ import annotations
@@ -62,17 +62,18 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--arch", choices=list(ARCHS), default="default")
     ap.add_argument("--scale", type=float, default=2.0, help="weights multiplied by this after the random init")
+    ap.add_argument("--vocab", type=int, default=SHAPE["vocab_size"], help="a larger vocabulary meets more near-ties")
     ap.add_argument("--batch-invariant", action="store_true", help="EngineConfig(batch_invariant=True)")
     ap.add_argument("--kv-blocks", type=int, default=40, help="blocks of 16 tokens (16 full contexts need 96)")
     ap.add_argument("--out", help="write the report as JSON here")
     args = ap.parse_args()
     torch.set_num_threads(1)  # tiny model: one thread is fastest, and the machine is shared
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(**{**SHAPE, **ARCHS[args.arch]})).eval()
+    model = Transformer(ModelConfig(**{**SHAPE, "vocab_size": args.vocab, **ARCHS[args.arch]})).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(args.scale)
-    reqs = requests(args.requests, SHAPE["vocab_size"])
+    reqs = requests(args.requests, args.vocab)
 
     engine = Engine(model, EngineConfig(max_batch_size=16, block_size=16, kv_blocks=args.kv_blocks, prefill_chunk=16,
                                         max_waiting=len(reqs), batch_invariant=args.batch_invariant))
