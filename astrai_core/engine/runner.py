@@ -5,7 +5,8 @@ once per layer and attends over what it returns. PagedCache is such a cache: ext
 entries into the pool (slot = block_table[pos // block_size] * block_size + pos % block_size) and gathers each
 row's entries back in position order, padded to the longest row; the mask hides the padding. So every attention
 variant works unchanged: the pool holds whatever the layer caches ((k, v) per kv head, or MLA's latent and RoPE
-key), each as a (slots, *per-token shape) tensor.
+key), each as a (slots, *per-token shape) tensor. The price of not touching the model: each forward copies every
+row's cached entries out of the pool (a fused paged-attention kernel would read the blocks in place).
 """
 
 from __future__ import annotations
