@@ -15,7 +15,7 @@ PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 POOL ?= astrai-local
 
-.PHONY: setup demo test pipeline repro server worker deploy run-deployment stop mlflow-ui bench clean
+.PHONY: setup demo test pipeline repro serve server worker deploy run-deployment stop mlflow-ui bench clean
 
 $(BIN)/astrai: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,13 @@ test: setup  ## the test suite
 
 repro: setup  ## the same stages through DVC
 	$(BIN)/dvc repro
+
+# The registered champion over HTTP (OpenAI- and Anthropic-compatible): `make serve SERVE_MODEL=models:/astrai/2
+# SERVE_PORT=8001`; other options: `astrai serve --help`.
+SERVE_MODEL ?= models:/astrai@champion
+SERVE_PORT ?= 8000
+serve: setup  ## serve SERVE_MODEL (default: the registry's champion) on http://127.0.0.1:$(SERVE_PORT)/v1
+	$(BIN)/astrai serve --model '$(SERVE_MODEL)' --port $(SERVE_PORT)
 
 # A long-lived Prefect server + process worker for `prefect deployment run` (stop both with `make stop`).
 server: setup

@@ -157,12 +157,7 @@ def generate(model: str = typer.Option(..., help="A checkpoint directory or an M
         import mlflow
         from mlflow.exceptions import MlflowException
 
-        from tasks.params import Params, load_params
-        from tasks.tracking import tracking_uri
-
-        # The same store the pipeline uses: MLFLOW_TRACKING_URI, else params.yaml's tracking.uri, else mlflow/.
-        params = load_params("params.yaml") if Path("params.yaml").is_file() else Params()
-        mlflow.set_tracking_uri(tracking_uri(params, Path.cwd()))
+        _use_tracking_store()
         try:
             pyfunc = mlflow.pyfunc.load_model(model)
         except MlflowException as e:  # no such model, version or alias
@@ -182,6 +177,141 @@ def generate(model: str = typer.Option(..., help="A checkpoint directory or an M
         text = generate_text(m, tok, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
                              top_k=top_k or None, top_p=top_p, generator=torch.Generator().manual_seed(seed))
     print(prompt + text)
+
+
+def _use_tracking_store() -> None:
+    """Point MLflow at the store the pipeline uses: MLFLOW_TRACKING_URI, else params.yaml's tracking.uri, else
+    mlflow/ in the current directory."""
+    import mlflow
+
+    from tasks.params import Params, load_params
+    from tasks.tracking import tracking_uri
+
+    params = load_params("params.yaml") if Path("params.yaml").is_file() else Params()
+    mlflow.set_tracking_uri(tracking_uri(params, Path.cwd()))
+
+
+def _download_registered(uri: str, dst: Path) -> tuple[Path, str]:
+    """The checkpoint directory of registered model `uri` (models:/NAME@ALIAS or models:/NAME/VERSION), downloaded
+    under dst, and the served model id NAME/VERSION."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per file in the server's log
+    import mlflow
+    from mlflow.exceptions import MlflowException
+    from mlflow.models import Model
+
+    ref = uri.removeprefix("models:/")
+    name, sep, which = ref.partition("@") if "@" in ref else ref.rpartition("/")
+    if not (name and sep and which):
+        _fail(f"{uri}: expected models:/NAME@ALIAS, models:/NAME/VERSION or a checkpoint directory")
+    _use_tracking_store()
+    client = mlflow.MlflowClient()
+    try:
+        mv = client.get_model_version_by_alias(name, which) if sep == "@" else client.get_model_version(name, which)
+        local = mlflow.artifacts.download_artifacts(f"models:/{name}/{mv.version}", dst_path=str(dst))
+    except MlflowException as e:
+        _fail(f"{uri}: {str(e.message).splitlines()[0]} (store: {mlflow.get_tracking_uri()})")
+    # The register stage logs the checkpoint directory as the pyfunc artifact "checkpoint"; MLmodel says where.
+    artifacts = Model.load(local).flavors.get("python_function", {}).get("artifacts", {})
+    if "checkpoint" not in artifacts:
+        _fail(f"{uri}: the model version has no checkpoint artifact (not registered by `astrai stage register`?)")
+    return Path(local) / artifacts["checkpoint"]["path"], f"{name}/{mv.version}"
+
+
+# Debugging aid for tests of the failure path (not for normal use): the engine loop raises after this many steps
+# that had work, as a crashed model would, so /health turns 503 and requests fail cleanly.
+SERVE_FAIL_AFTER_STEPS_ENV = "ASTRAI_SERVE_DEBUG_FAIL_AFTER_STEPS"
+
+
+@app.command()
+def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAME@ALIAS, models:/NAME/VERSION "
+                                    "(from the pipeline's MLflow store) or a checkpoint directory."),
+          host: str = typer.Option("127.0.0.1", help="Address to bind (a non-loopback one needs --api-key or --insecure)."),
+          port: int = typer.Option(8000, help="TCP port."),
+          api_key: Optional[str] = typer.Option(None, envvar="ASTRAI_API_KEY", show_envvar=True,
+                                                help="Clients must send it ('Authorization: Bearer KEY' or 'x-api-key: KEY')."),
+          insecure: bool = typer.Option(False, "--insecure", help="Allow a non-loopback --host without an API key."),
+          kv_blocks: Optional[int] = typer.Option(None, help="KV cache blocks in the pool (default: from --kv-memory-mb)."),
+          kv_memory_mb: Optional[float] = typer.Option(None, help="KV cache size in MiB when --kv-blocks is not given "
+                                                       "(default: the engine's, 256)."),
+          block_size: Optional[int] = typer.Option(None, help="Tokens per KV block (default: the engine's, 16)."),
+          max_batch_size: Optional[int] = typer.Option(None, help="Requests decoded together at most "
+                                                       "(default: the engine's, 16)."),
+          max_waiting: Optional[int] = typer.Option(None, help="Requests queued at most; more are refused with 503 "
+                                                    "(default: the engine's, 256)."),
+          no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Do not share KV blocks of equal "
+                                               "prompt prefixes between requests."),
+          batch_invariant: bool = typer.Option(False, "--batch-invariant", help="Bit-identical results whatever "
+                                               "shares a request's batch (greedy output equals generate() alone "
+                                               "even at near-ties); slower."),
+          device: str = typer.Option("auto", help="auto (cuda when present, else cpu), cpu or cuda.")) -> None:
+    """Serve a model over HTTP with OpenAI- and Anthropic-compatible routes (/v1/chat/completions,
+    /v1/completions, /v1/messages, /v1/models), /health and /metrics, on the continuous-batching engine."""
+    import ipaddress
+    import tempfile
+
+    import torch
+    import uvicorn
+
+    from astrai_core.chat import load_chat
+    from astrai_core.checkpoint import load_model
+    from astrai_core.engine import Engine, EngineConfig
+    from flows.server import create_app
+
+    api_key = api_key or None  # an empty ASTRAI_API_KEY means no key
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not (loopback or api_key or insecure):
+        _fail(f"--host {host} is reachable from other machines: set --api-key (or ASTRAI_API_KEY), or pass --insecure "
+              "to serve without a key")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        _fail(f"--device {device}: expected auto, cpu or cuda (and cuda needs a GPU build of torch and a GPU)")
+    with tempfile.TemporaryDirectory(prefix="astrai-serve-") as tmp:  # a registry download, gone once loaded
+        if model.startswith("models:/"):
+            checkpoint, model_id = _download_registered(model, Path(tmp))
+        elif Path(model).is_dir():
+            checkpoint, model_id = Path(model), Path(model).resolve().name
+        else:
+            _fail(f"{model}: no such checkpoint directory (or give models:/NAME@ALIAS or models:/NAME/VERSION)")
+        try:
+            m, _, _ = load_model(checkpoint, device=device)
+            chat = load_chat(checkpoint / "tokenizer.json")
+        except AstraiError as e:
+            _fail(str(e))
+    options = {"kv_blocks": kv_blocks, "kv_memory_mb": kv_memory_mb, "block_size": block_size,
+               "max_batch_size": max_batch_size, "max_waiting": max_waiting}
+    try:
+        config = EngineConfig(**{k: v for k, v in options.items() if v is not None}, prefix_cache=not no_prefix_cache,
+                              batch_invariant=batch_invariant)
+        engine = Engine(m, config)
+    except ValueError as e:
+        _fail(str(e))
+    if os.environ.get(SERVE_FAIL_AFTER_STEPS_ENV):
+        _inject_engine_failure(engine, int(os.environ[SERVE_FAIL_AFTER_STEPS_ENV]))
+    application = create_app(engine, chat, model_id, api_key=api_key)
+    typer.echo(f"astrai: serving {model_id} on http://{host}:{port}/v1 ({device})", err=True)
+    engine.start()
+    try:
+        uvicorn.run(application, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    finally:
+        engine.stop()
+
+
+def _inject_engine_failure(engine, steps: int) -> None:
+    """The engine's loop dies after `steps` steps that had work (see SERVE_FAIL_AFTER_STEPS_ENV)."""
+    step, done = engine.step, [0]
+
+    def failing_step() -> bool:
+        worked = step()
+        done[0] += worked
+        if done[0] >= steps:
+            raise RuntimeError(f"{SERVE_FAIL_AFTER_STEPS_ENV}={steps}: injected engine failure")
+        return worked
+
+    engine.step = failing_step
 
 
 @app.command("export-hf")

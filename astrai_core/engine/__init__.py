@@ -1,0 +1,16 @@
+"""The serving engine: continuous batching over a paged KV cache with prefix caching (no web code here).
+
+    sequence.py       a request: tokens, sampling parameters, status, block table
+    block_manager.py  the pool's blocks: free list, reference counts, prefix cache (hash chain), LRU eviction
+    scheduler.py      each step: admit, chunked prefill, decode, retire; preemption when out of blocks
+    runner.py         the batch as tensors, the model run against the paged pool
+    engine.py         Engine: submit / cancel / step, the loop thread, stats
+
+The public API (what astrai serve uses) is fixed in the project notes: Engine, EngineConfig, SamplingParams,
+QueueFull.
+"""
+
+from astrai_core.engine.engine import Engine, EngineConfig, QueueFull
+from astrai_core.engine.sequence import SamplingParams
+
+__all__ = ["Engine", "EngineConfig", "QueueFull", "SamplingParams"]

@@ -1,0 +1,126 @@
+"""Which KV block of the pool holds what: a free list, reference counts and the prefix cache (ids only; the
+tensors live in runner.KVPool).
+
+Blocks hold block_size consecutive positions of one sequence. A block that is full gets a chain hash that covers
+its tokens and the previous block's hash, so equal hashes mean equal whole prefixes, and a new request whose
+prompt starts with the same full blocks reuses them (reference-counted) instead of computing them again. A
+released block keeps its contents while nothing else needs the space: unreferenced hashed blocks wait in an LRU
+list and are evicted, oldest first, only when the free list is empty. Every operation is O(1) per block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+
+from astrai_core.engine.sequence import Sequence
+
+
+def chain_hash(prev: bytes, tokens: list[int]) -> bytes:
+    """The hash of a full block: its tokens and its predecessor's hash (b"" for the first block)."""
+    return hashlib.blake2b(prev + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True) -> None:
+        self.num_blocks, self.block_size, self.prefix_cache = num_blocks, block_size, prefix_cache
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks  # set while the block is in hash_to_block
+        self.hash_to_block: dict[bytes, int] = {}
+        self.free: deque[int] = deque(range(num_blocks))  # unreferenced, nothing worth keeping
+        self.lru: OrderedDict[int, None] = OrderedDict()  # unreferenced but cached, least recently used first
+        self.hits = 0  # full blocks found in the prefix cache
+        self.queries = 0  # full blocks looked up
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (free, or cached and evictable)."""
+        return len(self.free) + len(self.lru)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _take(self) -> int:
+        if self.free:
+            block = self.free.popleft()
+        else:  # evict the least recently used cached block
+            block, _ = self.lru.popitem(last=False)
+            del self.hash_to_block[self.block_hash[block]]
+            self.block_hash[block] = None
+        self.ref_count[block] = 1
+        return block
+
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
+        """Blocks of the prefix cache that hold seq's leading full blocks (at least its last token is left to
+        compute: its logits are what the next step needs), with their chain hashes."""
+        if not self.prefix_cache:
+            return [], []
+        tokens, bs = seq.tokens, self.block_size
+        blocks, hashes, prev = [], [], b""
+        for i in range((len(tokens) - 1) // bs):
+            prev = chain_hash(prev, tokens[i * bs:(i + 1) * bs])
+            block = self.hash_to_block.get(prev)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(prev)
+        return blocks, hashes
+
+    def allocate(self, seq: Sequence) -> bool:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks; False (and nothing
+        changed) when the pool cannot hold it now."""
+        assert not seq.block_table
+        cached, hashes = self._cached_prefix(seq)
+        revived = sum(1 for b in cached if self.ref_count[b] == 0)  # cached blocks leaving the LRU list
+        if self.blocks_for(len(seq)) - len(cached) > self.num_free - revived:
+            return False
+        if self.prefix_cache:
+            self.queries += (len(seq) - 1) // self.block_size
+            self.hits += len(cached)
+        for block in cached:
+            if self.ref_count[block] == 0:
+                del self.lru[block]
+            self.ref_count[block] += 1
+        seq.block_table = cached + [self._take() for _ in range(self.blocks_for(len(seq)) - len(cached))]
+        seq.block_hashes = hashes
+        seq.num_cached = len(cached) * self.block_size
+        return True
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for seq's first num_tokens positions; False (and nothing changed) when too few are free."""
+        missing = self.blocks_for(num_tokens) - len(seq.block_table)
+        if missing > self.num_free:
+            return False
+        seq.block_table += [self._take() for _ in range(missing)]
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """Hash the blocks that the last step filled, so later requests can share them."""
+        if not self.prefix_cache:
+            return
+        tokens, bs = seq.tokens, self.block_size
+        for i in range(len(seq.block_hashes), seq.num_cached // bs):
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else b"", tokens[i * bs:(i + 1) * bs])
+            seq.block_hashes.append(h)
+            block = seq.block_table[i]
+            if h not in self.hash_to_block:  # else an equal block is cached already: keep that one
+                self.hash_to_block[h] = block
+                self.block_hash[block] = h
+
+    def release(self, seq: Sequence) -> None:
+        """Drop seq's references; blocks nobody references go to the LRU list (hashed) or the free list. Last
+        block first, so a prefix's tail is evicted before its head (the head is what other prompts share)."""
+        for block in reversed(seq.block_table):
+            self.ref_count[block] -= 1
+            assert self.ref_count[block] >= 0
+            if self.ref_count[block] == 0:
+                if self.block_hash[block] is not None:
+                    self.lru[block] = None
+                else:
+                    self.free.append(block)
+        seq.block_table, seq.block_hashes, seq.num_cached = [], [], 0

@@ -1,0 +1,242 @@
+"""The engine: a queue of requests in, token events out, one scheduler loop in a background thread.
+
+    engine = Engine(model, EngineConfig(kv_blocks=256)); engine.start()
+    req_id = engine.submit(prompt_ids, SamplingParams(max_tokens=32, temperature=0), on_event)
+    # on_event(new_token_ids, finish_reason) from the engine thread, finish_reason set on the last call only
+
+submit and cancel only touch a locked inbox, so any thread may call them; everything else (scheduler, blocks,
+runner) belongs to the thread that calls step(). If step() raises, the loop stops, alive turns False and every
+request gets a last event with finish_reason "error": a client never waits forever on a dead engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from astrai_core.engine.block_manager import BlockManager
+from astrai_core.engine.runner import KVPool, Runner, bytes_per_block
+from astrai_core.engine.scheduler import Scheduler
+from astrai_core.engine.sequence import OnEvent, SamplingParams, Sequence, Status
+from astrai_core.model import Transformer
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """max_waiting requests already wait: try again later (HTTP 503)."""
+
+
+@dataclass
+class EngineConfig:
+    max_batch_size: int = 16  # running sequences at most
+    block_size: int = 16  # tokens per KV block
+    kv_blocks: int | None = None  # blocks in the pool; None: as many as kv_memory_mb holds
+    kv_memory_mb: float = 256.0
+    prefill_chunk: int = 64  # prompt tokens prefilled per step per newcomer (chunked prefill)
+    max_waiting: int = 256  # queue bound; submit raises QueueFull beyond it
+    prefix_cache: bool = True
+    # Bit-identical logits for a request whatever else runs (runner.Runner), at a measured cost: off by default.
+    batch_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "block_size", "prefill_chunk", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be at least 1")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise ValueError(f"kv_blocks ({self.kv_blocks}) must be at least 1")
+        if self.kv_memory_mb <= 0:
+            raise ValueError(f"kv_memory_mb ({self.kv_memory_mb}) must be positive")
+
+
+TTFT_KEPT = 1024  # recent time-to-first-token values kept for stats()
+
+
+class Engine:
+    def __init__(self, model: Transformer, config: EngineConfig | None = None) -> None:
+        self.model, self.config = model.eval(), config or EngineConfig()
+        cfg = self.config
+        self.context_length, self.vocab_size = model.cfg.max_seq_len, model.cfg.vocab_size
+        block_bytes = bytes_per_block(model, cfg.block_size)
+        num_blocks = cfg.kv_blocks or int(cfg.kv_memory_mb * 2**20 // block_bytes)
+        if num_blocks * cfg.block_size < self.context_length:  # else a long request could never be admitted
+            raise ValueError(f"the KV pool ({num_blocks} blocks of {cfg.block_size} tokens) must hold at least one "
+                             f"full context ({self.context_length} tokens): raise kv_blocks or kv_memory_mb")
+        self.kv_bytes = num_blocks * block_bytes
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache)
+        chunk = min(cfg.prefill_chunk, self.context_length)
+        self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, chunk, self.context_length)
+        self.runner = Runner(model, KVPool(model, num_blocks, cfg.block_size), cfg.batch_invariant)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: deque[Sequence] = deque()
+        self._cancelled: set[int] = set()
+        self._live: dict[int, Sequence] = {}  # every unfinished request, by id (owned by the engine thread)
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.alive = True
+        self.error: BaseException | None = None
+        self.prompt_tokens_total = self.generated_tokens_total = self.requests_finished_total = 0
+        self.ttft_sum, self.ttft_count, self.ttft_recent = 0.0, 0, deque(maxlen=TTFT_KEPT)
+
+    # --- any thread -------------------------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: OnEvent) -> int:
+        """Queue a request; -> its id. Raises ValueError (empty prompt, one that leaves no room to generate, a token
+        id outside the vocabulary), QueueFull, or RuntimeError when the engine loop has died."""
+        if not prompt_ids:
+            raise ValueError("the prompt has no tokens")
+        if len(prompt_ids) >= self.context_length:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context is {self.context_length}")
+        if not 0 <= min(prompt_ids) <= max(prompt_ids) < self.vocab_size:  # else the embedding fails in the loop
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}): got {min(prompt_ids)}.."
+                             f"{max(prompt_ids)}")
+        with self._lock:
+            if not self.alive:
+                raise RuntimeError(f"the engine has stopped after an error: {self.error!r}")
+            if len(self._inbox) + len(self.scheduler.waiting) >= self.config.max_waiting:
+                raise QueueFull(f"{self.config.max_waiting} requests are waiting already")
+            seq = Sequence(next(self._ids), list(prompt_ids), params, on_event)
+            if params.seed is not None:
+                seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed)
+            self._inbox.append(seq)
+        self._wake.set()
+        return seq.id
+
+    def cancel(self, req_id: int) -> None:
+        """Finish the request with "cancelled" at the next step (nothing happens if it has finished already)."""
+        with self._lock:
+            self._cancelled.add(req_id)
+        self._wake.set()
+
+    def stats(self) -> dict:
+        """Gauges and counters (read without locking: each value is current within a step). ttft_seconds: the
+        last TTFT_KEPT times to first token (submit to first sampled token), also as ttft_seconds_sum/_count."""
+        b = self.blocks
+        with self._lock:
+            ttft = list(self.ttft_recent), self.ttft_sum, self.ttft_count
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting) + len(self._inbox),
+            "kv_blocks_total": b.num_blocks, "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free,
+            "kv_block_size": b.block_size, "kv_bytes": self.kv_bytes,
+            "prefix_cache_hits": b.hits, "prefix_cache_queries": b.queries,
+            "prompt_tokens_total": self.prompt_tokens_total, "generated_tokens_total": self.generated_tokens_total,
+            "requests_finished_total": self.requests_finished_total,
+            "preemptions_total": self.scheduler.preemptions,
+            "ttft_seconds": ttft[0], "ttft_seconds_sum": ttft[1], "ttft_seconds_count": ttft[2],
+        }
+
+    def start(self) -> None:
+        assert self._thread is None, "the engine is started already"
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the loop thread (requests in flight stay where they are)."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    # --- the engine thread --------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                if not self.step():
+                    self._wake.wait(timeout=0.1)
+                    self._wake.clear()
+        except BaseException as e:  # noqa: BLE001 - whatever it was, no request may hang
+            log.exception("the engine loop died")
+            self._die(e)
+
+    def _die(self, error: BaseException) -> None:
+        with self._lock:
+            self.alive, self.error = False, error
+            self._live.update((s.id, s) for s in self._inbox)
+            self._inbox.clear()
+        for seq in list(self._live.values()):
+            if not seq.closed:  # a request may have had its last event in the step that failed
+                self._finish(seq, "error")
+
+    def step(self) -> bool:
+        """One scheduler iteration: take in new requests and cancellations, run one forward for the batch,
+        emit the new tokens. False when there was nothing to do."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, deque()
+            cancelled, self._cancelled = self._cancelled, set()
+        for seq in inbox:
+            self._live[seq.id] = seq
+            self.scheduler.add(seq)
+            self.prompt_tokens_total += len(seq.prompt_ids)
+        for req_id in cancelled:
+            if req_id in self._live:
+                self._finish(self._live[req_id], "cancelled")
+        if not self.scheduler.has_work():
+            return bool(inbox or cancelled)
+        batch = self.scheduler.schedule()
+        if not batch:
+            return True
+        # Decoding rows (1 token) and prefilling rows (up to prefill_chunk) run as separate forwards, so that a
+        # decode is not padded to the chunk length.
+        done = []
+        for part in ([b for b in batch if b[1] == 1], [b for b in batch if b[1] > 1]):
+            if part:
+                logits = self.runner.run(part)
+                lengths = {s.id: len(s.output_ids) for s, _ in part}
+                done += self.scheduler.postprocess(part, logits)
+                now = time.perf_counter()
+                for seq, _ in part:
+                    if len(seq.output_ids) > lengths[seq.id]:
+                        self._emit(seq, now)
+        for seq in done:
+            self._retire(seq)
+        return True
+
+    def _emit(self, seq: Sequence, now: float) -> None:
+        """Send the token sampled for seq this step (held back if it is a stop token)."""
+        self.generated_tokens_total += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            with self._lock:  # stats() copies the deque from another thread
+                self.ttft_sum += now - seq.arrival
+                self.ttft_count += 1
+                self.ttft_recent.append(now - seq.arrival)
+        token, reason = seq.output_ids[-1], seq.finish_reason
+        self._send(seq, [] if reason == "stop" else [token], reason)
+
+    def _send(self, seq: Sequence, tokens: list[int], reason: str | None) -> None:
+        """on_event, shielded: a callback that raises (its client is gone) cancels its own request only."""
+        seq.closed = reason is not None
+        try:
+            seq.on_event(tokens, reason)
+        except Exception:  # noqa: BLE001
+            log.exception("on_event of request %d raised", seq.id)
+            if reason is None:
+                self.cancel(seq.id)
+
+    def _retire(self, seq: Sequence) -> None:
+        del self._live[seq.id]
+        self.requests_finished_total += 1
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """End a request the scheduler did not finish itself (cancelled, or the engine died)."""
+        if seq.status is not Status.FINISHED:
+            try:
+                self.scheduler.finish(seq)
+            except Exception:  # noqa: BLE001 - after a crash the scheduler's state may be inconsistent
+                seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        self._live.pop(seq.id, None)
+        self.requests_finished_total += 1
+        self._send(seq, [], reason)

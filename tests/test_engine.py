@@ -1,0 +1,463 @@
+"""The serving engine (astrai_core/engine): the block allocator and prefix cache on their own, then the engine
+driven step by step (no thread, no HTTP) against astrai_core.generate.generate on each request alone."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from astrai_core.config import ModelConfig
+from astrai_core.engine import Engine, EngineConfig, QueueFull, SamplingParams
+from astrai_core.engine.block_manager import BlockManager
+from astrai_core.engine.runner import gemm_invariant_rows
+from astrai_core.engine.scheduler import Scheduler
+from astrai_core.engine.sequence import Sequence
+from astrai_core.generate import generate
+from astrai_core.model import KVCache, Transformer
+
+VARIANTS = {
+    "default": {},
+    "mqa_qk_norm": {"n_kv_heads": 1, "qk_norm": True},
+    "gated_bias_mha": {"attn_gate": True, "qkv_bias": True, "n_kv_heads": 4},
+    "mla": {"attention": "mla", "mla_kv_rank": 16, "mla_rope_dim": 8},
+    "moe": {"n_experts": 4, "n_shared_experts": 1, "moe_top_k": 2},
+}
+SHAPE = {"vocab_size": 97, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread: on a busy 2-core machine, OpenMP threads spin-waiting for each other
+    make a step of this size 20x slower. (platform_is_batch_invariant checks the kernels at 2 threads as well.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def model_for(name: str = "default") -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**{**SHAPE, **VARIANTS[name]})).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # larger weights: sharper, less tie-prone distributions
+            p.mul_(3.0)
+    return model
+
+
+def prompts_for(n: int, seed: int = 0, longest: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(97) for _ in range(rng.randint(1, longest))] for _ in range(n)]
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
+
+
+class Collector:
+    """on_event for one request: the tokens and every finish reason it was sent."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.reasons: list[str] = []
+        self.done = threading.Event()
+
+    def __call__(self, tokens: list[int], reason: str | None) -> None:
+        if self.done.is_set():  # an event after the last one: the tests' exact reasons lists catch it
+            reason = reason or "event after the last one"
+        self.tokens += tokens
+        if reason is not None:
+            self.reasons.append(reason)
+            self.done.set()
+
+
+def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> list[Collector]:
+    """Submit every prompt, then step until the engine is idle."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    out = [Collector() for _ in prompts]
+    for p, sp, c in zip(prompts, params, out):
+        engine.submit(p, sp, c)
+    while engine.step():
+        pass
+    assert all(c.reasons for c in out)
+    return out
+
+
+def solo(model: Transformer, prompt: list[int], max_tokens: int) -> list[int]:
+    return generate(model, prompt, max_tokens)
+
+
+def capped(prompt: list[int], n: int, context: int = SHAPE["max_seq_len"]) -> int:
+    return min(n, context - len(prompt))
+
+
+def seq(tokens: list[int], max_tokens: int = 1) -> Sequence:
+    return Sequence(0, tokens, greedy(max_tokens), lambda t, r: None)
+
+
+# --- block manager ---------------------------------------------------------------------------------------------
+
+
+def test_allocator_hands_out_distinct_blocks_and_takes_them_back():
+    bm = BlockManager(num_blocks=8, block_size=4, prefix_cache=False)
+    a, b = seq(list(range(10))), seq(list(range(5)))
+    assert bm.allocate(a) and a.block_table and len(a.block_table) == 3  # 10 tokens: 3 blocks of 4
+    assert bm.allocate(b) and len(b.block_table) == 2
+    assert len(set(a.block_table + b.block_table)) == 5 and bm.num_free == 3
+    assert bm.grow(a, 16) and len(a.block_table) == 4 and bm.num_free == 2
+    c = seq(list(range(13)))  # needs 4 blocks, 2 are free: refused, nothing taken
+    assert not bm.allocate(c) and not c.block_table and bm.num_free == 2
+    assert not bm.grow(b, 17) and len(b.block_table) == 2 and bm.num_free == 2
+    bm.release(a)
+    assert bm.num_free == 6 and not a.block_table
+    assert [bm.ref_count[x] for x in range(8)].count(1) == 2  # only b's blocks are still referenced
+    assert bm.allocate(c) and bm.num_free == 2
+
+
+def test_equal_prefixes_share_full_blocks_through_the_hash_chain():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    shared = list(range(100, 108))  # two full blocks
+    a = seq(shared + [1, 2, 3])
+    assert bm.allocate(a) and bm.hits == 0 and bm.queries == 2  # looked up, nothing cached yet
+    a.num_cached = len(a)  # as if a prefill computed it
+    bm.commit(a)
+    assert len(a.block_hashes) == 2  # the partial third block is not hashed
+    b = seq(shared + [9, 9, 9, 9, 9])
+    assert bm.allocate(b)
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert b.num_cached == 8 and bm.hits == 2 and bm.queries == 5  # its third full block [9, 9, 9, 9] missed
+    assert [bm.ref_count[x] for x in a.block_table[:2]] == [2, 2]
+    # The same second block after a different first block is another prefix: the chain does not match it.
+    c = seq([7, 7, 7, 7] + shared[4:] + [1])
+    assert bm.allocate(c) and c.num_cached == 0 and set(c.block_table).isdisjoint(a.block_table)
+    # A prompt that is exactly cached full blocks still leaves its last token to compute (its logits are needed).
+    d = seq(shared)
+    assert bm.allocate(d) and d.num_cached == 4 and d.block_table[0] == a.block_table[0]
+    bm.release(a)
+    assert [bm.ref_count[x] for x in b.block_table[:2]] == [2, 1]  # b and d still hold them
+
+
+def test_released_cached_blocks_are_evicted_least_recently_used_and_only_when_needed():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a, b = seq([1, 2, 3, 4]), seq([5, 6, 7, 8])
+    for s in (a, b):
+        assert bm.allocate(s)
+        s.num_cached = 4
+        bm.commit(s)
+    a_blocks, b_blocks = list(a.block_table), list(b.block_table)
+    bm.release(a)  # a first: its blocks are the least recently used
+    bm.release(b)
+    assert bm.num_free == 4 and bm.num_used == 0 and len(bm.lru) == 4 and not bm.free
+    c = seq([1, 2, 9])  # hits a's first block (reviving it from the LRU list), needs one new block
+    assert bm.allocate(c) and c.block_table[0] == a_blocks[0] and bm.hits == 1
+    evicted = a_blocks[1]  # the oldest unreferenced cached block: a's tail (released tail first)
+    assert c.block_table[1] == evicted and bm.block_hash[evicted] is None
+    assert len(bm.hash_to_block) == 3  # b's two blocks and a's head are still cached
+    d = seq([5, 6, 7, 8, 0])  # b's blocks are still there: both hit
+    assert bm.allocate(d) is False  # 3 blocks needed, 2 cached and revivable but no third block left
+    assert bm.hits == 1 and len(bm.lru) == 2  # a refused allocation changes nothing
+    bm.release(c)
+    assert bm.allocate(d) and d.block_table[:2] == b_blocks and d.num_cached == 4
+
+
+def test_without_prefix_cache_nothing_is_shared_or_counted():
+    bm = BlockManager(num_blocks=8, block_size=2, prefix_cache=False)
+    a = seq([1, 2, 3, 4, 5])
+    assert bm.allocate(a)
+    a.num_cached = 5
+    bm.commit(a)
+    b = seq([1, 2, 3, 4, 6])
+    assert bm.allocate(b) and b.num_cached == 0 and set(a.block_table).isdisjoint(b.block_table)
+    assert bm.hits == bm.queries == 0 and not bm.hash_to_block
+
+
+# --- the engine against generate() -----------------------------------------------------------------------------
+
+
+def test_the_pool_holds_each_sequence_kv_at_the_slots_of_its_block_table():
+    model = model_for()
+    engine = Engine(model, EngineConfig(kv_blocks=32, block_size=4, prefill_chunk=8, prefix_cache=False))
+    prompts = [[5, 17, 3, 88, 41, 9, 2, 60, 33, 71, 14], [50, 8, 95]]
+    for p in prompts:
+        engine.submit(p, greedy(20), Collector())
+    for _ in range(3):  # 11 tokens in chunks of 8 then a decode; 3 tokens then two decodes
+        engine.step()
+    running = engine.scheduler.running
+    assert [s.num_cached for s in running] == [12, 5]
+    assert set(running[0].block_table).isdisjoint(running[1].block_table)
+    for s in running:
+        cache = KVCache()
+        with torch.no_grad():
+            model(torch.tensor([s.tokens[:s.num_cached]]), cache)
+        slots = torch.tensor([s.block_table[i // 4] * 4 + i % 4 for i in range(s.num_cached)])
+        for layer, stored in enumerate(engine.runner.pool.layers):
+            for pool, expected in zip(stored, cache.layers[layer]):
+                got = pool[slots].movedim(0, -2)  # (*head dims, S, d) as the cache holds it
+                torch.testing.assert_close(got, expected[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_concurrent_requests_equal_solo_generate(name):
+    """Requests of different lengths sharing the batch (more than fit at once, so some wait, and a shared prefix
+    so the prefix cache hits) each get what generate() gives it alone."""
+    model = model_for(name)
+    prompts = prompts_for(10, seed=1)
+    prompts += [prompts[0][:9] + [1, 2, 3], prompts[1] + [4]]  # prefix-cache hits
+    params = [greedy(capped(p, 12)) for p in prompts]
+    engine = Engine(model, EngineConfig(kv_blocks=128, block_size=4, prefill_chunk=16, max_batch_size=6))
+    out = run(engine, prompts, params)
+    for p, sp, c in zip(prompts, params, out):
+        assert c.tokens == solo(model, p, sp.max_tokens), p
+        assert c.reasons == ["length"]
+    stats = engine.stats()
+    assert stats["prefix_cache_hits"] > 0 and stats["requests_finished_total"] == len(prompts)
+    assert stats["kv_blocks_used"] == 0 and stats["running"] == stats["waiting"] == 0
+    assert stats["generated_tokens_total"] == sum(sp.max_tokens for sp in params)
+    assert stats["prompt_tokens_total"] == sum(map(len, prompts)) and stats["ttft_seconds_count"] == len(prompts)
+
+
+def test_chunked_prefill_equals_unchunked_and_solo():
+    model = model_for()
+    prompts = prompts_for(6, seed=2, longest=50)
+    params = [greedy(capped(p, 10)) for p in prompts]
+    outs = {}
+    for chunk in (3, 8, 64):
+        engine = Engine(model, EngineConfig(kv_blocks=128, block_size=4, prefill_chunk=chunk, prefix_cache=False))
+        outs[chunk] = [c.tokens for c in run(engine, prompts, params)]
+    assert outs[3] == outs[8] == outs[64] == [solo(model, p, sp.max_tokens) for p, sp in zip(prompts, params)]
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_preemption_recomputes_and_outputs_are_unchanged(prefix_cache):
+    """A pool of 20 blocks of 4 tokens (80 positions; the context is 64) for 8 requests that grow to 50-64
+    tokens: decodes run out of blocks, the newest requests are preempted and recomputed later."""
+    model = model_for()
+    prompts = [p + [1] * (30 - len(p)) for p in prompts_for(8, seed=3, longest=30)]
+    params = [greedy(20 + i) for i in range(8)]
+    engine = Engine(model, EngineConfig(kv_blocks=20, block_size=4, prefill_chunk=8, max_batch_size=8,
+                                        prefix_cache=prefix_cache))
+    out = run(engine, prompts, params)
+    assert engine.stats()["preemptions_total"] > 0
+    for p, sp, c in zip(prompts, params, out):
+        assert c.tokens == solo(model, p, sp.max_tokens)
+        assert c.reasons == ["length"]
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def platform_is_batch_invariant() -> bool:
+    """The facts the engine's batch invariance rests on, measured on this machine's CPU kernels with 1 and 2
+    threads: a gemm gives a row the same bits for any row count gemm_invariant_rows accepts, and SDPA's math
+    kernel computes each batch row on its own (its flash kernel does not with 2 threads)."""
+    threads = torch.get_num_threads()
+    try:
+        return all(torch.set_num_threads(n) or kernels_are_row_invariant() for n in (1, 2))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def kernels_are_row_invariant() -> bool:
+    torch.manual_seed(0)
+    w, x = torch.randn(40, 24), torch.randn(64, 24)
+    full = F.linear(x, w)
+    if not all(torch.equal(F.linear(x[a:a + m], w), full[a:a + m]) for m in range(1, 40) if gemm_invariant_rows(m)
+               for a in (0, 3, 17)):
+        return False
+    q, k, v = torch.randn(3, 4, 64, 8), torch.randn(3, 4, 64, 8), torch.randn(3, 4, 64, 8)
+
+    def attend(rows: slice, first: int, queries: int, keys: int) -> torch.Tensor:
+        pos = torch.arange(first, first + queries)
+        mask = (torch.arange(keys) <= pos[:, None]).expand(rows.stop - rows.start, 1, queries, keys)
+        return F.scaled_dot_product_attention(q[rows, :, first:first + queries], k[rows, :, :keys], v[rows, :, :keys],
+                                              attn_mask=mask)
+
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        full = attend(slice(0, 3), 0, 64, 64)
+        return all(torch.equal(attend(slice(r, r + 1), a, n, s)[0], full[r, :, a:a + n])
+                   for r in (0, 2) for a, n, s in ((0, 4, 16), (5, 4, 16), (9, 7, 40), (20, 16, 48), (30, 5, 64)))
+
+
+def logits_trace(monkeypatch) -> dict[int, list[torch.Tensor]]:
+    """Record the logits each request samples from."""
+    trace: dict[int, list[torch.Tensor]] = {}
+    post = Scheduler.postprocess
+
+    def recording(self, batch, logits):
+        for i, (s, n) in enumerate(batch):
+            if s.num_cached + n == len(s):
+                trace.setdefault(s.id, []).append(logits[i].clone())
+        return post(self, batch, logits)
+
+    monkeypatch.setattr(Scheduler, "postprocess", recording)
+    return trace
+
+
+@pytest.mark.parametrize("name", ["default", "mqa_qk_norm", "mla"])
+def test_batch_invariant_mode_gives_bit_identical_logits_whatever_shares_the_batch(name, monkeypatch):
+    """batch_invariant=True: not only the same tokens: the same logits, to the bit, alone or among others, whatever the chunk size,
+    across preemption and recompute, with prefix blocks another request computed. (MoE is left out: its experts
+    see as many rows as the batch routes to them; bench/engine.py measures it.)"""
+    if not platform_is_batch_invariant():
+        pytest.skip("this CPU's gemm/SDPA kernels lack the row invariance measured on torch 2.13 x86")
+    model = model_for(name)
+    trace = logits_trace(monkeypatch)
+    prompts = [p + [1] * (30 - len(p)) for p in prompts_for(8, seed=3, longest=30)]
+    prompts += [prompts[0][:12] + [5, 6], prompts[1] + [7, 8, 9]]  # prefix-cache hits
+    params = [greedy(14 + 2 * i) for i in range(len(prompts))]
+    engine = Engine(model, EngineConfig(kv_blocks=20, block_size=4, prefill_chunk=8, max_batch_size=10,
+                                        batch_invariant=True))
+    run(engine, prompts, params)
+    assert engine.stats()["preemptions_total"] > 0 and engine.stats()["prefix_cache_hits"] > 0
+    together = [trace.pop(i) for i in range(len(prompts))]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        run(Engine(model, EngineConfig(kv_blocks=32, block_size=4, prefill_chunk=64, batch_invariant=True)), [p], sp)
+        alone = trace.pop(0)
+        assert all(torch.equal(a, b) for a, b in zip(alone, together[i], strict=True)), f"request {i}"
+
+
+def test_seeded_sampling_is_reproducible_whatever_shares_the_batch():
+    model = model_for()
+    prompts = prompts_for(5, seed=5)
+    params = [SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=100 + i) for i in range(5)]
+    together = [c.tokens for c in run(Engine(model, EngineConfig(kv_blocks=128, block_size=4)), prompts, params)]
+    alone = [run(Engine(model, EngineConfig(kv_blocks=128, block_size=4)), [p], sp)[0].tokens
+             for p, sp in zip(prompts, params)]
+    assert together == alone
+    assert together[0] == generate(model, prompts[0], 10, temperature=1.0, top_p=0.9,
+                                   generator=torch.Generator().manual_seed(100))  # the same sampler and draws
+    other_seed = run(Engine(model, EngineConfig(kv_blocks=128, block_size=4)), [prompts[0]],
+                     SamplingParams(max_tokens=10, temperature=1.0, seed=7))[0].tokens
+    assert other_seed != together[0]
+
+
+# --- finishing ---------------------------------------------------------------------------------------------------
+
+
+def test_stop_token_ends_the_request_and_is_not_sent():
+    model = model_for()
+    prompt = [5, 17, 3, 88]
+    free = solo(model, prompt, 12)
+    stop = free[5]
+    first = free.index(stop)
+    c = run(Engine(model, EngineConfig(kv_blocks=64, block_size=4)), [prompt], greedy(12, stop_token_ids=(stop,)))[0]
+    assert c.tokens == free[:first] and c.reasons == ["stop"]
+    assert generate(model, prompt, 12, stop_ids=[stop]) == free[:first + 1]  # generate includes it
+
+
+def test_a_request_ends_with_length_at_the_context():
+    model = model_for()
+    prompt = list(range(1, 61))  # 60 of the 64 positions
+    engine = Engine(model, EngineConfig(kv_blocks=64, block_size=4))
+    c = run(engine, [prompt], greedy(100))[0]
+    assert c.tokens == solo(model, prompt, 4) and c.reasons == ["length"]
+    assert engine.stats()["generated_tokens_total"] == 4
+
+
+def test_cancel_finishes_the_request_and_frees_its_blocks():
+    model = model_for()
+    engine = Engine(model, EngineConfig(kv_blocks=64, block_size=4, prefix_cache=False))
+    keep, drop = Collector(), Collector()
+    engine.submit([1, 2, 3, 4, 5], greedy(30), keep)
+    req = engine.submit(list(range(10, 40)), greedy(30), drop)
+    for _ in range(4):
+        engine.step()
+    used = engine.stats()["kv_blocks_used"]
+    assert engine.stats()["running"] == 2 and drop.tokens
+    engine.cancel(req)
+    engine.step()
+    assert drop.reasons == ["cancelled"] and engine.stats()["running"] == 1
+    assert engine.stats()["kv_blocks_used"] < used - 6  # its 8+ blocks are back
+    engine.cancel(req)  # cancelling a finished request does nothing
+    waiting = engine.submit([7, 7], greedy(5), Collector())
+    engine.cancel(waiting)  # cancelled before it ever ran
+    while engine.step():
+        pass
+    assert keep.reasons == ["length"] and len(keep.tokens) == 30
+    assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["requests_finished_total"] == 3
+
+
+def test_bad_requests_raise():
+    model = model_for()
+    engine = Engine(model, EngineConfig(kv_blocks=64, block_size=4, max_waiting=2))
+    with pytest.raises(ValueError, match="prompt has 64 tokens; the context is 64"):
+        engine.submit(list(range(64)), greedy(1), Collector())
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 97\): got 3..97"):
+        engine.submit([3, 97], greedy(1), Collector())
+    with pytest.raises(ValueError, match="no tokens"):
+        engine.submit([], greedy(1), Collector())
+    with pytest.raises(ValueError, match="max_tokens"):
+        greedy(0)
+    engine.submit([1], greedy(1), Collector())
+    engine.submit([2], greedy(1), Collector())
+    with pytest.raises(QueueFull):
+        engine.submit([3], greedy(1), Collector())
+    with pytest.raises(ValueError, match="must hold at least one full context"):
+        Engine(model, EngineConfig(kv_blocks=15, block_size=4))
+
+
+# --- the loop thread ---------------------------------------------------------------------------------------------
+
+
+def test_the_thread_serves_requests_submitted_from_other_threads():
+    model = model_for()
+    prompts = prompts_for(6, seed=6)
+    engine = Engine(model, EngineConfig(kv_blocks=128, block_size=4))
+    engine.start()
+    out = [Collector() for _ in prompts]
+    threads = [threading.Thread(target=engine.submit, args=(p, greedy(capped(p, 8)), c)) for p, c in zip(prompts, out)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(c.done.wait(60) for c in out)
+    engine.stop()
+    assert engine.alive
+    assert [c.tokens for c in out] == [solo(model, p, capped(p, 8)) for p in prompts]
+
+
+def test_a_dying_loop_finishes_every_request_with_error_and_alive_turns_false(monkeypatch):
+    model = model_for()
+    engine = Engine(model, EngineConfig(kv_blocks=128, block_size=4))
+    real_run, calls = engine.runner.run, []
+
+    def failing_run(batch):
+        calls.append(len(batch))
+        if len(calls) == 3:
+            raise RuntimeError("injected failure")
+        return real_run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", failing_run)
+    out = [Collector() for _ in range(3)]
+    for p, c in zip([[1, 2, 3], [4, 5], [6]], out):
+        engine.submit(p, greedy(20), c)
+    engine.start()
+    assert all(c.done.wait(60) for c in out)
+    assert [c.reasons for c in out] == [["error"]] * 3 and not engine.alive
+    assert engine.stats()["kv_blocks_used"] == 0
+    with pytest.raises(RuntimeError, match="injected failure"):
+        engine.submit([1], greedy(1), Collector())
+    engine.stop()
+
+
+def test_a_request_finished_in_the_failing_step_keeps_its_finish_reason(monkeypatch):
+    model = model_for()
+    engine = Engine(model, EngineConfig(kv_blocks=128, block_size=4))
+    first = Collector()
+    engine.submit([1, 2, 3], greedy(2), first)
+    engine.step()  # prefilled, one token out: the next decode finishes it
+    real_run = engine.runner.run
+
+    def failing_prefill(batch):
+        if any(n > 1 for _, n in batch):
+            raise RuntimeError("injected failure")
+        return real_run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", failing_prefill)
+    second = Collector()
+    engine.submit(list(range(10, 30)), greedy(5), second)
+    engine.start()  # one step: the decode finishes `first`, then the prefill of `second` fails
+    assert second.done.wait(60)
+    engine.stop()
+    assert first.reasons == ["length"] and len(first.tokens) == 2 and second.reasons == ["error"]

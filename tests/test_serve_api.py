@@ -1,0 +1,564 @@
+"""`astrai serve` over real HTTP on loopback, spoken to by the official `openai` and `anthropic` clients.
+
+One server (a subprocess of `python -m flows.cli serve`, as `astrai serve` runs) serves a tiny checkpoint made
+here for the whole module: a 2-layer model trained for a few seconds on chat-formatted sentences, so that its
+replies are words and it ends its turns with <|end_of_turn|>. Two more servers start for what cannot share it:
+one whose engine is made to fail (ASTRAI_SERVE_DEBUG_FAIL_AFTER_STEPS) and one serving from an MLflow registry.
+Expected outputs come from astrai_core.generate.generate on the same weights, one request alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+import torch
+import torch.nn.functional as F
+from tokenizers import pre_tokenizers
+from typer.testing import CliRunner
+
+from astrai_core.chat import load_chat
+from astrai_core.checkpoint import load_model, save_checkpoint
+from astrai_core.config import ModelConfig
+from astrai_core.generate import generate
+from astrai_core.model import Transformer
+from astrai_core.tokenizer import special_id, train_tokenizer
+from flows.cli import app
+from flows.server import TextStream
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+KEY = "test-key"
+CONTEXT = 192
+WORDS = ("the king queen lord fool lady ghost speaks loves follows betrays waits for crown horse night "
+         "brother people sword castle rain sun is was and to of in my your").split()
+
+
+def _sentence(rng: random.Random, lo: int, hi: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A checkpoint directory, and the model, tokenizer and chat format loaded from it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a model this small runs several times faster on one thread on a busy machine
+    root = tmp_path_factory.mktemp("serve")
+    rng = random.Random(0)
+    tokenizer = train_tokenizer([_sentence(rng, 4, 12) + "." for _ in range(500)] + ["café 中文 naïve"] * 20,
+                                vocab_size=360)
+    tokenizer.save(str(root / "tokenizer.json"))
+    chat = load_chat(root / "tokenizer.json")
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=tokenizer.get_vocab_size(), dim=48, n_layers=2, n_heads=4, n_kv_heads=2,
+                      max_seq_len=CONTEXT, tie_embeddings=False)
+    model = Transformer(cfg)
+    # A few seconds of training on short conversations: replies become words that end with <|end_of_turn|>.
+    stream = []
+    for _ in range(300):
+        ids, _ = chat.encode([{"role": "user", "content": _sentence(rng, 2, 8)},
+                              {"role": "assistant", "content": _sentence(rng, 6, 14) + "."}])
+        stream += ids
+    data = torch.tensor(stream)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(120):
+        starts = torch.randint(0, len(data) - 65, (16,), generator=gen)
+        batch = torch.stack([data[s:s + 65] for s in starts.tolist()])
+        loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    ckpt = save_checkpoint(root / "tiny-chat", model, cfg, root / "tokenizer.json")
+    model, tokenizer, _ = load_model(ckpt)
+    yield {"ckpt": ckpt, "model": model, "tokenizer": tokenizer, "chat": chat, "root": root}
+    torch.set_num_threads(threads)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(args: list[str], cwd: Path, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    # One torch thread: the tiny model gains nothing from two, and the test machine's cores are shared.
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    with open(cwd / f"server-{port}.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--port", str(port), *args], cwd=cwd,
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}:\n{(cwd / f'server-{port}.log').read_text()}")
+        try:
+            httpx.get(f"{url}/metrics", timeout=1)
+            return proc, url
+        except httpx.TransportError:
+            time.sleep(0.3)
+    proc.kill()
+    raise AssertionError("server did not start in 120 s")
+
+
+def _stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    # --batch-invariant: outputs equal solo generate() exactly whatever the batch mix (without it they may differ
+    # at near-ties, and which requests share a batch depends on timing).
+    proc, url = _start_server(["--model", str(served["ckpt"]), "--api-key", KEY, "--kv-blocks", "64",
+                               "--block-size", "16", "--max-batch-size", "4", "--max-waiting", "8",
+                               "--batch-invariant"], served["root"])
+    yield url
+    _stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server, api_key=KEY, max_retries=0, timeout=60)
+
+
+MODEL_ID = "tiny-chat"  # the checkpoint directory's name
+
+
+def _offline_chat(served, messages: list[dict], max_tokens: int) -> tuple[str, list[int], list[int]]:
+    """(reply text, prompt ids, generated ids incl. a final stop token) of greedy generate alone."""
+    chat = served["chat"]
+    prompt = chat.encode_prompt(messages)
+    out = generate(served["model"], prompt, max_tokens, stop_ids=chat.stop_ids)
+    return chat.decode_reply(out), prompt, out
+
+
+def _offline_text(served, prompt: str, max_tokens: int) -> tuple[str, list[int]]:
+    tok = served["tokenizer"]
+    ids = tok.encode(prompt, add_special_tokens=False).ids
+    out = generate(served["model"], ids, max_tokens, stop_ids=(special_id(tok, "eos"),))
+    return tok.decode(out), out
+
+
+def _metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+USER = [{"role": "user", "content": "the king loves the night"}]
+
+
+# --- TextStream: what may be given out while streaming -----------------------------------------------------------
+
+def test_text_stream_holds_back_a_possible_stop_string(served):
+    tok = served["tokenizer"]
+    ids = tok.encode("the king loves café 中文 and the night", add_special_tokens=False).ids
+    stream = TextStream(tok, ["the ni", "zzz"])
+    pieces = [stream.add([i]) for i in ids]
+    assert "".join(pieces) == "the king loves café 中文 and " and stream.stop_sequence == "the ni"
+    # A suffix that could still become a stop string is held back, then released when it does not.
+    stream = TextStream(tok, ["king!"])
+    assert stream.add(tok.encode("the king", add_special_tokens=False).ids) == "the "
+    assert stream.add(tok.encode(" loves", add_special_tokens=False).ids) == "king loves"
+    assert stream.add([], final=True) == "" and stream.stop_sequence is None
+    # At the end, held-back text that never became a stop string goes out.
+    stream = TextStream(tok, ["king!"])
+    assert stream.add(tok.encode("the king", add_special_tokens=False).ids, final=True) == "the king"
+
+
+def test_text_stream_never_emits_a_broken_character(served):
+    tok = served["tokenizer"]
+    # The byte-level alphabet has a token per byte: feed 中 (3 UTF-8 bytes) one byte at a time.
+    (mapped, _), = pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str("中")
+    byte_ids = [tok.token_to_id(ch) for ch in mapped]
+    assert len(byte_ids) == 3 and tok.decode(byte_ids) == "中"
+    stream = TextStream(tok, [])
+    assert [stream.add([t]) for t in byte_ids + byte_ids[:1]] == ["", "", "中", ""]
+    assert stream.add([], final=True) == "\ufffd"  # an incomplete character at the very end is flushed as such
+
+
+# --- the server --------------------------------------------------------------------------------------------------
+
+def test_models_health_and_metrics(server, oai):
+    assert [m.id for m in oai.models.list().data] == [MODEL_ID]
+    assert oai.models.retrieve(MODEL_ID).id == MODEL_ID
+    health = httpx.get(f"{server}/health", timeout=10)  # no key needed for health and metrics
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    m = _metrics(server)
+    for name in ("astrai_requests_running", "astrai_requests_waiting", "astrai_kv_blocks_used", "astrai_kv_blocks_free",
+                 "astrai_prefix_cache_hits_total", "astrai_prefix_cache_queries_total",
+                 "astrai_generation_tokens_total", "astrai_time_to_first_token_seconds_count", "astrai_kv_cache_bytes"):
+        assert name in m, name
+    assert m["astrai_kv_blocks_used"] + m["astrai_kv_blocks_free"] == 64
+
+
+def test_chat_greedy_equals_offline_generate_with_usage(served, oai):
+    text, prompt, out = _offline_chat(served, USER, 40)
+    assert out[-1] in served["chat"].stop_ids and text  # the trained model ends its turn on its own
+    r = oai.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=40, temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and abs(r.created - time.time()) < 120
+    assert r.choices[0].message.content == text and r.choices[0].finish_reason == "stop"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), len(out))
+    assert r.usage.total_tokens == len(prompt) + len(out)
+    # OpenAI's newer "developer" role is the system role of the chat template.
+    system_text, system_prompt, _ = _offline_chat(served, [{"role": "system", "content": "be brief"}] + USER, 40)
+    r = oai.chat.completions.create(model=MODEL_ID, messages=[{"role": "developer", "content": "be brief"}] + USER,
+                                    max_tokens=40, temperature=0)
+    assert r.choices[0].message.content == system_text and r.usage.prompt_tokens == len(system_prompt)
+    # Cut short: finish_reason "length", and max_completion_tokens (the newer name) works too.
+    r = oai.chat.completions.create(model=MODEL_ID, messages=USER, max_completion_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    assert r.choices[0].message.content == served["chat"].decode_reply(out[:3])
+
+
+def test_chat_streaming_with_usage(served, oai):
+    text, prompt, out = _offline_chat(served, USER, 40)
+    chunks = list(oai.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=40, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # really streamed
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(out)
+    assert chunks[-1].usage.prompt_tokens == len(prompt)
+
+
+def test_completions_plain_text_equal_offline(served, oai):
+    text, out = _offline_text(served, "the king", 24)
+    r = oai.completions.create(model=MODEL_ID, prompt="the king", max_tokens=24, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text == text
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 24
+    streamed = list(oai.completions.create(model=MODEL_ID, prompt="the king", max_tokens=24, temperature=0,
+                                           stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == text
+    assert streamed[-1].choices[0].finish_reason == "length"
+    # Without max_tokens, 16 tokens as in OpenAI's API.
+    assert oai.completions.create(model=MODEL_ID, prompt="the king", temperature=0).usage.completion_tokens == 16
+    # Token ids as the prompt, as the OpenAI API allows.
+    ids = served["tokenizer"].encode("the king", add_special_tokens=False).ids
+    assert oai.completions.create(model=MODEL_ID, prompt=ids, max_tokens=24, temperature=0).choices[0].text == text
+
+
+def _split_stop(served, text_ids: list[int]) -> tuple[str, str]:
+    """A stop string that spans two tokens of the reply, and the reply text before it."""
+    tok = served["tokenizer"]
+    full = tok.decode(text_ids)
+    for k in range(2, len(text_ids) - 1):
+        left, right = tok.decode(text_ids[:k]), tok.decode(text_ids[:k + 1])
+        piece = tok.decode([text_ids[k]])
+        if len(piece) >= 2 and len(left) >= 2:
+            stop = left[-2:] + piece[:2]
+            if full.find(stop) == len(left) - 2 and right.startswith(left):
+                return stop, full[:len(left) - 2]
+    raise AssertionError(f"no token boundary to split a stop string across in {full!r}")
+
+
+def test_stop_string_split_across_tokens_is_never_returned_or_streamed(served, oai, claude):
+    _, out = _offline_text(served, "the king", 24)
+    stop, before = _split_stop(served, out)
+    r = oai.completions.create(model=MODEL_ID, prompt="the king", max_tokens=24, temperature=0, stop=[stop, "zzz"])
+    assert r.choices[0].text == before and r.choices[0].finish_reason == "stop"
+    pieces = [c.choices[0].text for c in oai.completions.create(model=MODEL_ID, prompt="the king", max_tokens=24,
+                                                                 temperature=0, stop=stop, stream=True)]
+    assert "".join(pieces) == before  # nothing of the stop string went out, not even its first characters
+    # Chat and Anthropic messages: the same rule, Anthropic reports which sequence stopped it.
+    text, _, ids = _offline_chat(served, USER, 40)
+    stop, before = _split_stop(served, ids[:-1])
+    r = oai.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=40, temperature=0, stop=stop)
+    assert r.choices[0].message.content == before and r.choices[0].finish_reason == "stop"
+    greedy = {"temperature": 0}  # this anthropic client has no sampling arguments of its own any more
+    m = claude.messages.create(model=MODEL_ID, messages=USER, max_tokens=40, extra_body=greedy, stop_sequences=[stop])
+    assert m.content[0].text == before and m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    with claude.messages.stream(model=MODEL_ID, messages=USER, max_tokens=40, extra_body=greedy,
+                                stop_sequences=[stop]) as s:
+        assert "".join(s.text_stream) == before
+        assert s.get_final_message().stop_sequence == stop
+
+
+def test_anthropic_messages(served, claude):
+    system = "you speak of the crown"
+    msgs = [{"role": "system", "content": system}] + USER
+    text, prompt, out = _offline_chat(served, msgs, 40)
+    m = claude.messages.create(model=MODEL_ID, system=system, max_tokens=40, extra_body={"temperature": 0},
+                               messages=[{"role": "user", "content": [{"type": "text", "text": USER[0]["content"]}]}])
+    assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
+    assert m.content[0].text == text and m.stop_reason == "end_turn" and m.stop_sequence is None
+    assert (m.usage.input_tokens, m.usage.output_tokens) == (len(prompt), len(out))
+    m = claude.messages.create(model=MODEL_ID, system=system, messages=USER, max_tokens=2, extra_body={"temperature": 0})
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 2
+    # A final assistant message is a prefill: the reply continues its text.
+    chat, tok = served["chat"], served["tokenizer"]
+    prompt = chat.encode_prompt(USER) + tok.encode("the queen", add_special_tokens=False).ids
+    out = generate(served["model"], prompt, 40, stop_ids=chat.stop_ids)
+    m = claude.messages.create(model=MODEL_ID, max_tokens=40, extra_body={"temperature": 0},
+                               messages=USER + [{"role": "assistant", "content": "the queen"}])
+    assert m.content[0].text == chat.decode_reply(out) and m.usage.input_tokens == len(prompt)
+
+
+def test_anthropic_stream_event_sequence(served, server):
+    text, prompt, out = _offline_chat(served, USER, 40)
+    body = {"model": MODEL_ID, "messages": USER, "max_tokens": 40, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    events = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    data = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
+    assert [e["type"] for e in data] == events
+    deltas = [e for e in events if e == "content_block_delta"]
+    assert events == ["message_start", "content_block_start", "ping", *deltas, "content_block_stop",
+                      "message_delta", "message_stop"] and len(deltas) > 1
+    assert data[0]["message"]["usage"]["input_tokens"] == len(prompt)
+    assert "".join(e["delta"]["text"] for e in data if e["type"] == "content_block_delta") == text
+    assert data[-2]["delta"] == {"stop_reason": "end_turn", "stop_sequence": None}
+    assert data[-2]["usage"]["output_tokens"] == len(out)
+
+
+def test_seeded_sampling_is_reproducible(oai, claude):
+    kw = dict(model=MODEL_ID, messages=USER, max_tokens=12, temperature=1.0, top_p=0.9, seed=7,
+              extra_body={"top_k": 20})
+    a, b = (oai.chat.completions.create(**kw).choices[0].message.content for _ in range(2))
+    assert a == b
+    kw = dict(model=MODEL_ID, messages=USER, max_tokens=12, extra_body={"temperature": 1.0, "top_k": 20, "seed": 7})
+    a, b = (claude.messages.create(**kw).content[0].text for _ in range(2))
+    assert a == b
+
+
+def test_concurrent_requests_equal_solo_outputs(served, server):
+    prompts = ["the king", "my lady waits for the horse in the rain", "ghost", "the fool and the lord of the castle",
+               "sword", "your brother was in the night and the sun", "queen", "the people"]
+    expected = [_offline_text(served, p, 30)[0] for p in prompts]
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+        # 8 at once on a server with 4 batch slots and 8 queue places: they share batches in changing mixes.
+        results = await asyncio.gather(*(client.completions.create(model=MODEL_ID, prompt=p, max_tokens=30,
+                                                                   temperature=0) for p in prompts))
+        await client.close()
+        return [r.choices[0].text for r in results]
+
+    assert asyncio.run(run()) == expected
+
+
+def test_prefix_cache_hits_show_in_metrics(server, oai):
+    long_prompt = " ".join(["the king loves the queen and the night"] * 8)  # several full KV blocks
+    before = _metrics(server)
+    for _ in range(2):
+        oai.completions.create(model=MODEL_ID, prompt=long_prompt, max_tokens=2, temperature=0)
+    after = _metrics(server)
+    assert after["astrai_prefix_cache_hits_total"] - before["astrai_prefix_cache_hits_total"] >= 2
+    assert after["astrai_time_to_first_token_seconds_count"] - before["astrai_time_to_first_token_seconds_count"] == 2
+
+
+def _wait_idle(url: str, timeout: float = 20) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(url)
+        if m["astrai_requests_running"] == 0 and m["astrai_requests_waiting"] == 0 and m["astrai_kv_blocks_used"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"engine not idle: {m}"
+        time.sleep(0.05)
+
+
+def test_client_disconnect_mid_stream_frees_slot_and_blocks(server, oai):
+    before = _wait_idle(server)
+    stream = oai.completions.create(model=MODEL_ID, prompt="the king", max_tokens=180, temperature=0, stream=True)
+    chunks = iter(stream)
+    next(chunks), next(chunks)
+    assert _metrics(server)["astrai_kv_blocks_used"] > 0
+    stream.close()  # the client goes away mid-stream
+    after = _wait_idle(server)
+    generated = after["astrai_generation_tokens_total"] - before["astrai_generation_tokens_total"]
+    assert generated < 180, "the request ran to its end instead of being cancelled"
+    # A non-streaming request whose client goes away is cancelled too.
+    body = json.dumps({"model": MODEL_ID, "prompt": "the king", "max_tokens": 180, "temperature": 0}).encode()
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(0.05)
+    after2 = _wait_idle(server)
+    assert after2["astrai_requests_finished_total"] - after["astrai_requests_finished_total"] == 1  # it was submitted
+    assert after2["astrai_generation_tokens_total"] - after["astrai_generation_tokens_total"] < 180
+
+
+def test_queue_full_is_503(server):
+    async def run():
+        async with httpx.AsyncClient(timeout=60, headers={"authorization": f"Bearer {KEY}"}) as client:
+            body = {"model": MODEL_ID, "prompt": "the king", "max_tokens": 150, "temperature": 0}
+            # 4 batch slots and 8 queue places: 20 requests at once cannot all be taken.
+            return await asyncio.gather(*(client.post(f"{server}/v1/completions", json=body) for _ in range(20)))
+
+    responses = asyncio.run(run())
+    statuses = sorted(r.status_code for r in responses)
+    assert set(statuses) == {200, 503} and statuses.count(200) >= 8, statuses
+    full = next(r for r in responses if r.status_code == 503).json()
+    assert full["error"]["type"] == "server_error" and "waiting" in full["error"]["message"]
+
+
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_error_statuses_in_each_protocols_shape(served, server, protocol):
+    path = "/v1/chat/completions" if protocol == "openai" else "/v1/messages"
+    good = {"model": MODEL_ID, "messages": USER, "max_tokens": 5}
+    auth = {"authorization": f"Bearer {KEY}"}
+
+    def post(body=None, content=None, headers=auth):
+        r = httpx.post(f"{server}{path}", json=body, content=content, headers=headers, timeout=60)
+        e = r.json()
+        if protocol == "openai":
+            assert set(e) == {"error"} and {"message", "type", "param", "code"} <= set(e["error"]), e
+            return r.status_code, e["error"]["message"], e["error"]["type"]
+        assert e["type"] == "error" and set(e["error"]) == {"type", "message"}, e
+        return r.status_code, e["error"]["message"], e["error"]["type"]
+
+    assert httpx.post(f"{server}{path}", json=good, headers=auth, timeout=60).status_code == 200
+    status, message, _ = post(content=b'{"model": ')
+    assert status == 400 and "not valid JSON" in message
+    status, message, _ = post(content=b"[1, 2]")
+    assert status == 400 and "JSON object" in message
+    status, message, kind = post({**good, "temperature": "hot"})
+    assert status == 400 and message.startswith("temperature:") and kind == "invalid_request_error"
+    status, message, _ = post({**good, "messages": [{"role": "user", "content": [{"type": "image", "x": 1}]}]})
+    assert status == 400 and message.startswith("messages.0.content:")
+    status, message, _ = post({k: v for k, v in good.items() if k != "messages"})
+    assert status == 400 and "messages" in message
+    status, message, _ = post({**good, "tools": [{"name": "f"}]})
+    assert status == 400 and "tools" in message
+    status, message, kind = post({**good, "model": "gpt-5"})
+    assert status == 404 and "gpt-5" in message
+    assert kind == ("invalid_request_error" if protocol == "openai" else "not_found_error")
+    status, message, kind = post(content=b"x" * (1024 * 1024 + 1))
+    assert status == 413 and kind == ("invalid_request_error" if protocol == "openai" else "request_too_large")
+    long = {**good, "messages": [{"role": "user", "content": "the king " * 200}]}
+    status, message, _ = post(long)
+    assert status == 400 and f"prompt has {len(served['chat'].encode_prompt(long['messages']))} tokens; " \
+                              f"the context is {CONTEXT}" in message
+    huge = {**good, "messages": [{"role": "user", "content": "the king " * 100_000}]}  # 900 kB: refused untokenized
+    status, message, _ = post(huge)
+    assert status == 400 and f"prompt has more than {CONTEXT} tokens" in message
+    status, _, kind = post(good, headers={})
+    assert status == 401 and kind == "authentication_error"
+    status, _, _ = post(good, headers={"x-api-key": "wrong"})
+    assert status == 401
+    # Nothing of that hurt the server.
+    assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+
+
+def test_refused_options_name_the_field(oai):
+    for kw, field in ((dict(n=2), "n"), (dict(logprobs=True), "logprobs"),
+                      (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+                      (dict(stop=["a", "b", "c", "d", "e"]), "stop"), (dict(top_p=0), "top_p"),
+                      (dict(presence_penalty=0.5), "presence_penalty"), (dict(seed=2**70), "seed")):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model=MODEL_ID, messages=USER, max_tokens=3, **kw)
+        assert e.value.status_code == 400 and e.value.body["param"] == field, (kw, e.value.body)
+
+
+def test_auth_headers(server, served):
+    # openai sends Authorization: Bearer, anthropic sends x-api-key: both accepted (the fixtures' clients).
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server, api_key="wrong", max_retries=0).messages.create(
+            model=MODEL_ID, messages=USER, max_tokens=3)
+    ok = anthropic.Anthropic(base_url=server, api_key=KEY, max_retries=0).messages.create(
+        model=MODEL_ID, messages=USER, max_tokens=3)
+    assert ok.usage.output_tokens == 3
+    r = httpx.get(f"{server}/v1/models", headers={"x-api-key": KEY}, timeout=10)
+    assert r.status_code == 200
+
+
+def test_engine_failure_turns_health_503_and_requests_fail_cleanly(served):
+    proc, url = _start_server(["--model", str(served["ckpt"]), "--kv-blocks", "32"], served["root"],
+                              {"ASTRAI_SERVE_DEBUG_FAIL_AFTER_STEPS": "20"})
+    try:
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+        async def in_flight_when_it_dies():  # one streaming and one plain request, both running at step 20
+            body = {"model": MODEL_ID, "prompt": "the king", "max_tokens": 150, "temperature": 0}
+            async with httpx.AsyncClient(timeout=60) as client:
+                async def stream():
+                    async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+                        return r.status_code, [line async for line in r.aiter_lines() if line]
+                return await asyncio.gather(stream(), client.post(f"{url}/v1/completions", json=body))
+
+        (stream_status, lines), plain = asyncio.run(in_flight_when_it_dies())
+        assert plain.status_code == 500 and "engine" in plain.json()["error"]["message"]
+        # The stream had started (200): it ends with an error event in OpenAI's shape, then [DONE].
+        assert stream_status == 200 and lines[-1] == "data: [DONE]"
+        assert "engine" in json.loads(lines[-2].removeprefix("data: "))["error"]["message"]
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "engine stopped"
+        assert _metrics(url)["astrai_engine_alive"] == 0
+        with pytest.raises(anthropic.APIStatusError) as e:  # new requests are refused, in the protocol's shape
+            anthropic.Anthropic(base_url=url, api_key="none", max_retries=0).messages.create(
+                model=MODEL_ID, messages=USER, max_tokens=3)
+        assert e.value.status_code == 503 and e.value.body["error"]["type"] == "overloaded_error"
+    finally:
+        _stop_server(proc)
+
+
+def test_serve_from_mlflow_registry(served, tmp_path, monkeypatch):
+    import mlflow
+
+    from tasks.params import Params
+    from tasks.register import register
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (tmp_path / "metrics.json").write_text(json.dumps({"test_bits_per_char": 2.0}))
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        exp = mlflow.create_experiment("serve", artifact_location=(tmp_path / "artifacts").as_uri())
+        with mlflow.start_run(experiment_id=exp):
+            register(Params(register={"model_name": "served"}), served["ckpt"], tmp_path / "metrics.json",
+                     tmp_path / "register", tmp_path)
+    finally:
+        mlflow.set_tracking_uri(previous)
+    proc, url = _start_server(["--model", "models:/served@champion", "--kv-blocks", "32"], tmp_path,
+                              {"MLFLOW_TRACKING_URI": uri})
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["served/1"]
+        r = client.chat.completions.create(model="served/1", messages=USER, max_tokens=40, temperature=0)
+        assert r.choices[0].message.content == _offline_chat(served, USER, 40)[0]
+    finally:
+        _stop_server(proc)
+    # Load errors: one line, exit 2 (in this process: a CLI run stops before it would serve).
+    for model, expected in (("models:/served@nope", "models:/served@nope: "), ("models:/served/7", "models:/served/7: "),
+                            ("models:/unknown@champion", "models:/unknown@champion: "),
+                            ("models:/served", "expected models:/NAME@ALIAS"),
+                            (str(tmp_path / "missing"), "no such checkpoint directory")):
+        try:
+            result = CliRunner().invoke(app, ["serve", "--model", model], env={"MLFLOW_TRACKING_URI": uri})
+        finally:
+            mlflow.set_tracking_uri(previous)
+        assert result.exit_code == 2 and expected in result.stderr, (model, result.output)
+        assert result.stderr.startswith("astrai: error: ") and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_refuses_non_loopback_host_without_key(served):
+    result = CliRunner().invoke(app, ["serve", "--model", str(served["ckpt"]), "--host", "0.0.0.0"],
+                                env={"ASTRAI_API_KEY": ""})
+    assert result.exit_code == 2 and "--api-key" in result.output and "--insecure" in result.output
