@@ -16,6 +16,9 @@ What is measured, in one run on one machine:
   in use (polled from /metrics).
 * shared prefix: prompts that all start with the same half-context prefix, at concurrency 4, on a fresh server
   with the prefix cache and on one without (--no-prefix-cache): time to first token of each, and their ratio.
+* peer (--peer-venv VENV): the same model exported with `astrai export-hf`, served by `transformers serve
+  --continuous-batching` from VENV (a separate venv with transformers[serving], not a project dependency), the same
+  levels and prompts (sent as text: its /v1/completions takes no token ids); on failure the report says why.
 * naive: the same model in this process, one request at a time through astrai_core.generate.generate (a
   KV-cached loop, batch 1) over the level-1 prompts: what serving without batching gives.
 
@@ -105,7 +108,7 @@ def metrics(url: str) -> dict[str, float]:
             if line and not line.startswith("#")}
 
 
-async def one_request(client, model_id: str, prompt: list[int], max_tokens: int) -> dict:
+async def one_request(client, model_id: str, prompt: list[int] | str, max_tokens: int) -> dict:
     sent = time.perf_counter()
     times, tokens = [], 0
     stream = await client.completions.create(model=model_id, prompt=prompt, max_tokens=max_tokens, temperature=0,
@@ -121,7 +124,8 @@ async def one_request(client, model_id: str, prompt: list[int], max_tokens: int)
     return {"ttft": times[0] - sent if times else None, "tokens": tokens, "latency": end - sent, "itl": itl}
 
 
-async def load_level(url: str, model_id: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
+async def load_level(url: str, model_id: str, prompts: list[list[int]] | list[str], concurrency: int, max_tokens: int,
+                     kv_metrics: bool = True) -> dict:
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
     gate = asyncio.Semaphore(concurrency)
     peak_blocks = 0
@@ -130,7 +134,7 @@ async def load_level(url: str, model_id: str, prompts: list[list[int]], concurre
     async def poll() -> None:
         nonlocal peak_blocks
         async with httpx.AsyncClient(timeout=10) as http:
-            while not done.is_set():
+            while kv_metrics and not done.is_set():
                 text = (await http.get(f"{url}/metrics")).text
                 used = next(float(line.split()[1]) for line in text.splitlines()
                             if line.startswith("astrai_kv_blocks_used "))
@@ -191,6 +195,53 @@ def start_server(ckpt: Path, options: list[str], tmp: Path) -> tuple[subprocess.
     raise SystemExit("astrai serve did not start in 2 minutes")
 
 
+def peer(venv: Path, ckpt: Path, tokenizer, levels: list[int], args, tmp: Path) -> dict:
+    """The same model exported with `astrai export-hf`, served by `transformers serve --continuous-batching` from
+    `venv` (a separate venv with transformers[serving]), measured like astrai serve over the same prompts. Its
+    /v1/completions takes text only, so each prompt is sent as its decoded text."""
+    if not (venv / "bin" / "transformers").exists():
+        return {"error": f"{venv}/bin/transformers not found: make that venv with transformers[serving]"}
+    hf = tmp / "hf-export"
+    subprocess.run([sys.executable, "-m", "flows.cli", "export-hf", str(ckpt), str(hf)], cwd=ROOT, check=True,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp / "peer.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen([str(venv / "bin" / "transformers"), "serve", str(hf), "--continuous-batching",
+                                   "--host", "127.0.0.1", "--port", str(port)], cwd=tmp, stdout=log,
+                                  stderr=subprocess.STDOUT,
+                                  env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(THREADS),
+                                       "PYTHONPATH": ""})
+    try:
+        for _ in range(600):
+            try:
+                httpx.get(f"{url}/health", timeout=1).raise_for_status()
+                break
+            except (httpx.TransportError, httpx.HTTPStatusError):
+                if server.poll() is not None:
+                    return {"error": f"transformers serve exited {server.returncode}: "
+                                     f"{log_path.read_text()[-2000:]}"}
+                time.sleep(0.2)
+        else:
+            return {"error": "transformers serve did not start in 2 minutes"}
+        warm = [tokenizer.decode(p) for p in prompts_for(tokenizer, 2, 8, 16, seed=99)]
+        asyncio.run(load_level(url, str(hf), warm, 2, 4, kv_metrics=False))
+        rows = []
+        for i, c in enumerate(levels):
+            n = args.requests or (max(4, c) if args.quick else max(8, 2 * c))
+            texts = [tokenizer.decode(p) for p in prompts_for(tokenizer, n, args.min_prompt, args.max_prompt, seed=i)]
+            row = asyncio.run(load_level(url, str(hf), texts, c, args.max_tokens, kv_metrics=False))
+            del row["kv_blocks_used_peak"]
+            rows.append(row)
+            print("peer", json.dumps(row), flush=True)
+        return {"server": "transformers serve --continuous-batching", "levels": rows}
+    except Exception as e:  # noqa: BLE001 - the peer is a comparison: report why it failed, keep our numbers
+        return {"error": f"{type(e).__name__}: {e}; log: {log_path.read_text()[-2000:]}"}
+    finally:
+        stop_server(server)
+
+
 def stop_server(server: subprocess.Popen) -> None:
     server.terminate()
     server.wait(timeout=30)
@@ -233,13 +284,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the server and the naive loop (1: "
                     "on a shared, loaded machine two threads that wait on each other run up to 10x slower)")
     ap.add_argument("--no-prefix-scenario", action="store_true", help="skip the shared-prefix TTFT comparison")
+    ap.add_argument("--peer-venv", type=Path, help="a venv with transformers[serving]: also measure `transformers "
+                    "serve --continuous-batching` on the same model (exported with astrai export-hf)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "serving_report.json")
     args = ap.parse_args()
     global THREADS
     THREADS = args.threads
     torch.set_num_threads(args.threads)
     levels = args.levels or ([1, 4, 16] if args.quick else [1, 4, 16, 64])
-    report = {"machine": machine(), "settings": {k: v for k, v in vars(args).items() if k != "out"}}
+    report = {"machine": machine(), "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                                                if k != "out"}}
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(args.model) if args.model else demo_shape_checkpoint(Path(tmp))
@@ -265,6 +319,8 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
         finally:
             stop_server(server)
+        if args.peer_venv:
+            report["peer"] = peer(args.peer_venv, ckpt, tokenizer, levels, args, Path(tmp))
         if not args.no_prefix_scenario:
             report["shared_prefix"] = shared_prefix(ckpt, tokenizer, cfg.max_seq_len, Path(tmp))
         n = args.requests or (4 if args.quick else 8)
@@ -274,6 +330,9 @@ def main() -> None:
     base = report["naive"]["output_tokens_per_s"]
     report["speedup_over_naive"] = {str(r["concurrency"]): round(r["output_tokens_per_s"] / base, 2)
                                     for r in report["served"]}
+    if "levels" in report.get("peer", {}):
+        report["speedup_over_peer"] = {str(a["concurrency"]): round(a["output_tokens_per_s"] / b["output_tokens_per_s"], 2)
+                                       for a, b in zip(report["served"], report["peer"]["levels"])}
     report["machine"]["load_average_at_end"] = os.getloadavg()
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -264,19 +265,47 @@ class Finish:
     completion_tokens: int
 
 
+class EventRelay:
+    """Carries engine events from the engine thread to the requests' queues on the server's event loop.
+
+    Waking a loop from another thread costs a socket write and a loop iteration, and an engine step emits one
+    event per running request: so the relay wakes the loop once for all the events that arrived since it last
+    ran, not once per token (measured: 5% of the engine thread's time at 16 streams went to those wake-ups)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+
+    def put(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, event: Any) -> None:
+        """From any thread; must not block (the engine thread calls it)."""
+        with self._lock:
+            pending = self._pending.setdefault(loop, [])
+            pending.append((queue, event))
+            if len(pending) > 1:  # a wake-up is scheduled already and will deliver this one too
+                return
+        try:
+            loop.call_soon_threadsafe(self._deliver, loop)
+        except RuntimeError:  # the loop is closed (server shutting down): nobody is listening
+            with self._lock:
+                self._pending.pop(loop, None)
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            pending = self._pending.pop(loop, [])
+        for queue, event in pending:
+            queue.put_nowait(event)
+
+
 class Submission:
     """A request submitted to the engine; its events arrive on an asyncio queue of the server's loop."""
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, relay: EventRelay) -> None:
         self.engine, self.done = engine, False
         self.events: asyncio.Queue[tuple[list[int], str | None]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
         def on_event(ids: list[int], finish: str | None) -> None:  # runs on the engine thread: must not block
-            try:
-                loop.call_soon_threadsafe(self.events.put_nowait, (list(ids), finish))
-            except RuntimeError:  # the loop is closed (server shutting down): nobody is listening
-                pass
+            relay.put(loop, self.events, (list(ids), finish))
 
         if not engine.alive:
             raise ApiError(503, "the engine is not running (see /health)")
@@ -421,6 +450,7 @@ def create_app(engine: Engine, chat: ChatFormat, model_id: str, api_key: str | N
     ttft = Histogram("astrai_time_to_first_token_seconds", "From a request's arrival to its first token",
                      registry=registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
 
+    relay = EventRelay()
     app = FastAPI(title="astrai serve", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
@@ -478,7 +508,7 @@ def create_app(engine: Engine, chat: ChatFormat, model_id: str, api_key: str | N
         params = SamplingParams(max_tokens=min(max_tokens or budget, budget), temperature=temperature,
                                 top_p=body.top_p, top_k=body.top_k, seed=body.seed,
                                 stop_token_ids=stop_ids)
-        return Submission(engine, prompt_ids, params)
+        return Submission(engine, prompt_ids, params, relay)
 
     # Tokenizing megabytes would stall every stream on this event loop for seconds, so a text that cannot fit the
     # context is refused before: no token covers more than this many bytes of text.

@@ -561,4 +561,15 @@ def test_serve_from_mlflow_registry(served, tmp_path, monkeypatch):
 def test_refuses_non_loopback_host_without_key(served):
     result = CliRunner().invoke(app, ["serve", "--model", str(served["ckpt"]), "--host", "0.0.0.0"],
                                 env={"ASTRAI_API_KEY": ""})
-    assert result.exit_code == 2 and "--api-key" in result.output and "--insecure" in result.output
+    assert result.exit_code == 2 and "--api-key" in result.stderr and "--insecure" in result.stderr
+    assert result.stderr.startswith("astrai: error: --host 0.0.0.0 ") and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_insecure_serves_a_non_loopback_host_without_key(served, tmp_path):
+    proc, url = _start_server(["--model", str(served["ckpt"]), "--host", "0.0.0.0", "--insecure"], tmp_path,
+                              env={"ASTRAI_API_KEY": ""})
+    try:  # bound on every interface, reached here on loopback, no key asked
+        r = httpx.get(f"{url}/v1/models", timeout=10)
+        assert r.status_code == 200 and r.json()["data"][0]["id"]
+    finally:
+        _stop_server(proc)
