@@ -27,6 +27,9 @@ setup: $(BIN)/astrai  ## create .venv with every dependency
 demo: setup  ## the main job: full pipeline on the default corpus, then where to look
 	$(BIN)/astrai pipeline
 
+pipeline: setup  ## the pipeline with a profile for this run: `make pipeline PROFILE=quick`
+	$(BIN)/astrai pipeline $(if $(PROFILE),--profile $(PROFILE))
+
 test: setup  ## the test suite
 	$(BIN)/python -m pytest -q
 

@@ -269,6 +269,18 @@ def test_make_clean_removes_every_output(tmp_path):
     assert [p.name for p in (tmp_path / "data").iterdir()] == ["README.md"]
 
 
+def test_make_pipeline_runs_the_pipeline_with_a_profile(tmp_path):
+    import subprocess
+
+    for name in ("Makefile", "pyproject.toml", "requirements.lock"):
+        shutil.copy(PROJECT_ROOT / name, tmp_path / name)
+    (tmp_path / ".venv/bin").mkdir(parents=True)
+    (tmp_path / ".venv/bin/astrai").touch()  # newer than its prerequisites: make prints only the pipeline's command
+    for extra, expected in (([], ".venv/bin/astrai pipeline"), (["PROFILE=quick"], ".venv/bin/astrai pipeline --profile quick")):
+        out = subprocess.run(["make", "-n", "pipeline", *extra], cwd=tmp_path, check=True, capture_output=True, text=True)
+        assert out.stdout.strip().splitlines()[-1].strip() == expected
+
+
 # --- bad input to `astrai generate`: one line, exit 2 ------------------------------------------------------------
 
 @pytest.mark.parametrize("args, message", [
