@@ -136,13 +136,6 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh) -> Transformer:
     return model
 
 
-def grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    """The global L2 norm of the gradients as a plain scalar tensor, equal on every rank: the shards' squares are
-    summed across the mesh, replicated gradients counted once."""
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state dict as plain tensors (the single-rank checkpoint's), on every rank. Collective:
     every rank of the mesh must call it. On one rank the tensors are the live weights: save or copy them."""

@@ -23,19 +23,22 @@ from astrai_core.config import ModelConfig
 from astrai_core.losses import token_loss_sum
 from astrai_core.model import Transformer, document_mask
 from astrai_core.parallel import (apply_fsdp, apply_tensor_parallel, build_mesh, check_tensor_parallel,
-                                  full_optimizer_state_dict, full_state_dict, grad_norm, load_full_optimizer_state_dict,
+                                  full_optimizer_state_dict, full_state_dict, load_full_optimizer_state_dict,
                                   load_full_state_dict)
+from astrai_core.train import checkpoint_blocks, total_grad_norm
 
 TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
-# name -> (ModelConfig options, rows packed with two documents each: positions and a document mask)
+# name -> ModelConfig options; "packed" rows hold two documents each (positions and a document mask), and
+# "recompute" turns on the training loop's activation checkpointing after the split.
 SUPPORTED = {
-    "default": ({}, False),
-    "packed": ({}, True),
-    "untied": (dict(tie_embeddings=False), False),
-    "mha_head_dim_12": (dict(n_kv_heads=4, attn_head_dim=12), False),
-    "qkv_bias": (dict(qkv_bias=True), False),
-    "qk_norm": (dict(qk_norm=True), False),
-    "attn_gate": (dict(attn_gate=True), False),
+    "default": {},
+    "packed": {},
+    "recompute": {},
+    "untied": dict(tie_embeddings=False),
+    "mha_head_dim_12": dict(n_kv_heads=4, attn_head_dim=12),
+    "qkv_bias": dict(qkv_bias=True),
+    "qk_norm": dict(qk_norm=True),
+    "attn_gate": dict(attn_gate=True),
 }
 STEPS, ROWS, SEQ = 3, 4, 16
 CLIP = 0.5  # below the first steps' gradient norms (about 1-2), so clipping acts on every step
@@ -89,7 +92,7 @@ def train_step(model, optimizer, batch, packed: bool, dp_rank: int = 0, dp_size:
     loss_sum = token_loss_sum(model(x, **extra), y)
     (loss_sum * dp_size / batch["y"].numel()).backward()
     params = list(model.parameters())
-    norm = grad_norm(params)
+    norm = total_grad_norm(params)  # what the training loop clips by
     grads = full_grads(model)
     torch.nn.utils.clip_grads_with_norm_(params, CLIP, norm)
     optimizer.step()
@@ -105,13 +108,16 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def compare_training(options: dict, packed: bool, parallelize, dp_rank: int = 0, dp_size: int = 1) -> dict:
+def compare_training(name: str, parallelize, dp_rank: int = 0, dp_size: int = 1) -> dict:
     """Train the same model on one rank and parallelized by `parallelize`; the largest differences."""
+    options, packed = SUPPORTED[name], name == "packed"
     batches = make_batches(STEPS)
     ref = make_model(options)
     ref_opt = make_optimizer(ref)
     ref_steps = [train_step(ref, ref_opt, b, packed) for b in batches]
     model = parallelize(make_model(options))
+    if name == "recompute":
+        checkpoint_blocks(model)
     opt = make_optimizer(model)
     steps = [train_step(model, opt, b, packed, dp_rank, dp_size) for b in batches]
     return {"loss": max(abs(a[0] - b[0]) for a, b in zip(ref_steps, steps)),
@@ -161,8 +167,8 @@ def _worker(rank: int, world_size: int, tp_size: int, init_file: str, result: di
         apply_tensor_parallel(model, mesh["tp"])
         return apply_fsdp(model, mesh["dp"]) if dp_size > 1 else model
 
-    out = {name: compare_training(options, packed, parallelize, dp_rank, dp_size)
-           for name, (options, packed) in SUPPORTED.items() if dp_size == 1 or name in ("default", "untied")}
+    out = {name: compare_training(name, parallelize, dp_rank, dp_size)
+           for name in SUPPORTED if dp_size == 1 or name in ("default", "untied")}
     out["resume"] = resume_across(parallelize, dp_rank, dp_size)
     model = make_model(dict(n_kv_heads=1))
     try:
