@@ -157,6 +157,19 @@ def resume_across(parallelize, dp_rank: int = 0, dp_size: int = 1) -> dict:
     return out
 
 
+def count_all_reduces(model: Transformer) -> tuple[int, int]:
+    """All-reduces issued by one forward and by its backward."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    batch = make_batches(1)[0]
+    with CommDebugMode() as forward:
+        loss = token_loss_sum(model(batch["x"]), batch["y"])
+    with CommDebugMode() as backward:
+        loss.backward()
+    return tuple(sum(n for op, n in comm.get_comm_counts().items() if "all_reduce" in str(op))
+                 for comm in (forward, backward))
+
+
 def _worker(rank: int, world_size: int, tp_size: int, init_file: str, result: dict) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
@@ -170,6 +183,8 @@ def _worker(rank: int, world_size: int, tp_size: int, init_file: str, result: di
     out = {name: compare_training(name, parallelize, dp_rank, dp_size)
            for name in SUPPORTED if dp_size == 1 or name in ("default", "untied")}
     out["resume"] = resume_across(parallelize, dp_rank, dp_size)
+    if dp_size == 1:
+        out["all_reduces"] = count_all_reduces(parallelize(make_model(dict(qk_norm=True, attn_gate=True))))
     model = make_model(dict(n_kv_heads=1))
     try:
         apply_tensor_parallel(model, mesh["tp"])
@@ -205,6 +220,9 @@ def test_tp2_trains_like_one_rank_and_resumes_across(tmp_path):
     check_equal_to_one_rank(results, SUPPORTED)
     for out in results.values():
         assert out["refused"] == "model.n_kv_heads (1) is not divisible by tp_size (2)"
+        # Megatron's minimum: per layer one all-reduce after o_proj and one after down_proj, and in backward one
+        # for each block input's gradient (q/k/v/gate share one; gate/up share one).
+        assert out["all_reduces"] == (2 * TINY["n_layers"], 2 * TINY["n_layers"])
 
 
 def test_fsdp_tp_2x2_trains_like_one_rank_and_resumes_across(tmp_path):
