@@ -9,14 +9,15 @@ The plan, per decoder block (each TP rank holds 1/tp of the heads and of the MLP
     self_attn   input x made a replicated DTensor once (so backward all-reduces its gradient once, not once per
                 projection); q/k/v (and the attention gate) column-parallel: each rank computes its own heads, and
                 the per-rank head counts the attention's view() uses are set to n_heads / tp and n_kv_heads / tp;
-                o_proj row-parallel: the partial outputs are summed by one all-reduce.
+                o_proj row-parallel: the partial outputs are summed by one all-reduce. QK-norm's weights (one
+                head_dim vector shared by the heads) are replicated, applied to this rank's heads.
     mlp         gate/up column-parallel, down row-parallel: again one all-reduce forward, one backward.
     the rest    (embed_tokens, lm_head, every RMSNorm) replicated: each TP rank holds all of it and computes the
                 same numbers. The default model ties lm_head to embed_tokens and has a small vocabulary (2048):
                 sharding the vocabulary would split that one tensor two ways (rows of the embedding, columns of the
                 logits) and need a vocabulary-parallel loss, for little memory. The replicated weights are still
-                DTensors (Replicate), so that every parameter lives on the same mesh: torch's gradient-norm,
-                clipping, optimizer and state-dict functions then treat the model as one.
+                DTensors (Replicate), so that every parameter lives on the same mesh: torch's gradient-norm
+                (train.total_grad_norm), clipping, fused AdamW and state-dict functions then treat the model as one.
 
 Because the activations between blocks are replicated (no sequence parallelism), the model's math is untouched:
 the loss is computed on full logits exactly as on one rank. Every rank of one TP group must therefore be fed the
@@ -85,8 +86,10 @@ class _Replicated(ParallelStyle):
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Transformer:
     """Split `model` in place across the ranks of tp_mesh (a 1-D mesh) as the module docstring describes.
-    Every rank must hold the same weights before (the same seed, or the same checkpoint loaded): the shards are
-    taken from rank 0's copy. Apply before FSDP, activation checkpointing and torch.compile."""
+    Every rank must hold the same weights before (the same seed, or the same checkpoint loaded). Apply before
+    FSDP, activation checkpointing and torch.compile. ValueError if the model cannot be split (see
+    check_tensor_parallel)."""
+    assert not isinstance(model.embed_tokens.weight, DTensor), "the model is already parallelized"
     tp = tp_mesh.size()
     check_tensor_parallel(model, tp)
     replicated = _Replicated()
@@ -136,10 +139,12 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh) -> Transformer:
     return model
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's state dict as plain tensors (the single-rank checkpoint's), on every rank. Collective:
-    every rank of the mesh must call it. On one rank the tensors are the live weights: save or copy them."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model's state dict as plain tensors (the single-rank checkpoint's), on every rank; rank0_only:
+    on rank 0 only, in CPU memory, the other ranks get {} (what a checkpoint save needs, and no rank but the
+    writer holds a full copy). Collective: every rank of the mesh must call it. On one rank (no parallelism) the
+    tensors are the live weights: save or copy them."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
 
 
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -150,11 +155,13 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True))
 
 
-def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state with full tensors, keyed by parameter name (not by position), so it loads into the
-    same model under any parallelism, one rank included. Collective. Unsharded tensors are the live state:
-    save or copy them before the next step."""
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                              rank0_only: bool = False) -> dict[str, Any]:
+    """The optimizer's state with full tensors, keyed by parameter name (not by position as
+    optimizer.state_dict() is), so it loads into the same model under any parallelism, one rank included.
+    rank0_only and the live tensors as full_state_dict. Collective."""
+    return get_optimizer_state_dict(model, optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
 
 
 def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

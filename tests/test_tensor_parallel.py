@@ -144,8 +144,11 @@ def resume_across(parallelize, dp_rank: int = 0, dp_size: int = 1) -> dict:
     opt = make_optimizer(model)
     load_full_state_dict(model, weights)
     load_full_optimizer_state_dict(model, opt, optim)
+    on_rank0 = full_state_dict(model, rank0_only=True), full_optimizer_state_dict(model, opt, rank0_only=True)
     out = {"load_exact": max_diff(weights, full_state_dict(model)) == 0.0,
-           "still_tied": model.lm_head.weight is model.embed_tokens.weight}
+           "still_tied": model.lm_head.weight is model.embed_tokens.weight,
+           "rank0_only": (max_diff(weights, on_rank0[0]) == 0.0 and len(on_rank0[1]["state"]) == len(optim["state"])
+                          if dist.get_rank() == 0 else on_rank0 == ({}, {}))}
     train_step(model, opt, batches[2], False, dp_rank, dp_size)
     # Now back to one rank: the gathered weights and optimizer state continue the run there.
     back = make_model({}, seed=8)
@@ -212,7 +215,7 @@ def check_equal_to_one_rank(results: dict, cases) -> None:
             assert d["grad"] <= GRAD_TOL and d["weight"] <= WEIGHT_TOL, (name, d)
         r = out["resume"]
         print(f"rank {rank} resume: weight {r['weight']:.1e}")
-        assert r["load_exact"] and r["still_tied"] and r["weight"] <= WEIGHT_TOL, r
+        assert r["load_exact"] and r["still_tied"] and r["rank0_only"] and r["weight"] <= WEIGHT_TOL, r
 
 
 def test_tp2_trains_like_one_rank_and_resumes_across(tmp_path):
