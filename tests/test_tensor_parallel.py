@@ -48,10 +48,11 @@ STEPS, ROWS, SEQ = 3, 4, 16
 CLIP = 0.5  # below the first steps' gradient norms (about 1-2), so clipping acts on every step
 
 # Measured max abs differences from one rank (fp32, torch 2.13, 3 steps, every case below): losses <= 5e-7,
-# gradient norms <= 8e-7, first-step gradients <= 3e-8. The weights after the AdamW steps differ by up to 1.7e-5
-# (TP=2) and 2.1e-5 (2x2) in a few elements only: Adam divides by the root of the squared-gradient average, so where a gradient is near zero
-# a rounding difference of 1e-9 becomes a visible step (the mean difference stays ~1e-8). A wrong split is far
-# above these: the q/k-norm weight's gradient summed over one rank's heads only gave 4e-2 in the weights.
+# gradient norms <= 8e-7, first-step gradients <= 3e-8. The weights after the AdamW steps differ by up to
+# 1.7e-5 (TP=2) and 2.1e-5 (2x2) in a few elements only: Adam divides by the root of the squared-gradient
+# average, so where a gradient is near zero a rounding difference of 1e-9 becomes a visible step (the mean
+# difference stays ~1e-8). A wrong split is far above these: the q/k-norm weight's gradient summed over one
+# rank's heads only gave 4e-2 in the weights.
 LOSS_TOL, GRAD_TOL, WEIGHT_TOL = 2e-6, 1e-6, 1e-4  # WEIGHT_TOL: 1% of one step (lr 1e-2)
 
 
