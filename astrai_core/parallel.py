@@ -165,5 +165,18 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
 
 
 def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Load full_optimizer_state_dict's output (from any parallelism) into this rank's optimizer. Collective."""
+    """Load full_optimizer_state_dict's output (from any parallelism) into this rank's optimizer, or a one-rank
+    optimizer.state_dict() (keyed by position: what DDP checkpoints hold; `optimizer` must then list its
+    parameters in the same order as the one that saved it, as the training loop builds it). Collective."""
+    if all(isinstance(i, int) for group in state["param_groups"] for i in group["params"]):
+        state = _keyed_by_name(model, optimizer, state)
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def _keyed_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """optimizer.state_dict()'s positions (the optimizer's parameters in group order) -> parameter names."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    names = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {"state": {names[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                             for group in state["param_groups"]]}

@@ -134,14 +134,15 @@ def compare_training(name: str, parallelize, dp_rank: int = 0, dp_size: int = 1)
 
 def resume_across(parallelize, dp_rank: int = 0, dp_size: int = 1) -> dict:
     """A one-rank run's state after 2 steps, loaded into a parallelized model (of other initial weights), trains
-    2 more steps like the one-rank run; and the parallel model's gathered state continues on one rank alike."""
+    a third step like the one-rank run; then the parallel model's gathered state trains the fourth on one rank."""
     batches = make_batches(4, seed=1)
     ref = make_model({})
     ref_opt = make_optimizer(ref)
     for b in batches[:2]:
         train_step(ref, ref_opt, b, False)
-    # Copies, as a checkpoint on disk would be: on one rank these state dicts hold the live tensors.
-    weights, optim = copy.deepcopy(ref.state_dict()), copy.deepcopy(full_optimizer_state_dict(ref, ref_opt))
+    # Copies, as a checkpoint on disk would be: on one rank these state dicts hold the live tensors. The optimizer
+    # state as DDP checkpoints hold it (keyed by position); the way back below uses the name-keyed one.
+    weights, optim = copy.deepcopy(ref.state_dict()), copy.deepcopy(ref_opt.state_dict())
     for b in batches[2:]:
         train_step(ref, ref_opt, b, False)
 
