@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
+from astrai_core.config import ModelConfig
 from astrai_core.model import Attention, Transformer
 
 
@@ -52,16 +53,16 @@ def build_mesh(world_size: int, tp_size: int, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
 
 
-def check_tensor_parallel(model: Transformer, tp_size: int) -> None:
-    """Raise ValueError naming the option if this model cannot be split tp_size ways."""
-    cfg = model.cfg
+def check_tensor_parallel(cfg: ModelConfig, tp_size: int, lora: bool = False) -> None:
+    """Raise ValueError naming the option if a model of this config (with LoRA adapters: `lora`) cannot be split
+    tp_size ways. Needs no process group, so a config can be checked before any rank starts."""
     if cfg.attention == "mla":
         raise ValueError("model.attention 'mla' is not supported with tensor parallelism (its shared key/value "
                          "latent is not split by heads): use attention 'gqa', or parallel ddp/fsdp")
     if cfg.n_experts:
         raise ValueError(f"model.n_experts ({cfg.n_experts}) is not supported with tensor parallelism (experts need "
                          "expert parallelism): set n_experts to 0, or use parallel ddp/fsdp")
-    if any(".lora_" in name for name, _ in model.named_parameters()):
+    if lora:
         raise ValueError("lora is not supported with tensor parallelism (adapters are small: use parallel ddp)")
     for field in ("n_heads", "n_kv_heads"):
         if getattr(cfg, field) % tp_size:
@@ -91,7 +92,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Transforme
     check_tensor_parallel)."""
     assert not isinstance(model.embed_tokens.weight, DTensor), "the model is already parallelized"
     tp = tp_mesh.size()
-    check_tensor_parallel(model, tp)
+    check_tensor_parallel(model.cfg, tp, lora=any(".lora_" in name for name, _ in model.named_parameters()))
     replicated = _Replicated()
     for block in model.layers:
         attn: Attention = block.self_attn
