@@ -53,6 +53,17 @@ def build_mesh(world_size: int, tp_size: int, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
 
 
+def check_ranks(parallel: str, tp_size: int, world_size: int) -> None:
+    """Raise ValueError naming tp_size unless `world_size` ranks can run `parallel` (tp or fsdp+tp) with tp_size:
+    tp splits the model across every rank (no data parallelism: DDP cannot wrap the split weights, so data
+    parallelism across TP groups is fsdp+tp); fsdp+tp needs whole TP groups."""
+    if parallel == "tp" and world_size != tp_size:
+        raise ValueError(f"parallel 'tp' runs on exactly tp_size ranks: tp_size is {tp_size}, the ranks {world_size} "
+                         "(set nproc to tp_size, or use parallel 'fsdp+tp' for data parallelism across TP groups)")
+    if parallel == "fsdp+tp" and world_size % tp_size:
+        raise ValueError(f"parallel 'fsdp+tp': tp_size ({tp_size}) must divide the number of ranks ({world_size})")
+
+
 def check_tensor_parallel(cfg: ModelConfig, tp_size: int, lora: bool = False) -> None:
     """Raise ValueError naming the option if a model of this config (with LoRA adapters: `lora`) cannot be split
     tp_size ways. Needs no process group, so a config can be checked before any rank starts."""
