@@ -1,5 +1,5 @@
-"""The training loop, read top to bottom in train(): every strategy (seq, sft, dpo, grpo), DDP or FSDP2 across
-ranks, exact resume.
+"""The training loop, read top to bottom in train(): every strategy (seq, sft, dpo, grpo), DDP, FSDP2 or tensor
+parallelism across ranks, exact resume.
 
 Run it alone (cfg.json is a TrainConfig as JSON):
 
@@ -14,11 +14,14 @@ Data: the training tokens are cut into non-overlapping windows of seq_len + 1, s
 (seed, epoch). Step s trains on the global samples [s*G, (s+1)*G), G = ranks x grad_accum x batch_size, and
 micro-step m of rank r takes slice m * ranks + r of them. So a run is a pure function of (config, step): 2 ranks
 x batch B trains exactly like 1 rank x batch 2B, 4 micro-steps of 1 like one batch of 4, and the sampler's
-position is a sample count.
+position is a sample count. "Ranks" here are the data-parallel ones: with tensor parallelism (parallel tp or
+fsdp+tp, astrai_core/parallel.py) the tp_size ranks of a TP group split one model and share its batches, so
+TP=2 x batch B trains like 1 rank x batch B.
 
 Loss: summed over target tokens and divided by the number of target tokens of the whole step (every micro-step
 on every data-parallel rank; targets equal to IGNORE_INDEX do not count), times the data-parallel size because
-DDP and FSDP average gradients over those ranks. Masking and the split into micro-steps and ranks therefore never change the gradient.
+DDP and FSDP average gradients over those ranks (a TP group computes one loss and is one such rank). Masking and
+the split into micro-steps and ranks therefore never change the gradient.
 
 One step: the strategy's micro-batches -> forward and backward over the accumulation window -> the gradient norm
 (stop if it or the loss is not finite) -> clipping -> optimizer and schedule -> validation and early stopping ->

@@ -2,6 +2,7 @@
 
 * `parallel: tp` with tp_size 2 trains like one rank (the same global batch: a TP group is one data-parallel
   rank), and `fsdp+tp` on 4 ranks (2 data-parallel x 2 TP) trains like one rank fed both groups' batches;
+* the post-training strategies too: SFT (packed conversations) and DPO under TP=2 train like one rank;
 * a TP run stopped with SIGTERM resumes to bitwise the weights of an uninterrupted TP run;
 * a checkpoint written under TP=2 resumes on one rank and under DDP=2 (full single-rank files either way);
 * what TP cannot split is refused when the params are parsed, in one line naming the field.
@@ -20,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_posttrain import _reference, chat_setup  # noqa: F401 - chat_setup is a fixture
+from test_posttrain import make_cfg as post_cfg
 from test_resume import kill_run, make_cfg, read_until, torchrun, wait_ok, weights_sha
 
 from astrai_core.config import TrainConfig
@@ -98,6 +101,28 @@ def test_tp_stopped_by_sigterm_resumes_bitwise(runs, core_tiny_data, tmp_path):
     out = wait_ok(torchrun(cfg))
     assert "resuming from" in out and "(step 8)" not in out, out[-3000:]  # the SIGTERM checkpoint, not step 8
     assert weights_sha(cfg) == weights_sha(runs["tp"])
+
+
+@pytest.mark.integration
+def test_sft_and_dpo_under_tp_train_like_one_rank(chat_setup, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    dpo = {"beta": 0.5, "reference_logps": _reference(chat_setup, tmp_path / "ref.h5")}
+    for strategy, kw in (("sft", {}), ("dpo", {"dpo": dpo})):
+        one = post_cfg(chat_setup, tmp_path / strategy / "one", strategy, max_steps=8, **kw)
+        tp = post_cfg(chat_setup, tmp_path / strategy / "tp", strategy, max_steps=8, **kw, **TP)
+        proc = torchrun(tp)
+        train(one)
+        wait_ok(proc)
+        diff = max_diff(weights(one), weights(tp))
+        m_one, m_tp = ([json.loads(line) for line in (Path(c.out_dir) / "metrics.jsonl").read_text().splitlines()]
+                       for c in (one, tp))
+        # Relative where large (DPO's summed log-probabilities are in the hundreds); DPO's rewards are beta x
+        # differences of such sums, where fp32 rounding leaves up to ~1e-5 (measured 6e-6).
+        metric_diff = max(abs(a[k] - b[k]) / max(1.0, abs(a[k])) for a, b in zip(m_one, m_tp, strict=True) for k in a
+                          if k not in ("step", "time", "train/tokens_per_sec"))
+        print(f"{strategy} tp=2 vs one rank after 8 steps: weights {diff:.1e}, metrics (relative) {metric_diff:.1e}")
+        assert diff <= WEIGHT_TOL and metric_diff <= 5e-5
+        assert all(a.keys() == b.keys() for a, b in zip(m_one, m_tp))
 
 
 def resume_from(step_dir: Path, cfg: TrainConfig) -> None:
