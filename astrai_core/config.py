@@ -200,7 +200,11 @@ class RunSettings(Strict):
     dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 = autocast; weights and optimizer stay fp32
     device: Literal["auto", "cpu", "cuda"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    parallel: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 fully_shard per decoder block (models too big for one device)
+    # ddp: replicas; fsdp: FSDP2 fully_shard per decoder block (models too big for one device); tp: tensor
+    # parallelism, each layer split across tp_size ranks (layers too wide for one device; astrai_core/parallel.py);
+    # fsdp+tp: FSDP2 across TP groups of tp_size ranks (the ranks / tp_size groups each see their own batches).
+    parallel: Literal["ddp", "fsdp", "tp", "fsdp+tp"] = "ddp"
+    tp_size: PositiveInt = 1  # ranks one model is split across (tp: all of them; fsdp+tp: a divisor of the ranks)
     seed: int = 1337
     log_every: PositiveInt = 10
     eval_every: int = Field(0, ge=0)  # 0: validate only at the end
@@ -252,7 +256,26 @@ class TrainConfig(RunSettings):
             raise ValueError("two_stage applies to strategy 'seq' only")
         if self.strategy == "grpo" and self.parallel == "fsdp":
             raise ValueError("strategy 'grpo' samples a different number of tokens per rank, which FSDP cannot: use ddp")
+        self._check_tensor_parallel()
         return self
+
+    def _check_tensor_parallel(self) -> None:
+        if self.parallel not in ("tp", "fsdp+tp"):
+            if self.tp_size != 1:
+                raise ValueError(f"tp_size ({self.tp_size}) applies to parallel 'tp' or 'fsdp+tp' only "
+                                 f"(parallel is {self.parallel!r}): set tp_size to 1")
+            return
+        if self.tp_size < 2:
+            raise ValueError(f"parallel {self.parallel!r} needs tp_size >= 2 (the ranks each layer is split across)")
+        if self.strategy == "grpo":
+            raise ValueError(f"strategy 'grpo' is not supported with parallel {self.parallel!r} yet (the ranks of a "
+                             "TP group would have to sample the same completions): use ddp")
+        if self.two_stage is not None:
+            raise ValueError(f"two_stage is not supported with parallel {self.parallel!r} yet (its frozen reference "
+                             "is a copy of the split model): use ddp or fsdp")
+        from astrai_core.parallel import check_tensor_parallel  # torch.distributed only when TP is asked for
+
+        check_tensor_parallel(self.model, self.tp_size, lora=self.lora is not None)
 
     @property
     def checkpoints(self) -> str:

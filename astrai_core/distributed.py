@@ -62,6 +62,22 @@ def die_with_launcher() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
+@dataclass(frozen=True)
+class DataGroup:
+    """The ranks that see different batches, and this rank's place among them: every rank under ddp and fsdp;
+    under tp and fsdp+tp one per TP group (the mesh's "dp" dimension), since the ranks of a TP group compute one
+    model on the same batch. Sums of data counts and losses run over these ranks, so TP copies never count twice."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None = None  # None: every rank
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
+        return x
+
+
 def init_distributed(backend: str = "auto", device: str = "auto") -> Dist:
     """Join the process group torchrun set up (if any) and pick this rank's device."""
     die_with_launcher()

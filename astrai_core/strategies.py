@@ -52,7 +52,9 @@ def window_batch(x: torch.Tensor, y: torch.Tensor, **data: torch.Tensor) -> Batc
 
 
 class Strategy:
-    """Base: micro_batches once per step, loss once per micro-batch, eval_batch to validate."""
+    """Base: micro_batches once per step, loss once per micro-batch, eval_batch to validate. `rank` and
+    `world_size` are the data-parallel ones: under tensor parallelism a TP group's ranks are one data rank and
+    build the same batches."""
 
     unit = "tokens"  # what Batch.count measures
 

@@ -1,5 +1,5 @@
-"""The training loop, read top to bottom in train(): every strategy (seq, sft, dpo, grpo), DDP or FSDP2 across
-ranks, exact resume.
+"""The training loop, read top to bottom in train(): every strategy (seq, sft, dpo, grpo), DDP, FSDP2 or tensor
+parallelism across ranks, exact resume.
 
 Run it alone (cfg.json is a TrainConfig as JSON):
 
@@ -14,11 +14,14 @@ Data: the training tokens are cut into non-overlapping windows of seq_len + 1, s
 (seed, epoch). Step s trains on the global samples [s*G, (s+1)*G), G = ranks x grad_accum x batch_size, and
 micro-step m of rank r takes slice m * ranks + r of them. So a run is a pure function of (config, step): 2 ranks
 x batch B trains exactly like 1 rank x batch 2B, 4 micro-steps of 1 like one batch of 4, and the sampler's
-position is a sample count.
+position is a sample count. "Ranks" here are the data-parallel ones: with tensor parallelism (parallel tp or
+fsdp+tp, astrai_core/parallel.py) the tp_size ranks of a TP group split one model and share its batches, so
+TP=2 x batch B trains like 1 rank x batch B.
 
 Loss: summed over target tokens and divided by the number of target tokens of the whole step (every micro-step
-on every rank; targets equal to IGNORE_INDEX do not count), times the world size because DDP and FSDP average
-gradients over ranks. Masking and the split into micro-steps and ranks therefore never change the gradient.
+on every data-parallel rank; targets equal to IGNORE_INDEX do not count), times the data-parallel size because
+DDP and FSDP average gradients over those ranks (a TP group computes one loss and is one such rank). Masking and
+the split into micro-steps and ranks therefore never change the gradient.
 
 One step: the strategy's micro-batches -> forward and backward over the accumulation window -> the gradient norm
 (stop if it or the loss is not finite) -> clipping -> optimizer and schedule -> validation and early stopping ->
@@ -61,18 +64,21 @@ from astrai_core.callbacks import Callback, ProgressBar, RunState
 from astrai_core.checkpoint import (clear_resumable, find_resumable, load_weights, save_checkpoint, save_resumable,
                                     verify_checkpoint)
 from astrai_core.config import TrainConfig
-from astrai_core.distributed import ERROR_PREFIX, Dist, cleanup, init_distributed
+from astrai_core.distributed import ERROR_PREFIX, DataGroup, Dist, cleanup, init_distributed
 from astrai_core.errors import AstraiError, TrainingError
 from astrai_core.evaluate import forward, token_loss_total
 from astrai_core.io import sha256_file
 from astrai_core.model import Transformer
+from astrai_core.parallel import (apply_fsdp, apply_tensor_parallel, build_mesh, check_ranks, full_optimizer_state_dict,
+                                  full_state_dict, load_full_optimizer_state_dict, load_full_state_dict)
 from astrai_core.schedules import lr_at
 from astrai_core.strategies import STRATEGIES, Strategy
 from astrai_core.tracking import MetricLogger
 
 # Config fields that may change between a run and its resumption without changing what it computes.
+# The parallelism is one of them: checkpoints hold full (single-rank) state, which loads under any other.
 RESUME_MAY_CHANGE = {"train_data", "val_data", "tokenizer", "out_dir", "log_every", "compile", "compile_cache_dir",
-                     "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "resume"}
+                     "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "resume", "parallel", "tp_size"}
 
 
 def rng_state() -> dict[str, Any]:
@@ -122,53 +128,56 @@ def emit(callbacks: list[Callback], hook: str, run: RunState, *args) -> None:
 
 @dataclass
 class Trainee:
-    """What a checkpoint holds besides RunState: the bare model (DDP/compile wrap it; FSDP shards it in place),
-    its optimizer and schedule, and the strategy (its data position and anything it carries across steps)."""
+    """What a checkpoint holds besides RunState: the bare model (DDP/compile wrap it; FSDP and TP split it in
+    place), its optimizer and schedule, and the strategy (its data position and anything it carries across steps).
+    Whatever the parallelism, a checkpoint holds the full single-rank state: `sharded` models gather it to rank 0
+    (the optimizer state then keyed by parameter name; DDP's own is keyed by position), and either loads under
+    any parallelism."""
 
     model: Transformer
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     strategy: Strategy
-    fsdp: bool
+    sharded: bool  # FSDP or TP: the weights are DTensors
+    tp_size: int  # ranks per TP group (1: none); they hold one strategy state between them
 
     def state(self, run: RunState, callbacks: list[Callback], cfg: TrainConfig, d: Dist):
         """(full model state dict, train_state); every rank must call (gathers shards, RNG and strategy states)."""
-        if self.fsdp:
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                                 get_optimizer_state_dict)
-
-            full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            weights = get_model_state_dict(self.model, options=full)
-            optim = get_optimizer_state_dict(self.model, self.optimizer, options=full)
+        if self.sharded:
+            weights = full_state_dict(self.model, rank0_only=True)
+            optim = full_optimizer_state_dict(self.model, self.optimizer, rank0_only=True)
         else:  # replicas are identical: this rank's state is the model's
             weights, optim = self.model.state_dict(), self.optimizer.state_dict()
         sampler = self.strategy.sampler
+        # One strategy state per data-parallel rank (TP groups are consecutive ranks: the first of each).
+        strategies = all_gather(self.strategy.state_dict(), d)[::self.tp_size]
         state = {**run.state_dict(), "epoch": sampler.epoch, "consumed_samples": sampler.consumed,
                  "consumed_tokens": sampler.consumed * cfg.seq_len, "sampler": sampler.state_dict(),
                  "optimizer": optim, "scheduler": self.scheduler.state_dict(), "rng": all_gather(rng_state(), d),
-                 "strategy": all_gather(self.strategy.state_dict(), d), "world_size": d.world_size,
+                 "strategy": strategies, "world_size": d.world_size,
                  "callbacks": {type(cb).__name__: cb.state_dict() for cb in callbacks}}
         return weights, state
 
-    def restore(self, ckpt: Path, run: RunState, callbacks: list[Callback], cfg: TrainConfig, d: Dist) -> None:
-        """Load a resumable checkpoint into the (already wrapped) model, optimizer, scheduler, strategy, RunState,
-        callbacks and this rank's RNGs."""
+    def restore(self, ckpt: Path, run: RunState, callbacks: list[Callback], cfg: TrainConfig, d: Dist,
+                dp: DataGroup) -> None:
+        """Load a resumable checkpoint (written under any parallelism) into the (already wrapped) model, optimizer,
+        scheduler, strategy, RunState, callbacks and this rank's RNGs."""
         state = torch.load(ckpt / "train_state.pt", weights_only=True, map_location="cpu")
         weights = load_weights(ckpt, cfg.model.tie_embeddings)
-        if self.fsdp:
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                                 set_optimizer_state_dict)
-
-            full = StateDictOptions(full_state_dict=True)
-            set_model_state_dict(self.model, weights, options=full)
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=full)
+        by_name = any(isinstance(k, str) for k in state["optimizer"]["state"])  # written by a sharded model
+        if self.sharded:
+            load_full_state_dict(self.model, weights)
+            load_full_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         else:
             self.model.load_state_dict(weights)
-            self.optimizer.load_state_dict(state["optimizer"])
+            if by_name:
+                load_full_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.strategy.sampler.load_state_dict(state["sampler"])
         if "strategy" in state:
-            self.strategy.load_state_dict(state["strategy"][d.rank % len(state["strategy"])])
+            self.strategy.load_state_dict(state["strategy"][dp.rank % len(state["strategy"])])
         for cb in callbacks:
             cb.load_state_dict(state["callbacks"].get(type(cb).__name__, {}))
         if state["world_size"] != d.world_size:
@@ -240,10 +249,16 @@ def checkpoint_blocks(model: Transformer) -> None:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
-def wrap(raw_model: Transformer, cfg: TrainConfig, d: Dist) -> torch.nn.Module:
-    """What forward calls: the bare model compiled and/or wrapped for DDP, or sharded in place by FSDP2."""
+def wrap(raw_model: Transformer, cfg: TrainConfig, d: Dist, mesh) -> torch.nn.Module:
+    """What forward calls: the bare model compiled and/or wrapped for DDP, or sharded in place by FSDP2 (over the
+    mesh's dp dimension with fsdp+tp; the TP split is already done). DDP cannot wrap TP's DTensor weights, and
+    needs not: pure tp has no data parallelism."""
     if cfg.compile and cfg.compile_cache_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cfg.compile_cache_dir).resolve())  # compiled kernels persist
+    if mesh is not None:
+        if cfg.parallel == "fsdp+tp":
+            apply_fsdp(raw_model, mesh["dp"])
+        return torch.compile(raw_model) if cfg.compile else raw_model
     if cfg.parallel == "fsdp" and d.world_size > 1:
         from torch.distributed.fsdp import fully_shard
 
@@ -289,15 +304,15 @@ def total_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 
 def mean_over_ranks(sums: dict[str, torch.Tensor], stats: dict[str, tuple[float, float]], units: int,
-                    d: Dist, device: torch.device) -> dict[str, float]:
-    """The strategy's metrics of this step, averaged over all ranks: `sums` per loss unit (divided by the step's
-    unit count), `stats` as (sum, count) pairs. Every rank holds the same keys, so one all-reduce does."""
+                    dp: DataGroup, device: torch.device) -> dict[str, float]:
+    """The strategy's metrics of this step, averaged over the data-parallel ranks: `sums` per loss unit (divided by
+    the step's unit count), `stats` as (sum, count) pairs. Every rank holds the same keys, so one all-reduce does."""
     keys, stat_keys = sorted(sums), sorted(stats)
     if not keys and not stat_keys:
         return {}
     values = [sums[k].reshape(()).to(device) for k in keys]
     values += [torch.tensor(float(stats[k][i]), device=device) for k in stat_keys for i in (0, 1)]
-    total = all_reduce_sum(torch.stack(values).double(), d).tolist()
+    total = dp.all_reduce_sum(torch.stack(values).double()).tolist()
     out = {k: total[i] / units for i, k in enumerate(keys)}
     for j, k in enumerate(stat_keys):
         s, n = total[len(keys) + 2 * j], total[len(keys) + 2 * j + 1]
@@ -317,10 +332,21 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
     # Every forward runs in this mixed-precision context (weights and optimizer stay fp32).
     autocast = torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
 
+    # Tensor parallelism: a ("dp", "tp") mesh; the ranks of one TP group share their batches, so the data is split
+    # over the dp dimension only (without TP every rank is a data-parallel rank).
+    mesh, dp = None, DataGroup(d.rank, d.world_size)
+    if cfg.parallel in ("tp", "fsdp+tp"):
+        try:
+            check_ranks(cfg.parallel, cfg.tp_size, d.world_size)
+        except ValueError as e:
+            raise AstraiError(str(e)) from None
+        mesh = build_mesh(d.world_size, cfg.tp_size, d.device.type)
+        dp = DataGroup(mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["dp"].get_group())
+
     # Data (the strategy's): refuse files packed with another tokenizer or ids the model cannot embed.
     tok_sha = sha256_file(cfg.tokenizer)
-    strategy = STRATEGIES[cfg.strategy](cfg, d.rank, d.world_size, d.device, tok_sha, autocast)
-    per_step = d.world_size * cfg.grad_accum * cfg.batch_size  # samples in one optimizer step
+    strategy = STRATEGIES[cfg.strategy](cfg, dp.rank, dp.size, d.device, tok_sha, autocast)
+    per_step = dp.size * cfg.grad_accum * cfg.batch_size  # samples in one optimizer step
     tokens_per_step = per_step * cfg.seq_len
     max_steps = math.ceil(cfg.max_tokens / tokens_per_step) if cfg.max_tokens else cfg.max_steps
 
@@ -345,17 +371,21 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
             raise AstraiError("lora with parallel 'fsdp' is not supported: use ddp (adapters are small)")
         apply_lora(raw_model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout)
     n_params = raw_model.num_params()
+    if mesh is not None:  # every rank holds the same weights here (seed or init_from): each keeps its shards
+        apply_tensor_parallel(raw_model, mesh["tp"])
     if cfg.activation_checkpointing:
         checkpoint_blocks(raw_model)
-    model = wrap(raw_model, cfg, d)
+    model = wrap(raw_model, cfg, d, mesh)
     all_params = list(raw_model.parameters())  # after wrap: FSDP replaces them with sharded ones
     trainable = sum(p.numel() for p in all_params if p.requires_grad)
     optimizer, scheduler = make_optimizer(raw_model, cfg, d, max_steps)
-    trainee = Trainee(raw_model, optimizer, scheduler, strategy, fsdp=cfg.parallel == "fsdp" and d.world_size > 1)
+    trainee = Trainee(raw_model, optimizer, scheduler, strategy,
+                      sharded=mesh is not None or (cfg.parallel == "fsdp" and d.world_size > 1),
+                      tp_size=cfg.tp_size if mesh is not None else 1)
 
     run = RunState(max_steps=max_steps, is_main=d.is_main)
     if ckpt is not None:
-        trainee.restore(ckpt, run, callbacks, cfg, d)
+        trainee.restore(ckpt, run, callbacks, cfg, d, dp)
         if run.step > max_steps:  # the loop would never reach max_steps
             raise AstraiError(f"{ckpt}: checkpoint at step {run.step} is beyond max_steps {max_steps}; raise "
                               "max_steps or delete the checkpoint directory to start over")
@@ -363,8 +393,9 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
     # metrics.jsonl + MLflow on rank 0, a no-op elsewhere; a resumed run keeps the lines up to its checkpoint.
     log = MetricLogger(Path(cfg.out_dir).with_name(Path(cfg.out_dir).name + ".logs"), enabled=d.is_main,
                        resume_step=run.resumed_from)
+    layout = f"{cfg.parallel}, {dp.size} x tp {cfg.tp_size}" if mesh is not None else cfg.parallel
     print0(f"{cfg.strategy}: training {trainable:,} of {n_params:,} parameters on {d.world_size} rank(s) "
-           f"({d.device}, {cfg.dtype}, {cfg.parallel}), {max_steps} steps of {per_step} samples")
+           f"({d.device}, {cfg.dtype}, {layout}), {max_steps} steps of {per_step} samples")
 
     # SIGTERM (a scheduler's preemption, torchrun stopping the group): finish the step, checkpoint, exit 0.
     stop_requested = threading.Event()
@@ -383,18 +414,19 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
             t0 = time.perf_counter()
             lr, run.metrics = scheduler.get_last_lr()[0], {}
 
-            # 1. This step's micro-batches for this rank; the loss units and tokens across all ranks.
+            # 1. This step's micro-batches for this rank; the loss units and tokens across the data-parallel ranks.
             strategy.step_stats = {}
             batches = strategy.micro_batches(run.step, raw_model)
             counts = torch.tensor([float(sum(b.count for b in batches)), float(sum(b.n_tokens for b in batches))],
                                   device=d.device)
-            step_units, step_tokens = (int(v) for v in all_reduce_sum(counts, d).tolist())
+            step_units, step_tokens = (int(v) for v in dp.all_reduce_sum(counts).tolist())
             if step_units == 0:
                 raise TrainingError(f"step {run.step + 1}: no {strategy.unit} to learn from in the whole step "
                                     "(every target masked); check the data")
 
             # 2. Forward and backward over the accumulation window. The loss is summed over units and divided by
-            # the whole step's count (times the world size: ranks' gradients are averaged, not summed).
+            # the whole step's count (times the data-parallel size: DDP and FSDP average the ranks' gradients;
+            # a TP group computes one loss, whose gradient its ranks share).
             loss_sum = torch.zeros((), device=d.device)  # this rank's summed loss this step
             metric_sums: dict[str, torch.Tensor] = {}
             for run.micro, batch in enumerate(batches):
@@ -402,7 +434,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
                 # Gradients are all-reduced only on the last micro-step; the earlier ones just accumulate locally.
                 with grad_sync(model, raw_model, enabled=run.micro == cfg.grad_accum - 1):
                     loss, metrics = strategy.loss(forward(model, batch, autocast), batch)
-                    scaled = loss * (d.world_size / step_units)
+                    scaled = loss * (dp.size / step_units)
                     aux = getattr(raw_model, "aux_loss", None)  # e.g. a mixture-of-experts balance loss
                     if isinstance(aux, torch.Tensor):
                         scaled = scaled + aux / cfg.grad_accum
@@ -411,7 +443,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
                 for k, v in metrics.items():
                     metric_sums[k] = metric_sums.get(k, 0) + v.detach().float()
                 emit(callbacks, "on_batch_end", run)
-            run.metrics.update(mean_over_ranks(metric_sums, strategy.step_stats, step_units, d, loss_sum.device))
+            run.metrics.update(mean_over_ranks(metric_sums, strategy.step_stats, step_units, dp, loss_sum.device))
 
             # 3. Stop before the update can spread NaNs into the weights. The norm is taken after the all-reduce,
             # so it is the same on every rank (and a non-finite loss on one rank makes it non-finite everywhere).
@@ -439,7 +471,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
             # 4. Validation every eval_every steps and after the last; early stopping on its loss.
             if cfg.val_data and ((cfg.eval_every > 0 and run.step % cfg.eval_every == 0) or finished):
                 batches = (strategy.eval_batch(i) for i in range(cfg.eval_batches))
-                total = all_reduce_sum(token_loss_total(model, batches, autocast), d)
+                total = dp.all_reduce_sum(token_loss_total(model, batches, autocast))
                 run.val_loss = run.metrics["val/loss"] = (total[0] / total[1]).item()
                 if cfg.early_stopping_patience:
                     if run.val_loss < run.best_val - cfg.early_stopping_min_delta:
@@ -454,7 +486,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
             # 5. Metrics every log_every steps (and on the last step or a stop): the train loss is the mean over
             # the step's units on all ranks.
             if run.step % cfg.log_every == 0 or finished or run.stop:
-                run.train_loss = all_reduce_sum(loss_sum.clone(), d).item() / step_units
+                run.train_loss = dp.all_reduce_sum(loss_sum.clone()).item() / step_units
                 run.metrics.update({"train/loss": run.train_loss, "train/lr": lr, "train/grad_norm": float(grad_norm),
                                     "train/tokens_per_sec": window_tokens / window_seconds})
                 window_seconds, window_tokens = 0.0, 0

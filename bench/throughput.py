@@ -9,7 +9,9 @@ What is measured, in one run on one machine:
 * ours: the real training loop (astrai_core.train.train on synthetic packed tokens, fused AdamW, grad clipping),
   fp32 and bf16 autocast, eager and with torch.compile (kernels cached in .cache/torchinductor, so only the first
   run of a shape compiles; compilation falls in the untimed first step), on 1 rank using every core and on
-  2 torchrun ranks (DDP, gloo, one core each) with the same global batch;
+  2 torchrun ranks (DDP, gloo, one core each) with the same global batch; eager only, the same global batch:
+  tensor parallelism on 2 ranks (parallel tp, tp_size 2) and the 2-D mesh on 4 ranks (fsdp+tp, 2 x tp 2; on
+  this 2-core machine its ranks share cores, so it measures the overhead, not a speed-up);
 * peer: LlamaForCausalLM of the same shape (SDPA attention, tied embeddings), the same batch, dtype policy
   (autocast bf16, fp32 weights), optimizer (AdamW, weight decay on matrices, the same fused setting) and
   gradient clipping, in a plain loop on 1 rank using every core.
@@ -101,14 +103,16 @@ def synthetic_data(root: Path, vocab: int, n_tokens: int = 1 << 20) -> dict:
     return {"train": root / "train.h5", "tokenizer": tok}
 
 
-def ours(shape: str, dtype: str, nproc: int, compile: bool, steps: int, data: dict, root: Path) -> float:
+def ours(shape: str, dtype: str, nproc: int, compile: bool, steps: int, data: dict, root: Path,
+         parallel: str = "ddp", tp_size: int = 1) -> float:
     """tokens/s of one training run (the loop's own measurement, the first step excluded)."""
     s = SHAPES[shape]
-    batch = s["batch_size"] // nproc  # the same global batch on 1 and 2 ranks
+    batch = s["batch_size"] // (nproc // tp_size)  # the same global batch: a TP group shares one batch
     cfg = TrainConfig(model=s["model"], train_data=str(data["train"]), tokenizer=str(data["tokenizer"]),
-                      out_dir=str(root / f"out_{shape}_{dtype}_{nproc}"), seq_len=s["seq_len"], batch_size=batch,
-                      max_steps=steps + 1, dtype=dtype, device="cpu", log_every=10**6, eval_every=0,
-                      compile=compile, compile_cache_dir=str(ROOT / ".cache" / "torchinductor"))
+                      out_dir=str(root / f"out_{shape}_{dtype}_{nproc}_{parallel}"), seq_len=s["seq_len"],
+                      batch_size=batch, max_steps=steps + 1, dtype=dtype, device="cpu", log_every=10**6,
+                      eval_every=0, compile=compile, compile_cache_dir=str(ROOT / ".cache" / "torchinductor"),
+                      parallel=parallel, tp_size=tp_size)
     if nproc == 1:
         from astrai_core.train import train
 
@@ -186,6 +190,10 @@ def main() -> None:
             for dtype in ("fp32", "bf16"):
                 variants = {f"ours_{'compiled' if c else 'eager'}_{n}rank": (lambda c=c, n=n: ours(
                     shape, dtype, n, c, args.steps, data, Path(tmp))) for c in (False, True) for n in (1, 2)}
+                for name, nproc, parallel in (("ours_eager_2rank_tp", 2, "tp"),
+                                              ("ours_eager_4rank_fsdp+tp", 4, "fsdp+tp")):
+                    variants[name] = lambda n=nproc, p=parallel: ours(shape, dtype, n, False, args.steps, data,
+                                                                      Path(tmp), parallel=p, tp_size=2)
                 variants["hf_llama_1rank"] = lambda: peer(shape, dtype, args.steps)
                 runs = {name: [] for name in variants}
                 for _ in range(args.repeats):  # round-robin: a load change hits every variant, not one
@@ -200,6 +208,7 @@ def main() -> None:
                 for mode in ("eager", "compiled"):
                     row[f"ratio_vs_peer_{mode}"] = round(tps[f"ours_{mode}_1rank"] / tps["hf_llama_1rank"], 3)
                     row[f"ratio_2ranks_vs_1rank_{mode}"] = round(tps[f"ours_{mode}_2rank"] / tps[f"ours_{mode}_1rank"], 3)
+                row["ratio_tp_vs_ddp_2ranks_eager"] = round(tps["ours_eager_2rank_tp"] / tps["ours_eager_2rank"], 3)
                 print(json.dumps(row), flush=True)
                 results.append(row)
     report["results"] = results

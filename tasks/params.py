@@ -164,6 +164,14 @@ class Params(Strict):
                 where = ".".join(str(p) for p in err["loc"])
                 raise ValueError(f"{stage}{'.' + where if where else ''}: "
                                  f"{err['msg'].removeprefix('Value error, ')}") from None
+            section = getattr(self, stage)
+            if section.parallel in ("tp", "fsdp+tp") and section.nproc != "auto":  # auto: checked by the ranks
+                from astrai_core.parallel import check_ranks
+
+                try:
+                    check_ranks(section.parallel, section.tp_size, section.nproc)
+                except ValueError as e:
+                    raise ValueError(f"{stage}.nproc: {e}") from None
         return self
 
     def digest(self) -> str:

@@ -1,0 +1,194 @@
+"""Tensor parallelism (Megatron-style column/row splits) and 2-D meshes, on PyTorch's DTensor engine.
+
+    mesh = build_mesh(world_size=4, tp_size=2, device_type="cpu")    # ("dp", "tp") = (2, 2)
+    apply_tensor_parallel(model, mesh["tp"])                         # first: shards the weights across a TP group
+    apply_fsdp(model, mesh["dp"])                                     # then (fsdp+tp): shards those across the dp dim
+
+The plan, per decoder block (each TP rank holds 1/tp of the heads and of the MLP's hidden width):
+
+    self_attn   input x made a replicated DTensor once (so backward all-reduces its gradient once, not once per
+                projection); q/k/v (and the attention gate) column-parallel: each rank computes its own heads, and
+                the per-rank head counts the attention's view() uses are set to n_heads / tp and n_kv_heads / tp;
+                o_proj row-parallel: the partial outputs are summed by one all-reduce. QK-norm's weights (one
+                head_dim vector shared by the heads) are replicated, applied to this rank's heads.
+    mlp         gate/up column-parallel, down row-parallel: again one all-reduce forward, one backward.
+    the rest    (embed_tokens, lm_head, every RMSNorm) replicated: each TP rank holds all of it and computes the
+                same numbers. The default model ties lm_head to embed_tokens and has a small vocabulary (2048):
+                sharding the vocabulary would split that one tensor two ways (rows of the embedding, columns of the
+                logits) and need a vocabulary-parallel loss, for little memory. The replicated weights are still
+                DTensors (Replicate), so that every parameter lives on the same mesh: torch's gradient-norm
+                (train.total_grad_norm), clipping, fused AdamW and state-dict functions then treat the model as one.
+
+Because the activations between blocks are replicated (no sequence parallelism), the model's math is untouched:
+the loss is computed on full logits exactly as on one rank. Every rank of one TP group must therefore be fed the
+same batch; data parallelism happens across the "dp" mesh dimension only.
+
+Checkpoints stay the single-rank files: full_state_dict gathers the shards, load_full_state_dict scatters a
+single-rank state dict into a TP (or FSDP+TP) model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+from astrai_core.config import ModelConfig
+from astrai_core.model import Attention, Transformer
+
+
+def build_mesh(world_size: int, tp_size: int, device_type: str) -> DeviceMesh:
+    """The ("dp", "tp") mesh: world_size / tp_size data-parallel groups of tp_size tensor-parallel ranks each.
+    Ranks of one TP group are consecutive (rank = dp_index * tp_size + tp_index), so on GPUs a TP group stays
+    inside one node, where its per-layer all-reduces are cheap. dp is 1 for pure TP."""
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError(f"tp_size ({tp_size}) must divide the number of ranks ({world_size})")
+    return init_device_mesh(device_type, (world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+
+
+def check_ranks(parallel: str, tp_size: int, world_size: int) -> None:
+    """Raise ValueError naming tp_size unless `world_size` ranks can run `parallel` (tp or fsdp+tp) with tp_size:
+    tp splits the model across every rank (no data parallelism: DDP cannot wrap the split weights, so data
+    parallelism across TP groups is fsdp+tp); fsdp+tp needs whole TP groups."""
+    if parallel == "tp" and world_size != tp_size:
+        raise ValueError(f"parallel 'tp' runs on exactly tp_size ranks: tp_size is {tp_size}, the ranks {world_size} "
+                         "(set nproc to tp_size, or use parallel 'fsdp+tp' for data parallelism across TP groups)")
+    if parallel == "fsdp+tp" and world_size % tp_size:
+        raise ValueError(f"parallel 'fsdp+tp': tp_size ({tp_size}) must divide the number of ranks ({world_size})")
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp_size: int, lora: bool = False) -> None:
+    """Raise ValueError naming the option if a model of this config (with LoRA adapters: `lora`) cannot be split
+    tp_size ways. Needs no process group, so a config can be checked before any rank starts."""
+    if cfg.attention == "mla":
+        raise ValueError("model.attention 'mla' is not supported with tensor parallelism (its shared key/value "
+                         "latent is not split by heads): use attention 'gqa', or parallel ddp/fsdp")
+    if cfg.n_experts:
+        raise ValueError(f"model.n_experts ({cfg.n_experts}) is not supported with tensor parallelism (experts need "
+                         "expert parallelism): set n_experts to 0, or use parallel ddp/fsdp")
+    if lora:
+        raise ValueError("lora is not supported with tensor parallelism (adapters are small: use parallel ddp)")
+    for field in ("n_heads", "n_kv_heads"):
+        if getattr(cfg, field) % tp_size:
+            raise ValueError(f"model.{field} ({getattr(cfg, field)}) is not divisible by tp_size ({tp_size})")
+
+
+class _Replicated(ParallelStyle):
+    """Every parameter of the module a Replicate DTensor; tensor inputs enter as replicated DTensors and the output
+    leaves as a plain tensor, so the modules around it see what they saw before."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def enter(_module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+            return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+        def leave(_module: nn.Module, output: torch.Tensor, _mesh: DeviceMesh) -> torch.Tensor:
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        # No partition_fn: distribute_module replicates every parameter.
+        return distribute_module(module, device_mesh, input_fn=enter, output_fn=leave)
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Transformer:
+    """Split `model` in place across the ranks of tp_mesh (a 1-D mesh) as the module docstring describes.
+    Every rank must hold the same weights before (the same seed, or the same checkpoint loaded). Apply before
+    FSDP, activation checkpointing and torch.compile. ValueError if the model cannot be split (see
+    check_tensor_parallel)."""
+    assert not isinstance(model.embed_tokens.weight, DTensor), "the model is already parallelized"
+    tp = tp_mesh.size()
+    check_tensor_parallel(model.cfg, tp, lora=any(".lora_" in name for name, _ in model.named_parameters()))
+    replicated = _Replicated()
+    for block in model.layers:
+        attn: Attention = block.self_attn
+        # Attention(x, cos, sin, cache, layer, mask), called positionally by Block: only x is made a DTensor.
+        plan: dict[str, ParallelStyle] = {
+            "self_attn": PrepareModuleInput(input_layouts=(Replicate(), None, None, None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None, None, None)),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+            "input_layernorm": replicated,
+            "post_attention_layernorm": replicated,
+        }
+        if attn.gate_proj is not None:  # the gate multiplies the attention output channel by channel: split alike
+            plan["self_attn.gate_proj"] = ColwiseParallel()
+        if attn.q_norm is not None:
+            # One RMSNorm weight of head_dim shared by all heads, applied to (B, T, heads, head_dim) with this
+            # rank's heads only: the input is sharded on dim 2, so the weight's gradient (a sum over heads) is
+            # partial per rank and summed across the group, which a replicated input would get wrong.
+            plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(block, tp_mesh, plan)
+        # The column-parallel projections now return this rank's heads only: the view()s must expect that many.
+        attn.n_heads //= tp
+        attn.n_kv_heads //= tp
+    parallelize_module(model, tp_mesh, {"embed_tokens": replicated, "norm": replicated, "lm_head": replicated})
+    if model.cfg.tie_embeddings:  # each module got its own DTensor copy above: share one again
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh) -> Transformer:
+    """FSDP2 over the data-parallel mesh dimension, after apply_tensor_parallel (torch's documented order): each
+    block is one all-gather, the embedding, final norm and head go with the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model's state dict as plain tensors (the single-rank checkpoint's), on every rank; rank0_only:
+    on rank 0 only, in CPU memory, the other ranks get {} (what a checkpoint save needs, and no rank but the
+    writer holds a full copy). Collective: every rank of the mesh must call it. On one rank (no parallelism) the
+    tensors are the live weights: save or copy them."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a single-rank (full) state dict into a TP or FSDP+TP model: each rank keeps its own shards.
+    Collective; every rank passes the same full state dict (a tied lm_head.weight included)."""
+    # A copy of the mapping: set_model_state_dict replaces its values by this rank's shards (the caller's dict
+    # would come back full of DTensors).
+    set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True))
+
+
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                              rank0_only: bool = False) -> dict[str, Any]:
+    """The optimizer's state with full tensors, keyed by parameter name (not by position as
+    optimizer.state_dict() is), so it loads into the same model under any parallelism, one rank included.
+    rank0_only and the live tensors as full_state_dict. Collective."""
+    return get_optimizer_state_dict(model, optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
+
+
+def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load full_optimizer_state_dict's output (from any parallelism) into this rank's optimizer, or a one-rank
+    optimizer.state_dict() (keyed by position: what DDP checkpoints hold; `optimizer` must then list its
+    parameters in the same order as the one that saved it, as the training loop builds it). Collective."""
+    if all(isinstance(i, int) for group in state["param_groups"] for i in group["params"]):
+        state = _keyed_by_name(model, optimizer, state)
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def _keyed_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """optimizer.state_dict()'s positions (the optimizer's parameters in group order) -> parameter names."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    names = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {"state": {names[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                             for group in state["param_groups"]]}
