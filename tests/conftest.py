@@ -161,3 +161,21 @@ def core_tiny_data(tmp_path_factory) -> dict:
         out[split] = _core_write_packed(root / f"{split}.h5", ids, tokenizer_sha256=sha, vocab_size=vocab_size,
                                        split=split)
     return out
+
+
+# --- generation and serving tests: a random model whose greedy choices are rarely near-ties ------------------------
+
+def sharp_random_model(**cfg):
+    """A seeded random Transformer with its weights scaled up x3: sharper, less tie-prone next-token distributions,
+    so greedy outputs compared across code paths differ only if the arithmetic does."""
+    import torch
+
+    from astrai_core.config import ModelConfig
+    from astrai_core.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**cfg)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    return model

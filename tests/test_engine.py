@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from astrai_core.config import ModelConfig
 from astrai_core.engine import Engine, EngineConfig, QueueFull, SamplingParams
 from astrai_core.engine.block_manager import BlockManager
 from astrai_core.engine.runner import gemm_invariant_rows
@@ -18,6 +17,7 @@ from astrai_core.engine.scheduler import Scheduler
 from astrai_core.engine.sequence import Sequence
 from astrai_core.generate import generate
 from astrai_core.model import KVCache, Transformer
+from conftest import sharp_random_model
 
 VARIANTS = {
     "default": {},
@@ -40,12 +40,7 @@ def one_thread():
 
 
 def model_for(name: str = "default") -> Transformer:
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(**{**SHAPE, **VARIANTS[name]})).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # larger weights: sharper, less tie-prone distributions
-            p.mul_(3.0)
-    return model
+    return sharp_random_model(**{**SHAPE, **VARIANTS[name]})
 
 
 def prompts_for(n: int, seed: int = 0, longest: int = 40) -> list[list[int]]:

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from astrai_core.config import ModelConfig
 from astrai_core.generate import generate, generate_batch, sample_next
 from astrai_core.model import Transformer
+from conftest import sharp_random_model
 
 VARIANTS = {
     "gqa": {},
@@ -23,12 +23,7 @@ N_NEW = 15  # 9 + 15 = max_seq_len: the longest row fills the context exactly
 
 
 def model_for(name: str = "gqa") -> Transformer:
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(**{**SHAPE, **VARIANTS[name]})).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # larger weights: sharper, less tie-prone distributions
-            p.mul_(3.0)
-    return model
+    return sharp_random_model(**{**SHAPE, **VARIANTS[name]})
 
 
 def reference_greedy(model: Transformer, prompt: list[int], n: int) -> list[int]:
