@@ -538,6 +538,12 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous_handler)
+    # Free the DDP wrapper (its reducer holds the process group) while the group is alive, then let every rank's
+    # gloo workers drain in a barrier, during which this thread does not hold the GIL: a gloo group destroyed while
+    # a worker still needs the GIL to free a finished operation's tensors deadlocks at exit (torch issue 56297).
+    del model
+    if d.world_size > 1:
+        dist.barrier()
     cleanup()
     return run.summary
 

@@ -23,17 +23,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import mlflow
-import yaml
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
 
-from astrai_core.errors import AstraiError
 from astrai_core.proc import stream_process
 from tasks import stages as S
-from tasks.params import params_of_run
+from tasks.params import load_params, params_of_run
 from tasks.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, flatten, setup
 
 STAGE_ORDER = list(S.STAGES)
