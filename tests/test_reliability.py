@@ -277,7 +277,8 @@ def test_make_pipeline_runs_the_pipeline_with_a_profile(tmp_path):
     (tmp_path / ".venv/bin").mkdir(parents=True)
     (tmp_path / ".venv/bin/astrai").touch()  # newer than its prerequisites: make prints only the pipeline's command
     for extra, expected in (([], ".venv/bin/astrai pipeline"), (["PROFILE=quick"], ".venv/bin/astrai pipeline --profile quick")):
-        out = subprocess.run(["make", "-n", "pipeline", *extra], cwd=tmp_path, check=True, capture_output=True, text=True)
+        out = subprocess.run(["make", "--no-print-directory", "-n", "pipeline", *extra], cwd=tmp_path, check=True,
+                             capture_output=True, text=True)  # no "Entering directory" lines under `make test`
         assert out.stdout.strip().splitlines()[-1].strip() == expected
 
 
