@@ -197,7 +197,9 @@ class RunSettings(Strict):
     max_steps: PositiveInt = 200  # optimizer steps
     # A token budget instead of a step count: when set, steps = ceil(max_tokens / tokens per step), max_steps unused.
     max_tokens: PositiveInt | None = None
-    dtype: Literal["fp32", "bf16"] = "fp32"  # bf16 = autocast; weights and optimizer stay fp32
+    # bf16 = autocast (weights and optimizer stay fp32); auto = bf16 where the device computes it natively, else
+    # fp32 (distributed.bf16_native: emulated bf16 on a CPU without AVX-512 BF16 is ~5x slower than fp32)
+    dtype: Literal["auto", "fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     # ddp: replicas; fsdp: FSDP2 fully_shard per decoder block (models too big for one device); tp: tensor
@@ -246,8 +248,11 @@ class TrainConfig(RunSettings):
     def _check_lengths(self) -> "TrainConfig":
         if self.seq_len > self.model.max_seq_len:
             raise ValueError(f"seq_len ({self.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
-        if self.strategy in ("dpo", "grpo") and self.val_data:
-            raise ValueError(f"val_data is not used by strategy {self.strategy!r}: set it to null")
+        if self.strategy == "dpo" and self.val_data:
+            raise ValueError("val_data is not used by strategy 'dpo': set it to null")
+        if self.strategy == "grpo" and self.early_stopping_patience:
+            raise ValueError("early_stopping_patience watches val/loss, which strategy 'grpo' does not have "
+                             "(it validates by held-out task accuracy): set it to 0")
         if self.strategy == "dpo" and not self.dpo.reference_logps:
             raise ValueError("strategy 'dpo' needs dpo.reference_logps (the cached reference log-probabilities)")
         if self.strategy in ("dpo", "grpo") and not self.init_from:

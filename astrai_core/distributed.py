@@ -104,6 +104,20 @@ def init_distributed(backend: str = "auto", device: str = "auto") -> Dist:
     return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=torch_device)
 
 
+def bf16_native(device: torch.device) -> bool:
+    """Whether `device` computes bf16 matmuls natively: a GPU that supports bf16, a CPU with AVX-512 BF16 or AMX.
+    Elsewhere autocast emulates bf16 (measured on an AVX2-only EPYC: a 2048x256x768 matmul with its backward
+    0.90 s in bf16 vs 0.18 s in fp32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def uses_bf16(dtype: str, device: torch.device) -> bool:
+    """Whether a TrainConfig.dtype (fp32, bf16, or auto: bf16 where native) runs the forward in bf16 autocast."""
+    return dtype == "bf16" or (dtype == "auto" and bf16_native(device))
+
+
 def cleanup() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -29,6 +29,7 @@ from astrai_core.data import (Batch, Documents, IndexSampler, PackedRows, Window
                               pair_batch, read_windows, row_targets)
 from astrai_core.dpo_reference import load_reference_logps
 from astrai_core.errors import AstraiError
+from astrai_core.evaluate import token_loss_total
 from astrai_core.losses import (IGNORE_INDEX, dpo_loss, full_kl_sum, group_advantages, grpo_token_loss,
                                 sequence_logps, token_logps, token_loss_sum)
 from astrai_core.model import Transformer
@@ -85,6 +86,14 @@ class Strategy:
     def eval_batch(self, i: int) -> Batch:
         """This rank's i-th validation batch (fixed across the run); only strategies with val_data have one."""
         raise NotImplementedError
+
+    @torch.no_grad()
+    def validate(self, model: torch.nn.Module, raw_model: Transformer, dp: Any) -> dict[str, float]:
+        """Held-out metrics (the same on every rank): the loss of eval_batches validation batches. `model` is
+        the wrapped model the loop trains, `raw_model` the bare one, `dp` the data-parallel group."""
+        batches = (self.eval_batch(i) for i in range(self.cfg.eval_batches))
+        total = dp.all_reduce_sum(token_loss_total(model, batches, self.autocast))
+        return {"val/loss": (total[0] / total[1]).item()}
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -262,26 +271,55 @@ class GRPOStrategy(Strategy):
 
         self.chat = load_chat(cfg.tokenizer)
         self.rewards = {name: (resolve_reward(name), w) for name, w in cfg.grpo.rewards.items()}
-        self.records = []
-        with open(cfg.train_data, encoding="utf-8") as f:
+        self.records = self._read_prompts(cfg.train_data)
+        # Held-out prompts (val_data): the greedy policy's task accuracy on eval_batches x batch_size of them is
+        # logged beside the reward, so a reward that rises while the held-out accuracy does not shows.
+        self.val_records = (self._read_prompts(cfg.val_data)[: cfg.eval_batches * cfg.batch_size]
+                            if cfg.val_data else [])
+        self.sampler = IndexSampler(len(self.records), cfg.seed)
+        self.buffer: list[dict[str, torch.Tensor]] = []  # this rank's rollouts, reused for `iterations` steps
+
+    def _read_prompts(self, path: str) -> list[tuple[dict, list[int]]]:
+        """(record, prompt tokens) of each line of a GRPO JSONL file."""
+        out = []
+        with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
                     try:
                         record = json.loads(line)
                         prompt = self.chat.encode_prompt([{"role": "user", "content": record["prompt"]}])
                     except (json.JSONDecodeError, KeyError, TypeError, AstraiError) as e:
-                        raise AstraiError(f"{cfg.train_data}:{lineno}: not a GRPO prompt record ({e})") from None
-                    if len(prompt) + cfg.grpo.max_new_tokens > cfg.model.max_seq_len:
-                        raise AstraiError(f"{cfg.train_data}:{lineno}: prompt of {len(prompt)} tokens + max_new_tokens "
-                                          f"exceeds the context ({cfg.model.max_seq_len})")
-                    self.records.append((record, prompt))
-        if not self.records:
-            raise AstraiError(f"{cfg.train_data}: no prompts")
-        self.sampler = IndexSampler(len(self.records), cfg.seed)
-        self.buffer: list[dict[str, torch.Tensor]] = []  # this rank's rollouts, reused for `iterations` steps
+                        raise AstraiError(f"{path}:{lineno}: not a GRPO prompt record ({e})") from None
+                    if len(prompt) + self.cfg.grpo.max_new_tokens > self.cfg.model.max_seq_len:
+                        raise AstraiError(f"{path}:{lineno}: prompt of {len(prompt)} tokens + max_new_tokens "
+                                          f"exceeds the context ({self.cfg.model.max_seq_len})")
+                    out.append((record, prompt))
+        if not out:
+            raise AstraiError(f"{path}: no prompts")
+        return out
 
     def setup(self, model):
         self.reference = frozen_copy(model)
+
+    @torch.no_grad()
+    def validate(self, model, raw_model, dp):
+        """Greedy replies to this rank's share of the held-out prompts: the share exactly right and the mean
+        reward, over all ranks."""
+        from astrai_core.generate import generate_batch
+        from astrai_core.rewards import exact_answer
+
+        mine = self.val_records[self.rank :: self.world_size]
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # right, reward, count
+        if mine:
+            with self.autocast:
+                outs = generate_batch(raw_model, [p for _, p in mine], self.cfg.grpo.max_new_tokens,
+                                      stop_ids=self.chat.stop_ids)
+            for (record, _), out in zip(mine, outs):
+                reply = self.chat.decode_reply(out)
+                sums += torch.tensor([exact_answer(reply, record), self._reward(reply, record), 1.0],
+                                     dtype=torch.float64, device=self.device)
+        right, reward, n = dp.all_reduce_sum(sums).tolist()
+        return {"val/task_accuracy": right / n, "val/reward": reward / n}
 
     def micro_batches(self, step, model):
         self.step_stats = {}  # rollout statistics are logged on the step that sampled them

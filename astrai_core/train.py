@@ -64,9 +64,9 @@ from astrai_core.callbacks import Callback, ProgressBar, RunState
 from astrai_core.checkpoint import (clear_resumable, find_resumable, load_weights, save_checkpoint, save_resumable,
                                     verify_checkpoint)
 from astrai_core.config import TrainConfig
-from astrai_core.distributed import ERROR_PREFIX, DataGroup, Dist, cleanup, init_distributed
+from astrai_core.distributed import ERROR_PREFIX, DataGroup, Dist, cleanup, init_distributed, uses_bf16
 from astrai_core.errors import AstraiError, TrainingError
-from astrai_core.evaluate import forward, token_loss_total
+from astrai_core.evaluate import forward
 from astrai_core.io import sha256_file
 from astrai_core.model import Transformer
 from astrai_core.parallel import (apply_fsdp, apply_tensor_parallel, build_mesh, check_ranks, full_optimizer_state_dict,
@@ -330,7 +330,8 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
     print0 = functools.partial(print, flush=True) if d.is_main else (lambda *a, **k: None)
     callbacks = default_callbacks(cfg) if callbacks is None else callbacks
     # Every forward runs in this mixed-precision context (weights and optimizer stay fp32).
-    autocast = torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bf16")
+    bf16 = uses_bf16(cfg.dtype, d.device)
+    autocast = torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16)
 
     # Tensor parallelism: a ("dp", "tp") mesh; the ranks of one TP group share their batches, so the data is split
     # over the dp dimension only (without TP every rank is a data-parallel rank).
@@ -395,7 +396,8 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
                        resume_step=run.resumed_from)
     layout = f"{cfg.parallel}, {dp.size} x tp {cfg.tp_size}" if mesh is not None else cfg.parallel
     print0(f"{cfg.strategy}: training {trainable:,} of {n_params:,} parameters on {d.world_size} rank(s) "
-           f"({d.device}, {cfg.dtype}, {layout}), {max_steps} steps of {per_step} samples")
+           f"({d.device}, {'bf16' if bf16 else 'fp32'}, {layout}), {max_steps} steps of {per_step} "
+           "samples")
 
     # SIGTERM (a scheduler's preemption, torchrun stopping the group): finish the step, checkpoint, exit 0.
     stop_requested = threading.Event()
@@ -468,11 +470,11 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
             if run.step > (run.resumed_from or 0) + 1 or max_steps == 1:
                 timed_seconds, timed_steps, timed_tokens = timed_seconds + seconds, timed_steps + 1, timed_tokens + step_tokens
 
-            # 4. Validation every eval_every steps and after the last; early stopping on its loss.
+            # 4. Validation every eval_every steps and after the last (the strategy's: held-out loss, or GRPO's
+            # held-out task accuracy); early stopping on val/loss.
             if cfg.val_data and ((cfg.eval_every > 0 and run.step % cfg.eval_every == 0) or finished):
-                batches = (strategy.eval_batch(i) for i in range(cfg.eval_batches))
-                total = dp.all_reduce_sum(token_loss_total(model, batches, autocast))
-                run.val_loss = run.metrics["val/loss"] = (total[0] / total[1]).item()
+                run.metrics.update(strategy.validate(model, raw_model, dp))
+                run.val_loss = run.metrics.get("val/loss")
                 if cfg.early_stopping_patience:
                     if run.val_loss < run.best_val - cfg.early_stopping_min_delta:
                         run.best_val, run.bad_validations = run.val_loss, 0

@@ -323,3 +323,17 @@ def test_callback_lifecycle(core_tiny_data, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="non-finite"):
         train(bad, callbacks=[rec])
     assert rec.calls[-1] == "error"
+
+
+def test_dtype_auto_is_bf16_only_where_the_device_has_it_natively(monkeypatch):
+    from astrai_core.distributed import uses_bf16
+
+    cpu = torch.device("cpu")
+    for native in (False, True):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        assert uses_bf16("auto", cpu) is native
+        assert uses_bf16("bf16", cpu) and not uses_bf16("fp32", cpu)  # an explicit choice is kept
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert uses_bf16("auto", cpu)
