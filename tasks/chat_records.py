@@ -12,37 +12,10 @@ import json
 from pathlib import Path
 
 from astrai_core.errors import AstraiError
-from astrai_core.rewards import exact_answer, valid_option
 from astrai_core.tokenizer import SPECIAL_TOKENS
 
 KINDS = ("sft", "dpo", "grpo")
 ROLES = ("system", "user", "assistant")
-
-
-# --- prompts the evaluation code reuses ----------------------------------------------------------------------------
-
-CHOICE_QUESTION = 'Which of these characters says: "{quote}"?\n{options}'
-CONTINUE_PROMPT = "Continue the scene:\n{speeches}"
-
-
-def choice_question(quote: str, options: list[str]) -> str:
-    # One option per line: each name then starts a line as the answer starts its turn, so it tokenizes the same
-    # way in both places and the model can copy it (", NAME" would give it a leading-space token).
-    return CHOICE_QUESTION.format(quote=quote, options="\n".join(options))
-
-
-def format_speech(speaker: str, lines: list[str] | tuple[str, ...]) -> str:
-    return f"{speaker}.\n" + "\n".join(lines)
-
-
-def continue_prompt(speeches: list[str]) -> str:
-    """The previous speeches, each already "SPEAKER.\\ntext", oldest first."""
-    return CONTINUE_PROMPT.format(speeches="\n\n".join(speeches))
-
-
-# The rewards that check these answers live with the training core: astrai_core/rewards.py (exact_answer,
-# valid_option).
-reward_exact, reward_in_options = exact_answer, valid_option
 
 
 # --- validation -----------------------------------------------------------------------------------------------------
@@ -137,7 +110,7 @@ def _check_grpo(record: dict) -> tuple[dict | None, str | None]:
         return None, problem
     out["answer"] = out["answer"].strip()  # rewards compare the stripped completion with it
     options = record.get("options")
-    if options is None:
+    if options is None or options == []:  # no options: an open question
         out["options"] = []
         return out, None
     if not isinstance(options, list) or not all(isinstance(o, str) and o.strip() for o in options):

@@ -14,8 +14,6 @@ from pathlib import Path
 
 from astrai_core.errors import AstraiError
 
-MAX_SPEECH_LINES = 4
-MAX_SPEECH_CHARS = 300
 MIN_SPEAKER_SPEECHES = 2  # a "name" heading a single block is a title, "THE END." or a misparse, not a speaker
 
 _HEADING = re.compile(r"(ACT|Act|SCENE|Scene|PROLOGUE|Prologue|EPILOGUE|Epilogue|INDUCTION|Induction)\b")

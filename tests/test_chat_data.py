@@ -11,8 +11,10 @@ from pydantic import ValidationError
 
 from astrai_core.errors import AstraiError
 from tasks.chat_data import build_chat_data
-from tasks.chat_records import (KINDS, check_record, choice_question, read_records, rendered_chars, reward_exact,
-                                reward_in_options)
+from astrai_core.rewards import exact_answer as reward_exact
+from astrai_core.rewards import valid_option as reward_in_options
+from tasks.chat_records import KINDS, check_record, read_records, rendered_chars
+from tasks.demo_tasks import TASKS
 from tasks.params import ChatDataParams
 from tasks.plays import parse_play
 
@@ -24,6 +26,11 @@ SMALL = dict(sft_examples=30, dpo_pairs=20, grpo_prompts=15, test_examples=10)
 # --- a synthetic corpus in the Gutenberg layout -----------------------------------------------------------------------
 
 
+def word(i: int) -> str:
+    """i spelled in letters (3 -> "d", 12 -> "bc"): plain words, as the tasks' lines must be."""
+    return "".join("abcdefghij"[int(c)] for c in str(i))
+
+
 def fake_play(tag: str, speakers: list[str], n: int = 40) -> str:
     """A play whose every speech line carries `tag`, so a record's play can be told from its text."""
     parts = [f"THE TRAGEDY OF {tag.upper()}\n\nby William Shakespeare\n\n\n\nDramatis Personae\n\n"
@@ -32,8 +39,9 @@ def fake_play(tag: str, speakers: list[str], n: int = 40) -> str:
         if i == n // 2:
             parts.append("\nSCENE II. Another room.\n\n[Enter all.]\n")
         speaker = speakers[i % len(speakers)]
-        lines = [f"{tag} speech {i} tells of thing number {i}."]
-        lines += [f"And {tag} adds a second line, {i} by count."] * (i % 3)
+        w = word(i)
+        lines = [f"{tag} speech {w} tells of thing number {w}."]
+        lines += [f"And {tag} adds a second line, {w} by count."] * (i % 3)
         if i % 7 == 3:  # the speaker line, a blank, a stage direction of its own, a blank, the speech
             parts.append(f"\n{speaker}.\n\n[Aside.]\n\n" + "\n".join(lines) + "\n")
         elif i % 7 == 5:  # an inline direction is cut from the speech
@@ -83,8 +91,8 @@ def test_parse_play_reads_speakers_bodies_and_scenes():
     speeches = parse_play("alpha", fake_play("alpha", ["KING HENRY", "FIRST LORD", "ALICE", "BOB"]))
     assert len(speeches) == 40  # "THE END." and the title are not speakers; the [Aside.] speeches are kept
     assert [s.speaker for s in speeches[:4]] == ["KING HENRY", "FIRST LORD", "ALICE", "BOB"]
-    assert speeches[3].lines == ("alpha speech 3 tells of thing number 3.",)  # after its [Aside.] block
-    assert speeches[5].lines[-1] == "And alpha adds a second line, 5 by count."  # inline [Draws.] cut
+    assert speeches[3].lines == ("alpha speech d tells of thing number d.",)  # after its [Aside.] block
+    assert speeches[5].lines[-1] == "And alpha adds a second line, f by count."  # inline [Draws.] cut
     assert {s.scene for s in speeches[:20]} != {s.scene for s in speeches[20:]}
     # the edition's other layouts: abbreviated names, no period (Midsummer), a direction after the name
     text = ("\nHam.\nTo be, or not to be.\n\nHor.\nMy lord?\n\nHam.\nAy.\n\nHor.\nNay.\n\n"
@@ -115,37 +123,37 @@ def test_demo_build_from_synthetic_corpus(corpus, tmp_path):
     for split, allowed in (("train", {"alpha", "beta"}), ("test", {"delta", "omega"})):  # never the same play
         for kind in KINDS:
             text = (out / f"{kind}_{split}.jsonl").read_text()
-            assert tags_in(text) == allowed, (kind, split)
+            assert tags_in(text) and tags_in(text) <= allowed, (kind, split)
     for split in ("train", "test"):
-        sft = load(out / f"sft_{split}.jsonl")
-        questions = [r for r in sft if r["messages"][0]["content"].startswith("Which of these")]
-        assert 0 < len(questions) < len(sft)  # both kinds mixed
-        for r in sft:
+        for kind in KINDS:
+            records = load(out / f"{kind}_{split}.jsonl")
+            assert {r["task"] for r in records} == set(TASKS), (kind, split)  # every task, in turns
+            for r in records:
+                assert check_record(r, kind, 600)[1] is None
+        for r in load(out / f"sft_{split}.jsonl"):
             assert [m["role"] for m in r["messages"]] == ["user", "assistant"]
         for r in load(out / f"dpo_{split}.jsonl"):
-            assert r["prompt"].startswith("Continue the scene:\n")
             assert r["chosen"] != r["rejected"]
-            assert r["chosen"].split("\n")[0] == r["rejected"].split("\n")[0]  # same speaker line
-            assert len(tags_in(r["chosen"]) | tags_in(r["rejected"])) == 2  # the rejected speech: another play
-            body = lambda s: len(s.split("\n", 1)[1])
-            assert abs(body(r["rejected"]) - body(r["chosen"])) <= 0.3 * body(r["chosen"]) + 1
         for r in load(out / f"grpo_{split}.jsonl"):
-            assert len(r["options"]) == 3 and len(set(r["options"])) == 3
-            assert r["answer"] in r["options"]
-            quote = r["prompt"].split('"')[1]
-            assert r["prompt"] == choice_question(quote, r["options"])
-            assert reward_exact(f" {r['answer']}\n", r) == 1.0
-        for kind in KINDS:
-            for r in load(out / f"{kind}_{split}.jsonl"):
-                assert check_record(r, kind, 600) == (r, None)
+            assert r["options"] == [] and reward_exact(f" {r['answer']}\n", r) == 1.0
 
 
-def test_grpo_answers_are_true(corpus, tmp_path):
-    build_chat_data(ChatDataParams(**SMALL), corpus, tmp_path / "chat")
-    said_by = {s.lines[0]: s.speaker
-               for doc in load(corpus / "train.jsonl") for s in parse_play(doc["id"], doc["text"])}
-    for r in load(tmp_path / "chat" / "grpo_train.jsonl"):
-        assert said_by[r["prompt"].split('"')[1]] == r["answer"]
+def prompts_of(path: Path) -> list[str]:
+    return [r["prompt"] if "prompt" in r else r["messages"][0]["content"] for r in load(path)]
+
+
+def test_held_out_prompts_never_appear_in_training(corpus, tmp_path):
+    # The test plays repeat a train play's lines: the test items about those lines must be dropped.
+    train = load(corpus / "train.jsonl")
+    shared = fake_play("alpha", ["DORA", "DAN", "DUKE"])  # alpha's own lines, spoken by the test play's names
+    (corpus / "test.jsonl").write_text(json.dumps({"id": "delta", "text": shared}) + "\n"
+                                       + json.dumps({"id": "omega", "text": train[1]["text"]}) + "\n")
+    out = tmp_path / "chat"
+    build_chat_data(ChatDataParams(**SMALL), corpus, out)
+    train_prompts = {p for kind in KINDS for p in prompts_of(out / f"{kind}_train.jsonl")}
+    test_prompts = [p for kind in KINDS for p in prompts_of(out / f"{kind}_test.jsonl")]
+    assert test_prompts and not train_prompts & set(test_prompts)
+    assert len(set(test_prompts)) == len(test_prompts)  # and no test item is asked twice
 
 
 def test_demo_build_is_deterministic(corpus, tmp_path):
@@ -164,7 +172,7 @@ def test_max_chars_is_enforced(corpus, tmp_path):
         for split in ("train", "test"):
             for r in load(tmp_path / "chat" / f"{kind}_{split}.jsonl"):
                 assert rendered_chars(r, kind) <= 220
-    assert stats["skipped"]["dpo"]["reasons"]["longer than max_chars"] > 0
+    assert stats["skipped"]["sft"]["reasons"]["sft: longer than the context"] > 0
 
 
 def test_no_speeches_in_a_split_is_an_error(corpus, tmp_path):
@@ -172,18 +180,6 @@ def test_no_speeches_in_a_split_is_an_error(corpus, tmp_path):
     with pytest.raises(AstraiError, match="no play with speeches in the corpus's test split"):
         build_chat_data(ChatDataParams(**SMALL), corpus, tmp_path / "chat")
     assert not (tmp_path / "chat").exists()
-
-
-def test_a_split_of_one_play_takes_rejected_speeches_from_another_scene(corpus, tmp_path):
-    (corpus / "test.jsonl").write_text(json.dumps({"id": "delta", "text": fake_play("delta", ["DORA", "DAN", "DUKE"])})
-                                       + "\n")
-    build_chat_data(ChatDataParams(**SMALL), corpus, tmp_path / "chat")
-    records = load(tmp_path / "chat" / "dpo_test.jsonl")
-    assert len(records) == 10
-    scene_of = {s.lines[0]: s.scene for s in parse_play("delta", fake_play("delta", ["DORA", "DAN", "DUKE"]))}
-    for r in records:
-        assert r["chosen"] != r["rejected"]
-        assert scene_of[r["chosen"].split("\n")[1]] != scene_of[r["rejected"].split("\n")[1]]
 
 
 @pytest.fixture(scope="session")
@@ -203,22 +199,24 @@ def test_demo_build_on_the_real_corpus(tmp_path, real_corpus):
     params = ChatDataParams()
     start = time.perf_counter()
     stats = build_chat_data(params, corpus, tmp_path / "chat")
-    assert time.perf_counter() - start < 10
-    assert stats["files"] == {"sft_train.jsonl": 3000, "sft_test.jsonl": 200, "dpo_train.jsonl": 1500,
-                              "dpo_test.jsonl": 200, "grpo_train.jsonl": 600, "grpo_test.jsonl": 200}
+    assert time.perf_counter() - start < 30
+    n = params.test_examples
+    assert stats["files"] == {"sft_train.jsonl": params.sft_examples, "sft_test.jsonl": n,
+                              "dpo_train.jsonl": params.dpo_pairs, "dpo_test.jsonl": n,
+                              "grpo_train.jsonl": params.grpo_prompts, "grpo_test.jsonl": n}
+    assert n >= 500  # every held-out metric is measured on at least 500 items
     assert not set(stats["plays"]["train"]) & set(stats["plays"]["test"])
-    texts = {split: [json.loads(line)["text"] for line in (corpus / f"{split}.jsonl").open()]
-             for split in ("train", "test")}
-    test_text = "\n".join(texts["test"])
-    for r in load(tmp_path / "chat" / "dpo_test.jsonl"):
-        assert r["chosen"] != r["rejected"]
-        assert r["chosen"].split("\n")[1] in test_text  # held-out records come from held-out plays
-    for r in load(tmp_path / "chat" / "grpo_train.jsonl") + load(tmp_path / "chat" / "grpo_test.jsonl"):
-        assert r["answer"] in r["options"] and len(r["options"]) == params.n_options
+    for counts in stats["tasks"].values():  # the tasks take turns: balanced to within one item
+        assert set(counts) == set(TASKS) and max(counts.values()) - min(counts.values()) <= 1
+    test_text = "\n".join(json.loads(line)["text"] for line in (corpus / "test.jsonl").open())
+    train_prompts = {p for kind in KINDS for p in prompts_of(tmp_path / "chat" / f"{kind}_train.jsonl")}
     for kind in KINDS:
         for split in ("train", "test"):
             for r in load(tmp_path / "chat" / f"{kind}_{split}.jsonl"):
                 assert rendered_chars(r, kind) <= params.max_chars
+        for prompt in prompts_of(tmp_path / "chat" / f"{kind}_test.jsonl"):
+            assert prompt not in train_prompts
+            assert prompt.split("\n")[-1] in test_text  # held-out items come from held-out plays
 
 
 # --- users' files -----------------------------------------------------------------------------------------------------
