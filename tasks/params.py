@@ -58,9 +58,11 @@ class ChatDataParams(Strict):
     sft_examples: PositiveInt = 3000  # demo sizes of the train files ...
     dpo_pairs: PositiveInt = 1500
     grpo_prompts: PositiveInt = 600
-    test_examples: PositiveInt = 200  # ... and of each test file
-    n_options: int = Field(3, ge=2)
+    test_examples: PositiveInt = 500  # ... and of each test file (every held-out metric: 500 items or more)
     max_chars: PositiveInt = 600  # a whole rendered record; the model sees 256 tokens of ~3 characters
+    # Share of SFT's training loss tokens that are pretraining text (whole rows of packed/train.h5), against
+    # forgetting language modeling while fine-tuning; 0: none.
+    sft_replay: float = Field(0.5, ge=0.0, lt=1.0)
     seed: int = 0
     on_bad_record: Literal["skip", "stop"] = "skip"
 
@@ -212,7 +214,7 @@ def train_config(params: Params, stage: str, root: Path) -> TrainConfig:
                     dpo=DPOConfig(**{k: getattr(section, k) for k in own - {"reference_logps"}},
                                   reference_logps=str(root / DPO_REFERENCE / "train_logps.h5")))
     else:
-        data = dict(train_data=str(root / CHAT / "grpo_train.jsonl"),
+        data = dict(train_data=str(root / CHAT / "grpo_train.jsonl"), val_data=str(root / CHAT / "grpo_test.jsonl"),
                     grpo=GRPOConfig(**{k: getattr(section, k) for k in own}))
     return TrainConfig(**cfg, **data, model=params.model, strategy=stage,
                        seq_len=params.pretrain.seq_len, tokenizer=str(tokenizer), out_dir=str(model_dir(root, stage)),

@@ -4,6 +4,9 @@ and grpo are in tasks/training.py).
 chat_data   derives (or reads and validates) the SFT / DPO / GRPO records (tasks/chat_data.py) and tokenizes them
             with the chat template: sft_{train,test}.h5 (conversations + loss mask), dpo_{train,test}.h5 (pair i =
             documents 2i chosen, 2i + 1 rejected, mask on the response), grpo_{train,test}.jsonl (prompts that fit).
+            sft_train.h5 ends with pretraining text (replay): windows of the packed train split, whole rows with
+            every token a target, `chat_data.sft_replay` of the SFT loss tokens, so fine-tuning does not forget
+            language modeling.
 dpo_reference
             the frozen reference's log-probabilities of dpo_train.h5, computed once and keyed by the data's and
             the reference weights' sha256 (the dpo stage refuses a stale cache), so training never holds a
@@ -13,12 +16,15 @@ dpo_reference
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from astrai_core.chat import ChatFormat, load_chat
 from astrai_core.checkpoint import load_model
-from astrai_core.data import PackedWriter
+from astrai_core.data import PackedTokens, PackedWriter
 from astrai_core.dpo_reference import reference_logps, save_reference_logps
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file, write_json
@@ -36,10 +42,12 @@ def _problem(on_bad: str, problems: list[str], message: str) -> None:
     problems.append(message)
 
 
-def pack_chat(params: Params, records_dir: Path, tokenizer_path: Path, out_dir: Path) -> dict:
+def pack_chat(params: Params, records_dir: Path, tokenizer_path: Path, out_dir: Path, replay_from: Path | None = None
+              ) -> dict:
     """Tokenize the records into out_dir (a directory the caller makes atomic); returns counts and problems.
     A record that does not fit the context (seq_len + 1 tokens; a GRPO prompt plus max_new_tokens) is skipped
-    and counted, or stops the stage, as chat_data.on_bad_record says."""
+    and counted, or stops the stage, as chat_data.on_bad_record says. `replay_from`: the pretraining tokens
+    (packed/train.h5) that sft_train.h5's replay rows come from."""
     chat = load_chat(tokenizer_path)
     on_bad, limit = params.chat_data.on_bad_record, params.pretrain.seq_len + 1
     attrs = dict(vocab_size=chat.tokenizer.get_vocab_size(), tokenizer_sha256=sha256_file(tokenizer_path),
@@ -49,7 +57,11 @@ def pack_chat(params: Params, records_dir: Path, tokenizer_path: Path, out_dir: 
         for kind, fn in (("sft", _pack_sft), ("dpo", _pack_dpo)):
             path = records_dir / f"{kind}_{split}.jsonl"
             with PackedWriter(out_dir / f"{kind}_{split}.h5", split=f"{kind}_{split}", **attrs) as writer:
-                n = fn(chat, path, writer, limit, on_bad, stats["problems"])
+                n, targets = fn(chat, path, writer, limit, on_bad, stats["problems"])
+                if kind == "sft" and split == "train" and params.chat_data.sft_replay > 0:
+                    stats["sft_replay_rows"] = _add_replay(writer, replay_from, attrs["tokenizer_sha256"], targets,
+                                                           params.chat_data.sft_replay, params.pretrain.seq_len,
+                                                           params.chat_data.seed)
             stats[f"{kind}_{split}"] = n
         kept = []
         path = records_dir / f"grpo_{split}.jsonl"
@@ -69,6 +81,24 @@ def pack_chat(params: Params, records_dir: Path, tokenizer_path: Path, out_dir: 
     return stats
 
 
+def _add_replay(writer: PackedWriter, tokens_path: Path | None, tokenizer_sha256: str, chat_targets: int,
+                share: float, seq_len: int, seed: int) -> int:
+    """Append whole rows of pretraining text (every token a target) so that they are `share` of the file's loss
+    tokens (chat_targets are the rest); windows at seeded random starts of tokens_path. Returns the row count."""
+    if tokens_path is None:
+        raise AstraiError("chat_data.sft_replay > 0 needs the packed pretraining tokens (run the pack stage)")
+    with PackedTokens(tokens_path, expected_tokenizer_sha256=tokenizer_sha256) as data:
+        tokens = data.tokens
+        n_rows = math.ceil(chat_targets * share / (1 - share) / seq_len)
+        n_windows = (len(tokens) - 1) // seq_len
+        for w in np.random.default_rng(seed).choice(n_windows, size=min(n_rows, n_windows), replace=False):
+            window = tokens[w * seq_len : (w + 1) * seq_len + 1]
+            mask = np.ones(len(window), dtype=np.uint8)
+            mask[0] = 0  # the first token has nothing before it in its row: seq_len targets
+            writer.add_document(window, mask)
+    return min(n_rows, n_windows)
+
+
 def _records(path: Path):
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -76,8 +106,10 @@ def _records(path: Path):
                 yield lineno, json.loads(line)
 
 
-def _pack_sft(chat: ChatFormat, path: Path, writer: PackedWriter, limit: int, on_bad: str, problems: list) -> int:
-    n = 0
+def _pack_sft(chat: ChatFormat, path: Path, writer: PackedWriter, limit: int, on_bad: str, problems: list
+              ) -> tuple[int, int]:
+    """(records packed, loss tokens)."""
+    n = targets = 0
     for lineno, record in _records(path):
         try:
             ids, mask = chat.encode(record["messages"])
@@ -89,12 +121,14 @@ def _pack_sft(chat: ChatFormat, path: Path, writer: PackedWriter, limit: int, on
                      f"({limit})")
             continue
         writer.add_document(ids, mask)
-        n += 1
-    return n
+        n, targets = n + 1, targets + sum(mask)
+    return n, targets
 
 
-def _pack_dpo(chat: ChatFormat, path: Path, writer: PackedWriter, limit: int, on_bad: str, problems: list) -> int:
-    n = 0
+def _pack_dpo(chat: ChatFormat, path: Path, writer: PackedWriter, limit: int, on_bad: str, problems: list
+              ) -> tuple[int, int]:
+    """(pairs packed, loss tokens)."""
+    n = targets = 0
     for lineno, record in _records(path):
         prompt = [{"role": "user", "content": record["prompt"]}]
         try:
@@ -109,16 +143,17 @@ def _pack_dpo(chat: ChatFormat, path: Path, writer: PackedWriter, limit: int, on
             continue
         for ids, mask in pair:
             writer.add_document(ids, mask)
-        n += 1
-    return n
+        n, targets = n + 1, targets + sum(mask)
+    return n, targets
 
 
-def build_chat(params: Params, corpus_dir: Path, tokenizer_path: Path, out_dir: Path) -> dict:
+def build_chat(params: Params, corpus_dir: Path, tokenizer_path: Path, out_dir: Path, replay_from: Path | None = None
+               ) -> dict:
     """The chat_data stage: records/ (JSONL + stats.json) and the tokenized files, all or nothing."""
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
         records = build_chat_data(params.chat_data, corpus_dir, tmp / "records")
-        stats = pack_chat(params, tmp / "records", tokenizer_path, tmp)
+        stats = pack_chat(params, tmp / "records", tokenizer_path, tmp, replay_from)
     return {"records": records, "packed": stats}
 
 

@@ -20,7 +20,7 @@ from astrai_core.io import sha256_file
 from astrai_core.losses import IGNORE_INDEX
 from astrai_core.model import Transformer
 from astrai_core.rewards import REWARDS
-from astrai_core.data import Documents, PackedRows
+from astrai_core.data import Documents, PackedRows, PackedWriter
 from astrai_core.dpo_reference import reference_logps, save_reference_logps
 from astrai_core.tokenizer import train_tokenizer
 from astrai_core.train import default_callbacks, train
@@ -67,7 +67,7 @@ def chat_setup(tmp_path_factory) -> dict:
             (records_dir / f"{kind}_{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (records_dir / "stats.json").write_text("{}")
     params = parse_params({"model": MODEL, "tokenizer": {"vocab_size": 320}, "pretrain": {"seq_len": 64},
-                           "grpo": {"max_new_tokens": 6}})
+                           "grpo": {"max_new_tokens": 6}, "chat_data": {"sft_replay": 0.0}})
     (root / "chat").mkdir()
     stats = pack_chat(params, records_dir, root / "tok" / "tokenizer.json", root / "chat")
     assert stats["sft_train"] == 96 and stats["grpo_train"] == 96, stats
@@ -97,6 +97,32 @@ def _no_mlflow_run(monkeypatch):
 
 
 # ---- SFT -----------------------------------------------------------------------------------------------------
+
+def test_sft_replay_rows_are_pretraining_windows_at_the_asked_share(chat_setup, tmp_path):
+    tok = sha256_file(chat_setup["tokenizer"])
+    stream = np.arange(5000) % 320  # a recognisable "pretraining" token stream
+    with PackedWriter(tmp_path / "train.h5", vocab_size=320, tokenizer_sha256=tok, source_manifest_sha256="x",
+                      split="train") as w:
+        w.add_document(stream)
+    records_dir = chat_setup["root"] / "records"
+    params = parse_params({"model": MODEL, "tokenizer": {"vocab_size": 320}, "pretrain": {"seq_len": 64},
+                           "grpo": {"max_new_tokens": 6}, "chat_data": {"sft_replay": 0.5}})
+    (tmp_path / "chat").mkdir()
+    stats = pack_chat(params, records_dir, chat_setup["tokenizer"], tmp_path / "chat", replay_from=tmp_path / "train.h5")
+    plain = Documents(str(chat_setup["chat"] / "sft_train.h5"), tok, 320)  # the same records without replay
+    mixed = Documents(str(tmp_path / "chat" / "sft_train.h5"), tok, 320)
+    n = stats["sft_replay_rows"]
+    assert mixed.n_docs == plain.n_docs + n and n > 0
+    chat_targets = int(plain.loss_mask.sum())
+    replay_targets = int(mixed.loss_mask.sum()) - chat_targets
+    assert replay_targets == n * 64  # whole rows (seq_len + 1 tokens), every token but the first a target
+    assert chat_targets <= replay_targets < chat_targets + 64  # half of the loss tokens, to within one row
+    for d in range(plain.n_docs, mixed.n_docs):
+        window = mixed.document(d)
+        assert len(window) == 65 and window[0] % 64 == 0 and (np.diff(window) % 320 == 1).all()  # a window of it
+    with pytest.raises(AstraiError, match="sft_replay > 0 needs the packed pretraining tokens"):
+        pack_chat(params, records_dir, chat_setup["tokenizer"], tmp_path / "again")
+
 
 def test_packed_rows_block_documents_and_learn_only_assistant_tokens(chat_setup):
     data = Documents(str(chat_setup["chat"] / "sft_train.h5"), sha256_file(chat_setup["tokenizer"]), 320)
