@@ -1,16 +1,22 @@
 """The demo's chat tasks: questions about a short passage of a play whose answer follows from the prompt alone.
 
-A 3M-parameter model trained for minutes cannot know facts about an unseen play, but it can learn to read a
-prompt: copy a name from a given position, find the end of a line, count headings, reverse a few words. Each task
-below has one exactly checkable answer (`astrai_core/rewards.py: exact_answer`) and one plausible wrong answer,
+A model of a million parameters trained for minutes cannot know facts about an unseen play, but it can learn to
+read a prompt: count speeches or words, tell a question by its mark, copy a name or a word. Each task below has
+one exactly checkable answer (`astrai_core/rewards.py: exact_answer`) and one plausible wrong answer,
 which is what a DPO pair rejects:
 
     task            prompt (abridged)                                       answer       wrong answer
     first_speaker   Who speaks first in this passage?  + 2-4 speeches        ROMEO        the next speaker
-    last_speaker    Who speaks last in this passage?   + 2-4 speeches        JULIET       another speaker
     speech_count    How many speeches are in this passage? + 2-4 speeches    3            one more or fewer
-    last_word       What is the last word of this line? + one verse line     night        the word before it
-    reverse_words   Reverse the order of these words: + 3 words             be to Not    the words unchanged
+    word_count      How many words are in this line? + one line              6            one more or fewer
+    is_question     Does this line ask a question? + one line                yes          no (and vice versa)
+    last_word       What is the last word of this line? + one line           night        the word before it
+
+Copying a name or a word out of the prompt needs attention that looks a token up by its neighbour (an induction
+head), which a 0.85M-parameter model pretrained on 2M tokens barely has: measured after 600 SFT steps, the last
+word was right 31% of the time, the first speaker 8%, the last speaker 3% and three words reversed 2% (those two
+were dropped), while counting speeches reached 89%. Counting and yes/no questions are learnable at the demo's
+budget; the copying tasks are what DPO and GRPO can still improve.
 
 A passage is 2-4 consecutive speeches of one scene, each cut to its first line (MAX_LINES). Every function is
 deterministic in its random generator, so the chat_data stage writes the same records on every run.
@@ -28,7 +34,6 @@ from tasks.plays import Speech
 PASSAGE_SPEECHES = (2, 4)  # speeches per passage, inclusive
 MAX_LINES = 1  # lines kept of each speech in a passage: short prompts, cheap to train and score
 MAX_LINE_CHARS = 80  # a longer verse line is not used
-REVERSE_WORDS = 3
 _WORD = re.compile(r"[A-Za-z][a-z]*(?:'[a-z]+)?")  # a plain word: "night", "thou'rt", "Romeo"; not "O'er-" etc.
 
 
@@ -65,14 +70,6 @@ def first_speaker(speeches: list[Speech], rng: random.Random) -> Item | None:
                 speeches[0].speaker, others[0])
 
 
-def last_speaker(speeches: list[Speech], rng: random.Random) -> Item | None:
-    others = [s.speaker for s in speeches[:-1] if s.speaker != speeches[-1].speaker]
-    if not others:
-        return None
-    return Item("last_speaker", _passage_question("Who speaks last in this passage?", speeches),
-                speeches[-1].speaker, rng.choice(others))
-
-
 def speech_count(speeches: list[Speech], rng: random.Random) -> Item:
     n = len(speeches)
     return Item("speech_count", _passage_question("How many speeches are in this passage?", speeches),
@@ -100,21 +97,30 @@ def last_word(speeches: list[Speech], rng: random.Random) -> Item | None:
     return Item("last_word", f"What is the last word of this line?\n{line}", words[-1], words[-2])
 
 
-def reverse_words(speeches: list[Speech], rng: random.Random) -> Item | None:
+def word_count(speeches: list[Speech], rng: random.Random) -> Item | None:
     line = _verse_line(speeches, rng)
     words = _words(line) if line else None
-    if not words or len(words) < REVERSE_WORDS:
+    if not words:
         return None
-    words = words[:REVERSE_WORDS]
-    if words == words[::-1]:
+    n = len(words)
+    return Item("word_count", f"How many words are in this line?\n{line}", str(n), str(n + rng.choice((-1, 1))))
+
+
+def is_question(speeches: list[Speech], rng: random.Random) -> Item | None:
+    """Half the items ask about a line that ends with a question mark (when the passage has one)."""
+    lines = [ln for s in speeches for ln in s.lines[:MAX_LINES] if len(ln) <= MAX_LINE_CHARS]
+    want = rng.random() < 0.5
+    lines = [ln for ln in lines if ln.rstrip().endswith("?") == want]
+    if not lines:
         return None
-    return Item("reverse_words", "Reverse the order of these words:\n" + " ".join(words), " ".join(reversed(words)),
-                " ".join(words))
+    answer = "yes" if want else "no"
+    return Item("is_question", f"Does this line ask a question?\n{rng.choice(lines)}", answer,
+                "no" if want else "yes")
 
 
 TASKS: dict[str, Callable[[list[Speech], random.Random], Item | None]] = {
-    "first_speaker": first_speaker, "last_speaker": last_speaker, "speech_count": speech_count,
-    "last_word": last_word, "reverse_words": reverse_words}
+    "first_speaker": first_speaker, "speech_count": speech_count, "word_count": word_count,
+    "is_question": is_question, "last_word": last_word}
 
 
 def passages(plays: dict[str, list[Speech]], rng: random.Random) -> list[list[Speech]]:

@@ -32,17 +32,13 @@ def test_passage_text_keeps_the_first_line_of_each_speech():
     assert passage_text(PASSAGE[1:3]) == "JULIET.\nAy me!\n\nROMEO.\nShe speaks."
 
 
-def test_speaker_tasks():
+def test_first_speaker():
     first = ask("first_speaker")
     assert first.prompt == "Who speaks first in this passage?\n\n" + passage_text(PASSAGE)
     assert (first.answer, first.wrong) == ("ROMEO", "JULIET")
-    last = ask("last_speaker")
-    assert last.prompt.startswith("Who speaks last in this passage?\n\nROMEO.\n")
-    assert last.answer == "NURSE" and last.wrong in {"ROMEO", "JULIET"}
     # one speaker all through: nothing to tell apart, no item
     alone = [speech(0, "HAMLET", "To be."), speech(1, "HAMLET", "Or not.")]
     assert TASKS["first_speaker"](alone, random.Random(0)) is None
-    assert TASKS["last_speaker"](alone, random.Random(0)) is None
 
 
 def test_speech_count():
@@ -52,17 +48,29 @@ def test_speech_count():
         assert item.prompt == "How many speeches are in this passage?\n\n" + passage_text(PASSAGE[:n])
 
 
-def test_last_word_and_reverse_words():
+def test_last_word_and_word_count():
     passage = [speech(0, "ROMEO", "O, speak again, bright angel!")]
     item = ask("last_word", passage)
     assert item.prompt == "What is the last word of this line?\nO, speak again, bright angel!"
     assert (item.answer, item.wrong) == ("angel", "bright")
-    item = ask("reverse_words", passage)
-    assert item.prompt == "Reverse the order of these words:\nO speak again"
-    assert (item.answer, item.wrong) == ("again speak O", "O speak again")
+    item = ask("word_count", passage)
+    assert item.prompt == "How many words are in this line?\nO, speak again, bright angel!"
+    assert item.answer == "5" and item.wrong in {"4", "6"}
     # a line with anything but plain words (a number, a dash-joined compound) gives no item
     for line in ("Enter 2 Murderers, quickly", "O'er-leaps itself and falls"):
         assert TASKS["last_word"]([speech(0, "A", line)], random.Random(0)) is None
+        assert TASKS["word_count"]([speech(0, "A", line)], random.Random(0)) is None
+
+
+def test_is_question_is_balanced_and_right():
+    passage = [speech(0, "A", "What light through yonder window breaks?"), speech(1, "B", "It is the east.")]
+    answers = []
+    for seed in range(40):
+        item = TASKS["is_question"](passage, random.Random(seed))
+        line = item.prompt.split("\n")[1]
+        assert item.answer == ("yes" if line.endswith("?") else "no") and item.wrong != item.answer
+        answers.append(item.answer)
+    assert 10 < answers.count("yes") < 30  # about half and half: "no" alone is not a good score
 
 
 def test_passages_stay_in_one_scene():
