@@ -16,7 +16,7 @@ from astrai_core.rewards import valid_option as reward_in_options
 from tasks.chat_records import KINDS, check_record, read_records, rendered_chars
 from tasks.demo_tasks import TASKS
 from tasks.params import ChatDataParams
-from tasks.plays import parse_play
+from tasks.plays import parse_play, read_plays
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 FILES = [f"{kind}_{split}.jsonl" for kind in KINDS for split in ("train", "test")]
@@ -208,7 +208,7 @@ def test_demo_build_on_the_real_corpus(tmp_path, real_corpus):
     assert not set(stats["plays"]["train"]) & set(stats["plays"]["test"])
     for counts in stats["tasks"].values():  # the tasks take turns: balanced to within one item
         assert set(counts) == set(TASKS) and max(counts.values()) - min(counts.values()) <= 1
-    test_text = "\n".join(json.loads(line)["text"] for line in (corpus / "test.jsonl").open())
+    test_lines = {ln for speeches in read_plays(corpus / "test.jsonl").values() for sp in speeches for ln in sp.lines}
     train_prompts = {p for kind in KINDS for p in prompts_of(tmp_path / "chat" / f"{kind}_train.jsonl")}
     for kind in KINDS:
         for split in ("train", "test"):
@@ -216,7 +216,7 @@ def test_demo_build_on_the_real_corpus(tmp_path, real_corpus):
                 assert rendered_chars(r, kind) <= params.max_chars
         for prompt in prompts_of(tmp_path / "chat" / f"{kind}_test.jsonl"):
             assert prompt not in train_prompts
-            assert prompt.split("\n")[-1] in test_text  # held-out items come from held-out plays
+            assert prompt.split("\n")[-1] in test_lines  # held-out items come from held-out plays
 
 
 # --- users' files -----------------------------------------------------------------------------------------------------

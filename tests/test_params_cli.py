@@ -31,7 +31,7 @@ def test_shipped_params_are_valid():
     ({"pretrain.dtype": "fp8"}, "pretrain.dtype"),
     ({"corpuss": {}}, "corpuss: unknown key"),
     # cross-field checks of the core's configs, at parse time (astrai_core/config.py)
-    ({"pretrain.optim.min_lr": 0.1}, "pretrain.optim: min_lr (0.1) exceeds lr (0.0015)"),
+    ({"pretrain.optim.min_lr": 0.1}, "pretrain.optim: min_lr (0.1) exceeds lr (0.003)"),
     ({"sft.optim": {"lr": 0.001, "min_lr": 0.01}}, "sft.optim: min_lr (0.01) exceeds lr (0.001)"),
     ({"pretrain.seq_len": 300}, "pretrain: seq_len (300) exceeds model.max_seq_len (256)"),
     ({"tokenizer.vocab_size": 5}, "tokenizer.vocab_size: Input should be greater than or equal to 263"),
@@ -101,7 +101,7 @@ def test_cli_pipeline_checks_params_before_prefect_starts(tmp_path):
     (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
     out = _cli(["pipeline", "--set", "pretrain.optim.min_lr=0.5"], tmp_path, PREFECT_HOME=str(tmp_path / "prefect"))
     assert out.returncode == 2
-    assert out.stderr.strip() == "astrai: error: params.yaml: pretrain.optim: min_lr (0.5) exceeds lr (0.0015)"
+    assert out.stderr.strip() == "astrai: error: params.yaml: pretrain.optim: min_lr (0.5) exceeds lr (0.003)"
     assert not (tmp_path / "prefect").exists() and not (tmp_path / "data").exists()
 
 
