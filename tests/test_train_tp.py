@@ -3,7 +3,8 @@
 * `parallel: tp` with tp_size 2 trains like one rank (the same global batch: a TP group is one data-parallel
   rank), and `fsdp+tp` on 4 ranks (2 data-parallel x 2 TP) trains like one rank fed both groups' batches;
 * the post-training strategies too: SFT (packed conversations) and DPO under TP=2 train like one rank;
-* a TP run stopped with SIGTERM resumes to bitwise the weights of an uninterrupted TP run;
+* a TP run stopped with SIGTERM, or killed with SIGKILL (full or sharded checkpoints), resumes to bitwise the
+  weights of an uninterrupted TP run;
 * a checkpoint written under TP=2 resumes on one rank and under DDP=2 (full single-rank files either way);
 * what TP cannot split is refused when the params are parsed, in one line naming the field.
 
@@ -14,6 +15,7 @@ tests/test_tensor_parallel.py.
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import signal
 from pathlib import Path
@@ -25,6 +27,7 @@ from test_posttrain import _reference, chat_setup  # noqa: F401 - chat_setup is 
 from test_posttrain import make_cfg as post_cfg
 from test_resume import kill_run, make_cfg, read_until, torchrun, wait_ok, weights_sha
 
+from astrai_core.checkpoint import find_resumable
 from astrai_core.config import TrainConfig
 from astrai_core.errors import AstraiError
 from astrai_core.train import train
@@ -102,6 +105,23 @@ def test_tp_stopped_by_sigterm_resumes_bitwise(runs, core_tiny_data, tmp_path):
     assert not Path(cfg.out_dir).exists()
     out = wait_ok(torchrun(cfg))
     assert "resuming from" in out and "(step 8)" not in out, out[-3000:]  # the SIGTERM checkpoint, not step 8
+    assert weights_sha(cfg) == weights_sha(runs["tp"])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("checkpoint_format", ["full", "sharded"])
+def test_tp_killed_by_sigkill_resumes_bitwise(runs, core_tiny_data, tmp_path, checkpoint_format):
+    cfg = make_cfg(core_tiny_data, tmp_path / "out", **RUN, **TP, checkpoint_format=checkpoint_format)
+    at = random.Random(checkpoint_format).randint(9, 20)  # a "random" but reproducible step after a checkpoint
+    proc = torchrun(cfg)
+    read_until(proc, f"step {at}/")
+    kill_run(proc, cfg, signal.SIGKILL)  # torchrun and both ranks at once: no rank gets to write anything
+    assert not Path(cfg.out_dir).exists()
+    latest = find_resumable(cfg.checkpoints)
+    assert latest is not None and latest.name in ("step_00000008", "step_00000016"), latest
+    assert (latest / "dcp").is_dir() == (checkpoint_format == "sharded")
+    out = wait_ok(torchrun(cfg))
+    assert f"resuming from {latest}" in out, out[-3000:]
     assert weights_sha(cfg) == weights_sha(runs["tp"])
 
 
