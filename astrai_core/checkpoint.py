@@ -1,14 +1,19 @@
 """Checkpoint directories: everything needed to use (and audit) a trained model, written atomically.
 
-    model.safetensors   weights (a tied lm_head is stored once, as embed_tokens.weight)
+    model.safetensors   weights (a tied lm_head is stored once, as embed_tokens.weight); or, in a resumable checkpoint
+                        written with checkpoint_format "sharded":
+    dcp/                the model and optimizer state as torch.distributed.checkpoint files, each rank's shards
+                        written by that rank (.metadata + __<rank>_<i>.distcp), nothing gathered; loads under any
+                        parallelism and number of ranks (train.Trainee.restore)
     config.json         ModelConfig
     tokenizer.json      the tokenizer the model was trained with
     train_config.json   the resolved TrainConfig (when given)
-    train_state.pt      step, epoch, consumed samples/tokens, sampler position, optimizer, scheduler and callback
-                        state, every rank's RNG states (when given; loads with torch.load(weights_only=True))
+    train_state.pt      step, epoch, consumed samples/tokens, sampler position, optimizer (unless in dcp/), scheduler
+                        and callback state, every rank's RNG states (when given; loads with
+                        torch.load(weights_only=True))
     summary.json        run summary: final losses, throughput, ... (when given)
     <extra files>       copied in as they are (e.g. metrics.jsonl)
-    manifest.json       sha256 of every file above
+    manifest.json       sha256 of every file above (those under dcp/ too, by relative path)
 
 The directory is built beside `out_dir` and renamed into place, so readers never see a half-written checkpoint.
 
@@ -42,7 +47,8 @@ from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file
 from astrai_core.model import Transformer
 
-REQUIRED_FILES = ("model.safetensors", "config.json", "tokenizer.json")
+REQUIRED_FILES = ("config.json", "tokenizer.json")
+WEIGHT_FILES = ("model.safetensors", "dcp/.metadata")  # a checkpoint has one: full or sharded
 
 
 def save_checkpoint(
@@ -56,19 +62,26 @@ def save_checkpoint(
     train_state: dict[str, Any] | None = None,
     files: Iterable[str | os.PathLike] = (),
     model_state: Mapping[str, torch.Tensor] | None = None,
+    shards: str | os.PathLike | None = None,
 ) -> Path:
     """Write the checkpoint directory `out_dir` (replacing any previous one) and return its path.
 
     `model` must be the bare Transformer (not DDP- or compile-wrapped) so the state dict keys are plain;
     `model_state` (e.g. a sharded model's gathered full state dict) replaces model.state_dict() when given.
+    `shards`: a directory of torch.distributed.checkpoint files (every rank's shards of the model and optimizer,
+    written beside `out_dir` by dcp.save); it is moved in as dcp/ and no model.safetensors is written.
     """
-    state = {k: v.detach().cpu().contiguous() for k, v in (model.state_dict() if model_state is None else model_state).items()}
-    if model_cfg.tie_embeddings:
-        # safetensors refuses tensors that share storage; load_model re-ties lm_head to embed_tokens.
-        state.pop("lm_head.weight", None)
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        if shards is not None:
+            Path(shards).rename(tmp / "dcp")  # the same filesystem: both live beside out_dir
+        else:
+            state = model.state_dict() if model_state is None else model_state
+            state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+            if model_cfg.tie_embeddings:
+                # safetensors refuses tensors that share storage; load_model re-ties lm_head to embed_tokens.
+                state.pop("lm_head.weight", None)
+            save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         _write_json(tmp / "config.json", model_cfg.model_dump())
         shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
         template = Path(tokenizer_path).with_name("chat_template.jinja")  # the chat format goes with its tokenizer
@@ -82,7 +95,7 @@ def save_checkpoint(
             _write_json(tmp / "summary.json", extra)
         for f in files:
             shutil.copyfile(f, tmp / Path(f).name)
-        manifest = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
+        manifest = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         _write_json(tmp / "manifest.json", {"files": manifest})
     return Path(out_dir)
 
@@ -144,6 +157,8 @@ def verify_checkpoint(ckpt_dir: str | os.PathLike) -> dict[str, str]:
     for name in REQUIRED_FILES:
         if name not in hashes:
             raise AstraiError(f"{manifest_path}: {name} is not listed; the checkpoint is incomplete")
+    if not any(name in hashes for name in WEIGHT_FILES):
+        raise AstraiError(f"{manifest_path}: {' or '.join(WEIGHT_FILES)} is not listed; the checkpoint is incomplete")
     for name, expected in hashes.items():
         path = ckpt_dir / name
         if not path.is_file():
@@ -156,6 +171,9 @@ def verify_checkpoint(ckpt_dir: str | os.PathLike) -> dict[str, str]:
 def load_weights(ckpt_dir: str | os.PathLike, tie_embeddings: bool) -> dict[str, torch.Tensor]:
     """The checkpoint's weights as a state dict; with tie_embeddings, lm_head.weight (stored once, as
     embed_tokens.weight) is put back, so a strict load_state_dict accepts it."""
+    if not (Path(ckpt_dir) / "model.safetensors").is_file() and (Path(ckpt_dir) / "dcp").is_dir():
+        raise AstraiError(f"{ckpt_dir}: a sharded training checkpoint (dcp/), only for resuming its run; use the "
+                          "run's final model directory, which is always full")
     weights = load_file(Path(ckpt_dir) / "model.safetensors")
     if tie_embeddings:
         weights["lm_head.weight"] = weights["embed_tokens.weight"]

@@ -220,6 +220,11 @@ class RunSettings(Strict):
     # `keep_checkpoints`.
     checkpoint_every: int = Field(0, ge=0)
     keep_checkpoints: PositiveInt = 2
+    # full: rank 0 gathers the single-rank weights and optimizer state into model.safetensors + train_state.pt;
+    # sharded: every rank writes its own shards (torch.distributed.checkpoint), nothing is gathered (for models
+    # whose state must not be gathered on one rank). Either resumes under any parallelism and number of ranks;
+    # the final model in out_dir is always full.
+    checkpoint_format: Literal["full", "sharded"] = "full"
     # auto: continue from the newest valid checkpoint of the same run (a re-run after a crash goes on); never: fresh
     resume: Literal["auto", "never"] = "auto"
 

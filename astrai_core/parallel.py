@@ -23,18 +23,25 @@ Because the activations between blocks are replicated (no sequence parallelism),
 the loss is computed on full logits exactly as on one rank. Every rank of one TP group must therefore be fed the
 same batch; data parallelism happens across the "dp" mesh dimension only.
 
-Checkpoints stay the single-rank files: full_state_dict gathers the shards, load_full_state_dict scatters a
-single-rank state dict into a TP (or FSDP+TP) model.
+Checkpoints are either the single-rank files (full_state_dict gathers the shards, load_full_state_dict scatters a
+single-rank state dict into a TP or FSDP+TP model) or, with checkpoint_format "sharded", torch.distributed.checkpoint
+files that every rank writes its own shards to (save_sharded) and that load under any other layout (load_sharded).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
+
+import contextlib
+import os
+import warnings
 
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+                                                     get_state_dict, set_model_state_dict, set_optimizer_state_dict,
+                                                     set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
@@ -192,3 +199,32 @@ def _keyed_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: di
     return {"state": {names[i]: s for i, s in state["state"].items()},
             "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
                              for group in state["param_groups"]]}
+
+
+def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike) -> None:
+    """Write the model's and the optimizer's state as torch.distributed.checkpoint files in `path` (a directory):
+    each rank writes the shards it holds (a DTensor's local part; a tensor every rank holds alike, once), so no
+    rank ever holds the full state. The optimizer state is keyed by parameter name. Collective; on one process
+    without a process group it writes one rank's files."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    with _one_process_is_fine():
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
+
+
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike) -> None:
+    """Load save_sharded's files into this rank's model and optimizer, whatever the parallelism and number of
+    ranks that wrote them: each rank reads the part of every tensor it holds now (DCP reshards by the tensors'
+    global shapes and offsets). Collective."""
+    model_state, optim_state = get_state_dict(model, optimizer)  # this rank's layout: what to read, and where
+    state = {"model": model_state, "optimizer": optim_state}
+    with _one_process_is_fine():
+        dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+@contextlib.contextmanager
+def _one_process_is_fine() -> Iterator[None]:
+    """DCP warns at every save and load without a process group (a one-rank run), where that is expected."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

@@ -43,6 +43,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -70,15 +71,17 @@ from astrai_core.evaluate import forward
 from astrai_core.io import sha256_file
 from astrai_core.model import Transformer
 from astrai_core.parallel import (apply_fsdp, apply_tensor_parallel, build_mesh, check_ranks, full_optimizer_state_dict,
-                                  full_state_dict, load_full_optimizer_state_dict, load_full_state_dict)
+                                  full_state_dict, load_full_optimizer_state_dict, load_full_state_dict, load_sharded,
+                                  save_sharded)
 from astrai_core.schedules import lr_at
 from astrai_core.strategies import STRATEGIES, Strategy
 from astrai_core.tracking import MetricLogger
 
 # Config fields that may change between a run and its resumption without changing what it computes.
-# The parallelism is one of them: checkpoints hold full (single-rank) state, which loads under any other.
+# The parallelism is one of them: a checkpoint (full or sharded) loads under any other, as does its format.
 RESUME_MAY_CHANGE = {"train_data", "val_data", "tokenizer", "out_dir", "log_every", "compile", "compile_cache_dir",
-                     "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "resume", "parallel", "tp_size"}
+                     "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "resume", "parallel", "tp_size",
+                     "checkpoint_format"}
 
 
 def rng_state() -> dict[str, Any]:
@@ -130,9 +133,10 @@ def emit(callbacks: list[Callback], hook: str, run: RunState, *args) -> None:
 class Trainee:
     """What a checkpoint holds besides RunState: the bare model (DDP/compile wrap it; FSDP and TP split it in
     place), its optimizer and schedule, and the strategy (its data position and anything it carries across steps).
-    Whatever the parallelism, a checkpoint holds the full single-rank state: `sharded` models gather it to rank 0
-    (the optimizer state then keyed by parameter name; DDP's own is keyed by position), and either loads under
-    any parallelism."""
+    A checkpoint holds either the full single-rank state (checkpoint_format "full": `sharded` models gather it to
+    rank 0, the optimizer state then keyed by parameter name; DDP's own is keyed by position) or every rank's
+    shards of the model and optimizer ("sharded", torch.distributed.checkpoint); either loads under any
+    parallelism and number of ranks."""
 
     model: Transformer
     optimizer: torch.optim.Optimizer
@@ -141,9 +145,32 @@ class Trainee:
     sharded: bool  # FSDP or TP: the weights are DTensors
     tp_size: int  # ranks per TP group (1: none); they hold one strategy state between them
 
-    def state(self, run: RunState, callbacks: list[Callback], cfg: TrainConfig, d: Dist):
-        """(full model state dict, train_state); every rank must call (gathers shards, RNG and strategy states)."""
-        if self.sharded:
+    def save(self, run: RunState, callbacks: list[Callback], cfg: TrainConfig, d: Dist) -> Path | None:
+        """Write a resumable checkpoint in cfg.checkpoints; rank 0 returns its path. Every rank must call. The one
+        place the format is chosen: "full" gathers the weights and optimizer state to rank 0, which writes them;
+        "sharded" has every rank write its own shards into a staging directory first, which rank 0 moves into the
+        checkpoint (then renamed into place as a whole, like a full one). Either way rank 0 adds the rest."""
+        shards = None
+        if cfg.checkpoint_format == "sharded":
+            shards = Path(cfg.checkpoints) / ".dcp.tmp"  # the shards of the checkpoint being written
+            if d.is_main:
+                shutil.rmtree(shards, ignore_errors=True)  # an interrupted write's: no stale rank's file may stay
+            if d.world_size > 1:
+                dist.barrier()
+            save_sharded(self.model, self.optimizer, shards)  # returns when every rank's files and .metadata are in
+        weights, state = self.state(run, callbacks, cfg, d, gather=shards is None)
+        if not d.is_main:
+            return None
+        return save_resumable(cfg.checkpoints, run.step, cfg.keep_checkpoints, model=self.model, model_cfg=cfg.model,
+                              tokenizer_path=cfg.tokenizer, train_config=cfg, train_state=state, model_state=weights,
+                              shards=shards)
+
+    def state(self, run: RunState, callbacks: list[Callback], cfg: TrainConfig, d: Dist, gather: bool = True):
+        """(full model state dict, train_state); every rank must call (gathers shards, RNG and strategy states).
+        gather False: (None, train_state without the optimizer), for a sharded checkpoint that holds both."""
+        if not gather:
+            weights, optim = None, None
+        elif self.sharded:
             weights = full_state_dict(self.model, rank0_only=True)
             optim = full_optimizer_state_dict(self.model, self.optimizer, rank0_only=True)
         else:  # replicas are identical: this rank's state is the model's
@@ -153,9 +180,11 @@ class Trainee:
         strategies = all_gather(self.strategy.state_dict(), d)[::self.tp_size]
         state = {**run.state_dict(), "epoch": sampler.epoch, "consumed_samples": sampler.consumed,
                  "consumed_tokens": sampler.consumed * cfg.seq_len, "sampler": sampler.state_dict(),
-                 "optimizer": optim, "scheduler": self.scheduler.state_dict(), "rng": all_gather(rng_state(), d),
+                 "scheduler": self.scheduler.state_dict(), "rng": all_gather(rng_state(), d),
                  "strategy": strategies, "world_size": d.world_size,
                  "callbacks": {type(cb).__name__: cb.state_dict() for cb in callbacks}}
+        if optim is not None:
+            state["optimizer"] = optim
         return weights, state
 
     def restore(self, ckpt: Path, run: RunState, callbacks: list[Callback], cfg: TrainConfig, d: Dist,
@@ -163,14 +192,15 @@ class Trainee:
         """Load a resumable checkpoint (written under any parallelism) into the (already wrapped) model, optimizer,
         scheduler, strategy, RunState, callbacks and this rank's RNGs."""
         state = torch.load(ckpt / "train_state.pt", weights_only=True, map_location="cpu")
-        weights = load_weights(ckpt, cfg.model.tie_embeddings)
-        by_name = any(isinstance(k, str) for k in state["optimizer"]["state"])  # written by a sharded model
-        if self.sharded:
+        if (ckpt / "dcp").is_dir():  # a sharded checkpoint: each rank reads the parts it holds now
+            load_sharded(self.model, self.optimizer, ckpt / "dcp")
+        elif self.sharded:
+            weights = load_weights(ckpt, cfg.model.tie_embeddings)
             load_full_state_dict(self.model, weights)
             load_full_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         else:
-            self.model.load_state_dict(weights)
-            if by_name:
+            self.model.load_state_dict(load_weights(ckpt, cfg.model.tie_embeddings))
+            if any(isinstance(k, str) for k in state["optimizer"]["state"]):  # written by a sharded model
                 load_full_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
             else:
                 self.optimizer.load_state_dict(state["optimizer"])
@@ -497,11 +527,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
 
             # 6. A resumable checkpoint every checkpoint_every steps and when asked to stop (SIGTERM).
             if not finished and ((cfg.checkpoint_every > 0 and run.step % cfg.checkpoint_every == 0) or run.stop):
-                weights, state = trainee.state(run, callbacks, cfg, d)
-                if d.is_main:
-                    path = save_resumable(cfg.checkpoints, run.step, cfg.keep_checkpoints, model=raw_model,
-                                          model_cfg=cfg.model, tokenizer_path=cfg.tokenizer, train_config=cfg,
-                                          train_state=state, model_state=weights)
+                if path := trainee.save(run, callbacks, cfg, d):
                     print0(f"checkpoint {path}")
             emit(callbacks, "on_optimizer_step_end", run)
             if strategy.sampler.epoch != run.epoch:

@@ -2,6 +2,9 @@
 
     python bench/throughput.py                      # everything; writes bench/throughput_report.json
     python bench/throughput.py --quick              # fewer repeats and steps: a smoke run
+    python bench/throughput.py --shapes large --dtypes fp32 --steps 3 --variants ours_eager_2rank \
+        ours_eager_2rank_fsdp ours_eager_2rank_tp ours_eager_4rank_fsdp+tp \
+        --out bench/throughput_parallel_report.json                          # the parallel rows only
 
 What is measured, in one run on one machine:
 
@@ -10,8 +13,8 @@ What is measured, in one run on one machine:
   fp32 and bf16 autocast, eager and with torch.compile (kernels cached in .cache/torchinductor, so only the first
   run of a shape compiles; compilation falls in the untimed first step), on 1 rank using every core and on
   2 torchrun ranks (DDP, gloo, one core each) with the same global batch; eager only, the same global batch:
-  tensor parallelism on 2 ranks (parallel tp, tp_size 2) and the 2-D mesh on 4 ranks (fsdp+tp, 2 x tp 2; on
-  this 2-core machine its ranks share cores, so it measures the overhead, not a speed-up);
+  FSDP2 on 2 ranks, tensor parallelism on 2 ranks (parallel tp, tp_size 2) and the 2-D mesh on 4 ranks (fsdp+tp,
+  2 x tp 2; on this 2-core machine its ranks share cores, so it measures the overhead, not a speed-up);
 * peer: LlamaForCausalLM of the same shape (SDPA attention, tied embeddings), the same batch, dtype policy
   (autocast bf16, fp32 weights), optimizer (AdamW, weight decay on matrices, the same fused setting) and
   gradient clipping, in a plain loop on 1 rank using every core.
@@ -168,6 +171,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6, help="timed steps per run (after one warm-up step)")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    parser.add_argument("--variants", nargs="+", default=None,
+                        help="only these rows (e.g. ours_eager_2rank_tp); default: all. Ratios need both sides")
     parser.add_argument("--out", default=str(ROOT / "bench" / "throughput_report.json"))
     parser.add_argument("--quick", action="store_true", help="1 repeat of 2 steps, nothing written")
     args = parser.parse_args()
@@ -178,8 +184,9 @@ def main() -> None:
     torch.set_num_threads(cores)
 
     report = {"machine": machine(), "method": __doc__.split("What is measured", 1)[1].strip(),
-              "repeats": args.repeats, "timed_steps": args.steps}
-    peak = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
+              "repeats": args.repeats, "timed_steps": args.steps, "command": " ".join(sys.argv)}
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    peak = {dtype: matmul_peak(torch_dtype[dtype]) for dtype in args.dtypes}  # bf16 is slow without avx512_bf16
     report["matmul_peak_flops"] = peak
     print(json.dumps({"matmul_peak_gflops": {k: v / 1e9 for k, v in peak.items()}}), flush=True)
     results = []
@@ -187,14 +194,18 @@ def main() -> None:
         data = synthetic_data(Path(tmp), 2048)
         for shape in args.shapes:
             fpt = flops_per_token(ModelConfig(**SHAPES[shape]["model"]), SHAPES[shape]["seq_len"])
-            for dtype in ("fp32", "bf16"):
+            for dtype in args.dtypes:
                 variants = {f"ours_{'compiled' if c else 'eager'}_{n}rank": (lambda c=c, n=n: ours(
                     shape, dtype, n, c, args.steps, data, Path(tmp))) for c in (False, True) for n in (1, 2)}
+                variants["ours_eager_2rank_fsdp"] = lambda: ours(shape, dtype, 2, False, args.steps, data, Path(tmp),
+                                                                 parallel="fsdp")
                 for name, nproc, parallel in (("ours_eager_2rank_tp", 2, "tp"),
                                               ("ours_eager_4rank_fsdp+tp", 4, "fsdp+tp")):
                     variants[name] = lambda n=nproc, p=parallel: ours(shape, dtype, n, False, args.steps, data,
                                                                       Path(tmp), parallel=p, tp_size=2)
                 variants["hf_llama_1rank"] = lambda: peer(shape, dtype, args.steps)
+                if args.variants:
+                    variants = {name: variants[name] for name in args.variants}
                 runs = {name: [] for name in variants}
                 for _ in range(args.repeats):  # round-robin: a load change hits every variant, not one
                     for name, run in variants.items():
@@ -205,21 +216,27 @@ def main() -> None:
                     row[name] = {"tokens_per_sec": round(tps, 1), "mfu": round(tps * fpt / peak[dtype], 4),
                                  "runs": [round(v, 1) for v in values]}
                 tps = {name: row[name]["tokens_per_sec"] for name in runs}
-                for mode in ("eager", "compiled"):
-                    row[f"ratio_vs_peer_{mode}"] = round(tps[f"ours_{mode}_1rank"] / tps["hf_llama_1rank"], 3)
-                    row[f"ratio_2ranks_vs_1rank_{mode}"] = round(tps[f"ours_{mode}_2rank"] / tps[f"ours_{mode}_1rank"], 3)
-                row["ratio_tp_vs_ddp_2ranks_eager"] = round(tps["ours_eager_2rank_tp"] / tps["ours_eager_2rank"], 3)
+                ratios = {f"ratio_vs_peer_{m}": (f"ours_{m}_1rank", "hf_llama_1rank") for m in ("eager", "compiled")}
+                ratios |= {f"ratio_2ranks_vs_1rank_{m}": (f"ours_{m}_2rank", f"ours_{m}_1rank")
+                           for m in ("eager", "compiled")}
+                ratios |= {"ratio_fsdp_vs_ddp_2ranks_eager": ("ours_eager_2rank_fsdp", "ours_eager_2rank"),
+                           "ratio_tp_vs_ddp_2ranks_eager": ("ours_eager_2rank_tp", "ours_eager_2rank"),
+                           "ratio_fsdp+tp_4ranks_vs_fsdp_2ranks_eager": ("ours_eager_4rank_fsdp+tp",
+                                                                         "ours_eager_2rank_fsdp")}
+                for key, (a, b) in ratios.items():  # each against a peer measured in the same run
+                    if a in tps and b in tps:
+                        row[key] = round(tps[a] / tps[b], 3)
                 print(json.dumps(row), flush=True)
                 results.append(row)
     report["results"] = results
     report["machine"]["load_average_at_end"] = os.getloadavg()
     report["targets"] = {
         "bf16 >= 1.5x peer": {f'{r["shape"]}/{m}': r[f"ratio_vs_peer_{m}"] for r in results if r["dtype"] == "bf16"
-                              for m in ("eager", "compiled")},
+                              for m in ("eager", "compiled") if f"ratio_vs_peer_{m}" in r},
         "fp32 >= 1.0x peer": {f'{r["shape"]}/{m}': r[f"ratio_vs_peer_{m}"] for r in results if r["dtype"] == "fp32"
-                              for m in ("eager", "compiled")},
+                              for m in ("eager", "compiled") if f"ratio_vs_peer_{m}" in r},
         "2 ranks >= 0.9x 1 rank": {f'{r["shape"]}/{r["dtype"]}/{m}': r[f"ratio_2ranks_vs_1rank_{m}"] for r in results
-                                   for m in ("eager", "compiled")},
+                                   for m in ("eager", "compiled") if f"ratio_2ranks_vs_1rank_{m}" in r},
     }
     print(json.dumps(report["targets"], indent=2))
     if not args.quick:

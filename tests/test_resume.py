@@ -76,6 +76,53 @@ def test_resumable_checkpoints_keep_k_and_skip_corrupt(tmp_path, core_tiny_data)
     assert find_resumable(tmp_path / "nothing") is None
 
 
+def test_sharded_checkpoints_hash_every_shard_file_and_skip_corrupt(tmp_path, core_tiny_data):
+    from astrai_core.checkpoint import load_model, verify_checkpoint
+    from astrai_core.errors import AstraiError
+    from astrai_core.parallel import load_sharded, save_sharded
+
+    cfg = ModelConfig(**MODEL)
+    model = Transformer(cfg)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    optimizer.step()  # an optimizer state to save
+    root = tmp_path / "ckpts"
+    for step in (2, 4, 6):  # what Trainee.save does on one process: the shards first, then the directory around them
+        save_sharded(model, optimizer, root / ".dcp.tmp")
+        save_resumable(root, step, keep=2, model=model, model_cfg=cfg, tokenizer_path=core_tiny_data["tokenizer"],
+                       train_state={"step": step}, shards=root / ".dcp.tmp")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004", "step_00000006"]  # staging gone
+    newest = root / "step_00000006"
+    files = sorted(p.relative_to(newest).as_posix() for p in newest.rglob("*") if p.is_file())
+    assert files == ["config.json", "dcp/.metadata", "dcp/__0_0.distcp", "manifest.json", "tokenizer.json",
+                     "train_state.pt"]  # no model.safetensors: nothing gathered
+    assert sorted(verify_checkpoint(newest)) == [f for f in files if f != "manifest.json"]
+    assert find_resumable(root) == newest
+    # A sharded checkpoint is for resuming only: serving and init_from are told to use the final model directory.
+    with pytest.raises(AstraiError, match="sharded training checkpoint"):
+        load_model(newest)
+
+    # The shards load back into a fresh model and optimizer (one process, no process group).
+    fresh = Transformer(cfg)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    load_sharded(fresh, fresh_opt, newest / "dcp")
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+
+    # A corrupted shard file: the manifest catches it, the one before is used.
+    shard = newest / "dcp" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match=r"step_00000006/dcp/__0_0\.distcp: sha256"):
+        assert find_resumable(root) == root / "step_00000004"
+    (root / "step_00000004" / "dcp" / ".metadata").unlink()  # a missing one too
+    with pytest.warns(UserWarning) as caught:
+        assert find_resumable(root) is None
+    assert [m for w in caught for m in ("06/dcp/__0_0.distcp: sha256", "04/dcp/.metadata: missing")
+            if m in str(w.message)] == ["06/dcp/__0_0.distcp: sha256", "04/dcp/.metadata: missing"]
+
+
 # ---- in-process: SIGTERM inside an accumulation window, early stopping ---------------------------------------
 
 class SigtermAt(Callback):

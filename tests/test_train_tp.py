@@ -3,8 +3,11 @@
 * `parallel: tp` with tp_size 2 trains like one rank (the same global batch: a TP group is one data-parallel
   rank), and `fsdp+tp` on 4 ranks (2 data-parallel x 2 TP) trains like one rank fed both groups' batches;
 * the post-training strategies too: SFT (packed conversations) and DPO under TP=2 train like one rank;
-* a TP run stopped with SIGTERM resumes to bitwise the weights of an uninterrupted TP run;
-* a checkpoint written under TP=2 resumes on one rank and under DDP=2 (full single-rank files either way);
+* a TP run stopped with SIGTERM, or killed with SIGKILL (full or sharded checkpoints), resumes to bitwise the
+  weights of an uninterrupted TP run;
+* a checkpoint written under TP=2 resumes on one rank and under DDP=2 (full single-rank files either way); a
+  sharded one (checkpoint_format sharded: each rank's shards, torch.distributed.checkpoint) resumes on one rank,
+  and one written on one rank resumes under TP=2;
 * what TP cannot split is refused when the params are parsed, in one line naming the field.
 
 The module-level split itself (every architecture option, the optimizer state, generation) is tested in
@@ -14,6 +17,7 @@ tests/test_tensor_parallel.py.
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import signal
 from pathlib import Path
@@ -25,6 +29,7 @@ from test_posttrain import _reference, chat_setup  # noqa: F401 - chat_setup is 
 from test_posttrain import make_cfg as post_cfg
 from test_resume import kill_run, make_cfg, read_until, torchrun, wait_ok, weights_sha
 
+from astrai_core.checkpoint import find_resumable, verify_checkpoint
 from astrai_core.config import TrainConfig
 from astrai_core.errors import AstraiError
 from astrai_core.train import train
@@ -57,16 +62,20 @@ def losses(cfg: TrainConfig) -> list[float]:
 
 @pytest.fixture(scope="module")
 def runs(core_tiny_data, tmp_path_factory) -> dict[str, TrainConfig]:
-    """Uninterrupted runs of one config: one rank (in this process) and TP=2 (torchrun)."""
+    """Uninterrupted runs of one config: one rank (in this process), TP=2 (torchrun), and TP=2 writing sharded
+    checkpoints."""
     root = tmp_path_factory.mktemp("tp_runs")
     cfgs = {"one": make_cfg(core_tiny_data, root / "one" / "out", **RUN),
-            "tp": make_cfg(core_tiny_data, root / "tp" / "out", **RUN, **TP)}
+            "tp": make_cfg(core_tiny_data, root / "tp" / "out", **RUN, **TP),
+            "tp_sharded": make_cfg(core_tiny_data, root / "tp_sharded" / "out", **RUN, **TP,
+                                   checkpoint_format="sharded")}
     proc = torchrun(cfgs["tp"])
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("MLFLOW_RUN_ID", raising=False)  # no MLflow run around the in-process one
         train(cfgs["one"])
     out = wait_ok(proc)
     assert "(cpu, fp32, tp, 1 x tp 2), 24 steps of 8 samples" in out, out[-2000:]
+    wait_ok(torchrun(cfgs["tp_sharded"]))  # after the others: more ranks than cores at once made exits hang
     return cfgs
 
 
@@ -102,6 +111,23 @@ def test_tp_stopped_by_sigterm_resumes_bitwise(runs, core_tiny_data, tmp_path):
     assert not Path(cfg.out_dir).exists()
     out = wait_ok(torchrun(cfg))
     assert "resuming from" in out and "(step 8)" not in out, out[-3000:]  # the SIGTERM checkpoint, not step 8
+    assert weights_sha(cfg) == weights_sha(runs["tp"])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("checkpoint_format", ["full", "sharded"])
+def test_tp_killed_by_sigkill_resumes_bitwise(runs, core_tiny_data, tmp_path, checkpoint_format):
+    cfg = make_cfg(core_tiny_data, tmp_path / "out", **RUN, **TP, checkpoint_format=checkpoint_format)
+    at = random.Random(checkpoint_format).randint(9, 20)  # a "random" but reproducible step after a checkpoint
+    proc = torchrun(cfg)
+    read_until(proc, f"step {at}/")
+    kill_run(proc, cfg, signal.SIGKILL)  # torchrun and both ranks at once: no rank gets to write anything
+    assert not Path(cfg.out_dir).exists()
+    latest = find_resumable(cfg.checkpoints)
+    assert latest is not None and latest.name in ("step_00000008", "step_00000016"), latest
+    assert (latest / "dcp").is_dir() == (checkpoint_format == "sharded")
+    out = wait_ok(torchrun(cfg))
+    assert f"resuming from {latest}" in out, out[-3000:]
     assert weights_sha(cfg) == weights_sha(runs["tp"])
 
 
@@ -206,3 +232,55 @@ def test_ranks_that_do_not_fit_tp_are_one_line(core_tiny_data, tmp_path, monkeyp
     cfg = make_cfg(core_tiny_data, tmp_path / "out", max_steps=1, **TP)
     with pytest.raises(AstraiError, match=r"^parallel 'tp' runs on exactly tp_size ranks: tp_size is 2, the ranks 1"):
         train(cfg)
+
+
+# ---- sharded checkpoints (checkpoint_format sharded) -------------------------------------------------------------
+
+@pytest.mark.integration
+def test_sharded_checkpoints_resume_from_tp2_on_one_rank_and_back(runs, core_tiny_data, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    sharded = runs["tp_sharded"]
+    # The format changes what is written, not what is computed; the final model is the plain full one.
+    assert weights_sha(sharded) == weights_sha(runs["tp"])
+    assert not (Path(sharded.out_dir) / "dcp").exists()
+    root = Path(sharded.checkpoints)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000008", "step_00000016"]  # staging gone
+    step8 = root / "step_00000008"
+    # Each rank wrote its own shards (nothing gathered), and the manifest hashes every file.
+    files = verify_checkpoint(step8)
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(files) and "model.safetensors" not in files
+    assert set(files) == {p.relative_to(step8).as_posix() for p in step8.rglob("*")
+                          if p.is_file() and p.name != "manifest.json"}
+    assert "optimizer" not in torch.load(step8 / "train_state.pt", weights_only=True)  # it is in the shards
+
+    # A corrupted shard of rank 1's: the manifest catches it, and the checkpoint before is resumed instead.
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    shard = copy / "step_00000016" / "dcp" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match=r"step_00000016/dcp/__1_0\.distcp: sha256 does not match"):
+        assert find_resumable(copy) == copy / "step_00000008"
+
+    # Resumed on one rank (2 ranks -> 1; TP's shards -> plain tensors): the rest is the one-rank run's.
+    one = make_cfg(core_tiny_data, tmp_path / "one" / "out", **RUN, checkpoint_format="sharded")
+    resume_from(step8, one)
+    with pytest.warns(UserWarning, match="written by 2 ranks, resuming on 1"):
+        summary = train(one)
+    assert summary["resumed_from_step"] == 8 and summary["steps"] == 24
+    diff = max_diff(weights(one), weights(runs["one"]))
+    print(f"tp=2 sharded checkpoint (step 8) resumed on one rank vs one rank: weights {diff:.1e}")
+    assert diff <= WEIGHT_TOL
+
+    # And back (1 rank -> 2; plain tensors -> TP's shards): that run's step-16 checkpoint, one process's shards,
+    # resumed under TP=2 ends where the uninterrupted TP run does.
+    step16 = Path(one.checkpoints) / "step_00000016"
+    assert {"dcp/__0_0.distcp", "dcp/.metadata"} <= set(verify_checkpoint(step16))
+    tp = make_cfg(core_tiny_data, tmp_path / "tp" / "out", **RUN, **TP)
+    resume_from(step16, tp)
+    out = wait_ok(torchrun(tp))
+    assert f"resuming from {Path(tp.checkpoints) / step16.name}" in out and "written by 1 ranks, resuming on 2" in out
+    diff = max_diff(weights(tp), weights(runs["tp"]))
+    print(f"its step-16 sharded checkpoint resumed under tp=2 vs tp=2: weights {diff:.1e}")
+    assert diff <= WEIGHT_TOL
