@@ -107,7 +107,20 @@ class EvaluateParams(Strict):
     temperature: float = Field(0.8, gt=0.0)
     top_k: PositiveInt | None = 40
     seed: int = 0
-    task_examples: PositiveInt = 200  # held-out GRPO-style questions answered by each model
+    # Held-out GRPO-style questions answered by each model (and as many training prompts); 500+ keeps a 95%
+    # interval of an accuracy within about +-4 points.
+    task_examples: PositiveInt = 500
+    # pass@k: pass_samples replies per held-out question sampled at pass_temperature (no top-k), scored with the
+    # unbiased estimator for pass@1 and pass@pass_k.
+    pass_samples: PositiveInt = 8
+    pass_temperature: float = Field(1.0, gt=0.0)
+    pass_k: PositiveInt = 4
+
+    @model_validator(mode="after")
+    def _pass_k_fits(self) -> "EvaluateParams":
+        if self.pass_k > self.pass_samples:
+            raise ValueError(f"pass_k ({self.pass_k}) must be <= pass_samples ({self.pass_samples})")
+        return self
 
 
 class RegisterParams(Strict):

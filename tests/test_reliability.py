@@ -158,7 +158,8 @@ def test_metrics_compare_across_commits_and_plots_render(tmp_path):
     import json
 
     from conftest import VENV_BIN, make_project, run_ok
-    from tasks.evaluate import write_plot_data
+    from tasks.evaluate import training_curves, write_plot_data
+    from tasks.evaluation_plots import plot_chain, plot_curves
 
     repo = tmp_path / "project"
     env = make_project(repo, tmp_path / "remote", "unused")
@@ -173,9 +174,12 @@ def test_metrics_compare_across_commits_and_plots_render(tmp_path):
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
         (out / "metrics.json").write_text(json.dumps(metrics))
-        (out / "samples.md").write_text("s")
-        (out / "evaluation.md").write_text("e")
-        write_plot_data(repo, ["pretrain"], metrics, out)
+        for name in ("samples.md", "evaluation.md", "items.json", "checks.json"):
+            (out / name).write_text("{}")
+        curves = training_curves(repo, ["pretrain"])
+        write_plot_data(["pretrain"], metrics, curves, out)
+        plot_chain(["pretrain"], metrics, out / "chain.png")
+        plot_curves(curves, out / "curves.png")
         run_ok([VENV_BIN / "dvc", "commit", "-f", "evaluate"], repo, env)
         if step == 1:
             run_ok(["git", "add", "dvc.lock"], repo, env)
@@ -185,7 +189,8 @@ def test_metrics_compare_across_commits_and_plots_render(tmp_path):
     assert change["old"] == 3.0 and change["new"] == 1.5, diff
     plots = json.loads(run_ok([VENV_BIN / "dvc", "plots", "show", "--json"], repo, env))
     assert not plots.get("errors"), plots["errors"]
-    assert {"data/evaluate/curves/pretrain.json", "data/evaluate/chain.json"} <= set(plots["data"]), plots["data"].keys()
+    assert {"data/evaluate/curves/pretrain.json", "data/evaluate/chain.json", "data/evaluate/chain.png",
+            "data/evaluate/curves.png"} <= set(plots["data"]), plots["data"].keys()
 
 
 # --- the quick profile ----------------------------------------------------------------------------------------------
