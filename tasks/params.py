@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from astrai_core.config import (DPOConfig, DPOSettings, GRPOConfig, ModelConfig, RunSettings, TrainConfig,
                                 TwoStageConfig)
 from astrai_core.errors import AstraiError
 from astrai_core.tokenizer import MIN_VOCAB_SIZE
 from tasks.layout import CHAT, DPO_REFERENCE, MODEL_STAGES, PACKED, TOKENIZER, model_dir
+from tasks.metrics import METRICS
 
 
 class Strict(BaseModel):
@@ -125,6 +126,16 @@ class EvaluateParams(Strict):
 
 class RegisterParams(Strict):
     model_name: str = "astrai"
+    # Which model of the chain is registered: the best on this held-out metric (tasks/metrics.py; ties go to the
+    # later stage), and the metric the new version must beat the champion's on to take alias `champion`.
+    metric: str = "task_accuracy"
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, metric: str) -> str:
+        if metric not in METRICS:
+            raise ValueError(f"unknown metric {metric!r}; one of: {', '.join(METRICS)}")
+        return metric
 
 
 class TrackingParams(Strict):

@@ -91,9 +91,8 @@ def _evaluate(params: Params, root: Path) -> None:
 
 def _register(params: Params, root: Path) -> None:
     from tasks.register import register
-    from tasks.training import final_model
 
-    result = register(params, final_model(root), root / EVALUATE / "metrics.json", root / REGISTER, root)
+    result = register(params, root / EVALUATE / "metrics.json", root / REGISTER, root)
     print(json.dumps(result, indent=2))
 
 

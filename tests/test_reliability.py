@@ -376,7 +376,7 @@ def test_two_registrations_at_once_agree_with_the_registry(tmp_path):
 
     def register(version):
         barrier.wait()  # both start together: each reads "no champion" before either moves the alias
-        results[version] = claim_champion(client, "m", version, bpc[version], settle=0.3)
+        results[version] = claim_champion(client, "m", version, "test_bits_per_char", bpc[version], settle=0.3)
 
     threads = [threading.Thread(target=register, args=(v,)) for v in ("1", "2")]
     for t in threads:
@@ -496,10 +496,10 @@ def test_register_logs_the_model_without_warnings_or_progress_bars(tmp_path, cor
     cfg = TrainConfig.model_validate(dict(
         model=dict(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32),
         optim=dict(lr=1e-2, min_lr=1e-3, warmup_steps=2), train_data=str(core_tiny_data["train"]),
-        tokenizer=str(core_tiny_data["tokenizer"]), out_dir=str(tmp_path / "ckpt"), seq_len=32, batch_size=8,
-        max_steps=3, log_every=1, device="cpu"))
+        tokenizer=str(core_tiny_data["tokenizer"]), out_dir=str(tmp_path / "data" / "pretrain"), seq_len=32,
+        batch_size=8, max_steps=3, log_every=1, device="cpu"))
     train(cfg)
-    (tmp_path / "metrics.json").write_text(json.dumps({"test_bits_per_char": 2.0}))
+    (tmp_path / "metrics.json").write_text(json.dumps({"pretrain/task_accuracy": 0.5}))
     previous = mlflow.get_tracking_uri()
     params = Params(register={"model_name": "quiet"})
     try:
@@ -507,7 +507,7 @@ def test_register_logs_the_model_without_warnings_or_progress_bars(tmp_path, cor
         capfd.readouterr()
         with warnings.catch_warnings(record=True) as caught, mlflow.start_run():
             warnings.simplefilter("always")
-            register(params, tmp_path / "ckpt", tmp_path / "metrics.json", tmp_path / "register", tmp_path)
+            register(params, tmp_path / "metrics.json", tmp_path / "register", tmp_path)
         model = mlflow.pyfunc.load_model("models:/quiet@champion")
         assert model.metadata.get_params_schema() is not None  # the params are part of the signature
         assert isinstance(model.predict(["the king"], params={"max_new_tokens": 3})[0], str)
