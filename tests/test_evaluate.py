@@ -249,3 +249,16 @@ def test_evaluate_stage_reports_intervals_and_flags_a_stage_that_did_not_improve
     assert [r["model"] for r in json.loads((ev / "chain.json").read_text())] == ["pretrain", "sft"]
     assert len(json.loads((ev / "curves" / "sft.json").read_text())) == 8
 
+
+def test_the_prefect_artifact_embeds_the_plots_as_data_uris(tmp_path):
+    import base64
+
+    from flows.pipeline import embed_images
+
+    png = b"\x89PNG\r\n\x1a\n" + bytes(range(40))
+    (tmp_path / "chain.png").write_bytes(png)
+    out = embed_images("# t\n\n![Each metric](chain.png)\n\n![missing](gone.png)\n", tmp_path)
+    prefix = "![Each metric](data:image/png;base64,"
+    assert prefix in out and "![missing](gone.png)" in out  # a missing file stays a plain link
+    encoded = out.split(prefix)[1].split(")")[0]
+    assert base64.b64decode(encoded) == png
