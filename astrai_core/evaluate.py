@@ -1,8 +1,8 @@
 """Held-out metrics: language modeling (loss, perplexity and bits per character, with a unigram baseline) and the
 chat models' (held-out SFT loss, preference accuracy, task accuracy, pass@k); `forward` and `token_loss_total` are
-also what training validates with. And their uncertainty: the 95% intervals (Wilson for an accuracy, a normal
-interval for a mean of per-item scores, Newcombe's paired interval for the difference of two models' accuracies
-on the same items), the one place they are computed.
+also what training validates with. And their uncertainty: the 95% intervals (Wilson's for an accuracy or a mean
+per-item score, Newcombe's paired interval for the difference of two models' accuracies on the same items), the one
+place they are computed.
 
 Bits per character (total negative log-likelihood in bits / number of characters) compares models with
 different tokenizers; per-token loss does not.
@@ -71,26 +71,19 @@ def summarize(nll: float, n_tokens: int, n_chars: int) -> dict[str, float]:
 Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: two-sided 95% intervals
 
 
-def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
     """Wilson score interval of a proportion successes / n (Wilson 1927). Unlike the Wald interval p +- z*se, it
-    stays inside [0, 1] and keeps its coverage near 0 and 1: with 0 of n right it is [0, z^2 / (n + z^2)]."""
+    stays inside [0, 1] and keeps its coverage near 0 and 1: with 0 of n right it is [0, z^2 / (n + z^2)].
+
+    `successes` may be a sum of per-item scores in [0, 1] (pass@k per question): the interval of their mean is
+    then conservative, since a score in [0, 1] with mean p varies at most as much as a right/wrong answer, p(1-p);
+    and unlike a normal interval it does not shrink to a point when every score is 0."""
     assert 0 <= successes <= n and n > 0, (successes, n)
     p = successes / n
     denominator = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denominator
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
     return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))  # contains p despite rounding (k = n)
-
-
-def mean_interval(scores: Sequence[float], z: float = Z95) -> tuple[float, float]:
-    """Normal interval of the mean of per-item scores in [0, 1] (e.g. pass@k): mean +- z * sd / sqrt(n), clipped
-    to [0, 1]. Fine for hundreds of items; a single item gives the whole [0, 1]."""
-    x = np.asarray(scores, dtype=np.float64)
-    assert x.size > 0
-    if x.size == 1:
-        return 0.0, 1.0
-    half = z * x.std(ddof=1) / math.sqrt(x.size)
-    return max(0.0, x.mean() - half), min(1.0, x.mean() + half)
 
 
 def paired_difference(before: Sequence[bool], after: Sequence[bool], z: float = Z95) -> tuple[float, float, float]:

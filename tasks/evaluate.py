@@ -6,7 +6,7 @@ conversations (assistant tokens), task accuracy on held-out GRPO-style questions
 overall and per task family when the records name one), pass@1 and pass@k of sampled replies to them, preference
 accuracy on held-out DPO pairs (chosen more likely than rejected), and the task accuracy on as many training
 prompts (not held out) to tell "learned nothing" from "did not transfer". Every accuracy has its 95% Wilson
-interval and its item count; pass@k a normal interval over the questions (astrai_core/evaluate.py).
+interval and its item count, pass@k the Wilson interval of its mean over the questions (astrai_core/evaluate.py).
 
 Checks: each post-training stage against its starting model, the model before it in the chain (a disabled stage
 passes its model on, so it is skipped here too), on the same items. A stage must raise its target metric (TARGETS)
@@ -40,8 +40,8 @@ from astrai_core.chat import load_chat
 from astrai_core.checkpoint import load_model
 from astrai_core.data import PackedTokens
 from astrai_core.errors import AstraiError
-from astrai_core.evaluate import (answer_questions, masked_token_loss, mean_interval, paired_difference, pass_at_k,
-                                  preference_margins, sequence_nll, summarize, unigram_nll, wilson_interval)
+from astrai_core.evaluate import (answer_questions, masked_token_loss, paired_difference, pass_at_k, preference_margins,
+                                  sequence_nll, summarize, unigram_nll, wilson_interval)
 from astrai_core.generate import generate_text
 from astrai_core.io import atomic_path, sha256_file, write_json
 from astrai_core.rewards import exact_answer, valid_option
@@ -138,8 +138,8 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> tuple[dict, list[Chec
                 right["valid_answer_rate"] = [valid_option(c, q) for c, q in zip(replies, questions)]
                 sampled = answer_questions(model, chat, questions, max_new, samples=p.pass_samples,
                                            temperature=p.pass_temperature, seed=p.seed)
-                items.setdefault("pass_correct", {})[stage] = [sum(int(exact_answer(c, q)) for c in replies)
-                                                               for replies, q in zip(sampled, questions)]
+                items.setdefault("pass_correct", {})[stage] = [sum(int(exact_answer(c, q)) for c in replies_to_q)
+                                                               for replies_to_q, q in zip(sampled, questions)]
                 m |= pass_metrics(items["pass_correct"][stage], p.pass_samples, p.pass_k)
                 m |= family_accuracies(right["task_accuracy"], [q.get("task") for q in questions])
             if train_questions:
@@ -159,8 +159,8 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> tuple[dict, list[Chec
         metrics |= {"pass_samples": p.pass_samples, "pass_k": p.pass_k, "pass_temperature": p.pass_temperature}
     for name, count in metrics.items():
         if name.startswith("n/") and "." not in name and count < MIN_ITEMS:
-            print(f"WARNING: evaluate: {name[2:]} counts only {count} held-out items (fewer than {MIN_ITEMS}): "
-                  "its interval is wide", flush=True)
+            print(f"WARNING: evaluate: {name[2:]} counts only {count} items (fewer than {MIN_ITEMS}): its interval "
+                  "is wide", flush=True)
 
     checks = stage_checks(models, items, metrics)
     metrics["flags"] = sum(not c.passed for c in checks)
@@ -194,11 +194,12 @@ def accuracy(name: str, right: Sequence[bool]) -> dict[str, float]:
 
 def pass_metrics(correct: Sequence[int], samples: int, k: int) -> dict[str, float]:
     """pass@1 and pass@k: the unbiased estimate per question from its `samples` replies of which `correct` were
-    right, averaged over questions, each with a 95% normal interval over questions."""
+    right, averaged over questions, each with the 95% Wilson interval of that mean (conservative, see
+    wilson_interval)."""
     out = {}
     for name, kk in (("pass_at_1", 1), ("pass_at_k", k)):
         per_question = [pass_at_k(samples, c, kk) for c in correct]
-        low, high = mean_interval(per_question)
+        low, high = wilson_interval(sum(per_question), len(per_question))
         out |= {name: float(np.mean(per_question)), f"{name}_low": low, f"{name}_high": high}
     return out
 
@@ -218,7 +219,7 @@ def item_counts(questions: list[dict], items: dict) -> dict[str, int]:
     families = [q.get("task") for q in questions]
     counts |= {f"n/task_accuracy.{f}": families.count(f) for f in sorted({f for f in families if f})}
     if "pass_correct" in items:
-        counts["n/pass_at_k"] = len(questions)
+        counts |= {"n/pass_at_1": len(questions), "n/pass_at_k": len(questions)}
     return counts
 
 
@@ -278,7 +279,7 @@ def evaluation_markdown(metrics: dict, models: list[str], checks: list[Check]) -
     elif checks:
         lines += ["Every stage beat its starting model on its target metric; no flags.", ""]
     shown = [k for k in METRICS if any(f"{s}/{k}" in metrics for s in models)]
-    lines += ["Each cell: value [95% interval] (Wilson for accuracies; normal over questions for pass@k).", "",
+    lines += ["Each cell: value [95% interval] (Wilson's; for pass@k, of its mean over the questions).", "",
               "| model | " + " | ".join(_label(k, metrics) for k in shown) + " |", "|---" * (len(shown) + 1) + "|"]
     lines += [f"| {s} | " + " | ".join(_cell(metrics, f"{s}/{k}") for k in shown) + " |" for s in models]
     lines += ["", f"Unigram baseline: {metrics['unigram_bits_per_char']:.4f} bits/char. "

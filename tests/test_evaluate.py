@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from astrai_core.evaluate import (Z95, mean_interval, paired_difference, pass_at_k, sequence_nll, summarize,
-                                  unigram_nll, wilson_interval)
+from astrai_core.evaluate import (Z95, paired_difference, pass_at_k, sequence_nll, summarize, unigram_nll,
+                                  wilson_interval)
+from tasks.evaluate import pass_metrics
 from tasks.evaluate import Check, evaluation_markdown, flag_tags, stage_checks
 from test_posttrain import MODEL, chat_setup  # noqa: F401  (a module fixture: tokenizer, chat files, random model)
 
@@ -92,12 +93,14 @@ def test_pass_at_k_unbiased_estimator():
     assert pass_at_k(8, 5, 4) == 1.0  # fewer than k wrong samples: any k of them hold a right one
 
 
-def test_mean_interval_is_the_normal_interval_of_the_mean():
-    # mean 0.5, sample sd sqrt(1/15) = 0.2582, half-width 1.96 * 0.2582 / 2
-    low, high = mean_interval([0.2, 0.4, 0.6, 0.8])
-    half = Z95 * (1 / 15) ** 0.5 / 2
-    assert (low, high) == pytest.approx((0.5 - half, 0.5 + half))
-    assert mean_interval([0.0, 1.0, 0.0, 1.0]) == (0.0, 1.0)  # clipped to [0, 1]
+def test_pass_at_k_means_and_their_wilson_interval():
+    # 3 questions, 4 samples each, right 0, 2 and 4 times: pass@1 = (0 + 1/2 + 1) / 3, pass@2 = (0 + 5/6 + 1) / 3
+    m = pass_metrics([0, 2, 4], samples=4, k=2)
+    assert m["pass_at_1"] == pytest.approx(0.5) and m["pass_at_k"] == pytest.approx(11 / 18)
+    assert (m["pass_at_k_low"], m["pass_at_k_high"]) == pytest.approx(wilson_interval(11 / 6, 3))
+    # Never right: the interval still allows what 500 questions cannot rule out (not a point at 0).
+    m = pass_metrics([0] * 500, samples=8, k=4)
+    assert m["pass_at_1"] == 0 and m["pass_at_k_high"] == pytest.approx(Z95 ** 2 / (500 + Z95 ** 2))
 
 
 def _paired(both: int, only_after: int, only_before: int, neither: int) -> tuple[list[int], list[int]]:
