@@ -68,10 +68,13 @@ def _print_summary(result: dict) -> None:
     else:
         print(f"MLflow run:       {result['mlflow_parent_run_id']}  (open: make mlflow-ui)")
     print(f"registered model: {reg['model_uri']}  aliases: {', '.join(reg['aliases'])}")
+    print(f"registered stage: {reg['stage']} (the chain's best on {reg['metric']}: register.metric)")
     print(f"decision:         {reg['decision']}")
     print(f"test bits/char:   {m['test_bits_per_char']:.4f}  (unigram baseline {m['unigram_bits_per_char']:.4f})")
     print(f"test loss / ppl:  {m['test_loss']:.4f} / {m['test_perplexity']:.2f}  (final model: {m['final_model']})")
     print(f"samples:          {result['samples']}")
+    print(f"plots:            {Path(result['samples']).with_name('chain.png')}, "
+          f"{Path(result['samples']).with_name('curves.png')}")
     evaluation = Path(result["samples"]).with_name("evaluation.md")
     if evaluation.is_file():
         print(evaluation.read_text())

@@ -11,6 +11,7 @@ Run locally: `astrai pipeline` (or `python -m flows.pipeline`). As a deployment:
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -62,7 +63,8 @@ def run_dvc_stage(stage: str, project_dir: str, env: dict[str, str]) -> str | St
         nonlocal skipped
         skipped |= "didn't change, skipping" in line
         if line.strip() and not DVC_GIT_HINT.match(line.strip()):
-            logger.info(line)
+            # A stage's "WARNING: ..." lines (e.g. evaluate's flags) at warning level: they stand out in the UI.
+            (logger.warning if line.lstrip().startswith("WARNING") else logger.info)(line)
 
     try:
         stream_process(dvc_command() + ["repro", "--single-item", stage], env=env, cwd=project_dir,
@@ -196,10 +198,28 @@ def _run_stages(root: Path) -> dict[str, Any]:
 
 
 def _publish_evaluation(root: Path) -> None:
-    table = (root / S.EVALUATE / "evaluation.md").read_text()
-    samples = (root / S.EVALUATE / "samples.md").read_text()
+    folder = root / S.EVALUATE
+    table = embed_images((folder / "evaluation.md").read_text(), folder)
+    samples = (folder / "samples.md").read_text()
     create_markdown_artifact(key="evaluation", markdown=f"{table}\n{samples}",
-                             description="Every model of the chain on held-out data, and samples")
+                             description="Every model of the chain on held-out data, with intervals, flags, plots "
+                                         "and samples")
+
+
+LOCAL_IMAGE = re.compile(r"!\[([^\]]*)\]\(([\w.-]+\.png)\)")
+
+
+def embed_images(markdown: str, folder: Path) -> str:
+    """`![alt](name.png)` links to PNGs in `folder` -> data URIs. Prefect keeps an artifact's markdown in its
+    database and serves no files, but its UI renders a markdown image as <img src=...> as given, so an image
+    embedded as base64 shows in the flow run's Artifacts tab (the two plots are ~50-100 KB each)."""
+    def data_uri(match: re.Match) -> str:
+        path = folder / match[2]
+        if not path.is_file():
+            return match[0]
+        return f"![{match[1]}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode('ascii')})"
+
+    return LOCAL_IMAGE.sub(data_uri, markdown)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,27 @@
-"""Stage `evaluate`: every trained model of the chain (pretrain, sft, dpo, grpo) side by side on held-out data.
+"""Stage `evaluate`: every trained model of the chain (pretrain, sft, dpo, grpo) side by side on held-out data, each
+number with its uncertainty, and a check of whether each stage did what it is for.
 
 Per model: test-split bits per character (language modeling, next to a unigram baseline), SFT loss on held-out
-conversations (assistant tokens), task accuracy on held-out GRPO-style questions (greedy reply exactly right) and
-preference accuracy on held-out DPO pairs (chosen more likely than rejected). Held-out records come from the
-corpus's test plays, whose characters no training record names; the task accuracy on (not held-out) training
-prompts is reported beside it to show what the stages learned in-distribution. metrics.json holds them as
-`<stage>/<metric>` plus the final model's language-modeling metrics under their plain names (what register
-compares); evaluation.md is the table; samples.md has the final model's text and each model's answers.
-For `dvc plots show` / `dvc plots diff` (dvc.yaml's `plots:`): chain.json has one row per model, and
-curves/<stage>.json each training stage's loss curve (DVC plots read JSON, not the stages' metrics.jsonl).
+conversations (assistant tokens), task accuracy on held-out GRPO-style questions (greedy reply exactly right;
+overall and per task family when the records name one), pass@1 and pass@k of sampled replies to them, preference
+accuracy on held-out DPO pairs (chosen more likely than rejected), and the task accuracy on as many training
+prompts (not held out) to tell "learned nothing" from "did not transfer". Every accuracy has its 95% Wilson
+interval and its item count, pass@k the Wilson interval of its mean over the questions (astrai_core/evaluate.py).
+
+Checks: each post-training stage against its starting model, the model before it in the chain (a disabled stage
+passes its model on, so it is skipped here too), on the same items. A stage must raise its target metric (TARGETS)
+beyond the interval: the 95% interval of the paired difference of per-item correctness (Newcombe's, see
+astrai_core.evaluate.paired_difference) lies above 0; and must not lower a metric it should keep beyond it (the
+interval lies below 0). The final model's test bits/char must be within 5% of the pretrained model's (no
+forgetting). A failed check is a flag, never hidden: a WARNING line in this stage's log (the flow's task log), a
+tag `astrai.flag.<stage>` on the evaluate stage's MLflow run (tasks/stages.py), and a mark in evaluation.md.
+
+Outputs in data/evaluate: metrics.json (`<stage>/<metric>`, `<stage>/<metric>_low` and `_high` for the interval,
+`n/<metric>` items counted, and the final model's language-modeling metrics under their plain names), items.json
+(each model's per-item results, what the paired comparisons read), checks.json, evaluation.md, samples.md (the final
+model's text and each model's answers), chain.png (each metric across the chain with its intervals), curves.png
+(each stage's training curves); and for `dvc plots show` (dvc.yaml's `plots:`; DVC plots read JSON, not the
+stages' metrics.jsonl): chain.json, one row per model, and curves/<stage>.json, each stage's loss curve.
 
 Alone: `astrai stage evaluate` (what dvc.yaml runs).
 """
@@ -16,7 +29,9 @@ Alone: `astrai stage evaluate` (what dvc.yaml runs).
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -25,33 +40,69 @@ from astrai_core.chat import load_chat
 from astrai_core.checkpoint import load_model
 from astrai_core.data import PackedTokens
 from astrai_core.errors import AstraiError
-from astrai_core.evaluate import (masked_token_loss, preference_accuracy, sequence_nll, summarize, task_accuracy,
-                                  unigram_nll)
+from astrai_core.evaluate import (answer_questions, masked_token_loss, paired_difference, pass_at_k, preference_margins,
+                                  sequence_nll, summarize, unigram_nll, wilson_interval)
 from astrai_core.generate import generate_text
 from astrai_core.io import atomic_path, sha256_file, write_json
+from astrai_core.rewards import exact_answer, valid_option
+from tasks.layout import CHAT, PACKED
+from tasks.metrics import METRICS
 from tasks.params import Params
 from tasks.training import MODEL_STAGES, final_model, model_dir
 
-TABLE = [("test_bits_per_char", "test bits/char", "lower"), ("sft_test_loss", "SFT test loss", "lower"),
-         ("task_accuracy", "task accuracy", "higher"), ("valid_answer_rate", "valid answer", "higher"),
-         ("preference_accuracy", "preference accuracy", "higher"),
-         ("train_task_accuracy", "task accuracy on training prompts", "higher")]
+# What each post-training stage is for: the metric it must raise beyond the interval, and those it must not lower
+# beyond it, against its starting model.
+TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "sft": ("task_accuracy", ()),
+    "dpo": ("preference_accuracy", ("task_accuracy",)),
+    "grpo": ("task_accuracy", ()),
+}
+MAX_FORGETTING = 0.05  # the final model's test bits/char may exceed the pretrained model's by at most this share
+MIN_ITEMS = 500  # fewer held-out items than this per metric is reported as a warning: intervals get wide
 
 
-def evaluate(params: Params, root: Path, out_dir: Path) -> dict:
-    """Writes out_dir/{metrics.json, evaluation.md, samples.md}; returns the metrics."""
+@dataclass
+class Check:
+    """One model against its starting model on one metric. rule: "raise" (the paired 95% interval of the difference
+    lies above 0), "keep" (it does not lie below 0) or "forget" (difference: the relative change of test bits/char,
+    at most MAX_FORGETTING)."""
+
+    stage: str
+    start: str
+    metric: str
+    rule: str
+    difference: float
+    low: float | None
+    high: float | None
+    passed: bool
+
+    def describe(self) -> str:
+        if self.rule == "forget":
+            verdict = "within" if self.passed else "forgets: beyond"
+            return (f"{self.stage} (final model) {verdict} {MAX_FORGETTING:.0%} of {self.start}'s test bits/char: "
+                    f"{self.difference:+.1%}")
+        interval = f"{self.difference:+.4f} (95% interval {self.low:+.4f} to {self.high:+.4f})"
+        if self.rule == "raise":
+            verdict = "beat" if self.passed else "did not beat"
+            return f"{self.stage} {verdict} its starting model {self.start} on {self.metric}: {interval}"
+        verdict = "kept" if self.passed else "lowered beyond the interval"
+        return f"{self.stage} {verdict} {self.metric} against its starting model {self.start}: {interval}"
+
+
+def evaluate(params: Params, root: Path, out_dir: Path) -> tuple[dict, list[Check]]:
+    """Writes out_dir (see the module's docstring); returns (metrics, checks)."""
     p = params.evaluate
-    chat_dir = root / "data" / "chat"
+    chat_dir = root / CHAT
     models = [s for s in MODEL_STAGES if (model_dir(root, s) / "model.safetensors").is_file()]
     if not models:
         raise AstraiError(f"{model_dir(root, 'pretrain')}: no trained model; run the pretrain stage first")
     final = final_model(root).name
     tokens, n_chars, tok = None, None, None
-    grpo_test = _read_jsonl(chat_dir / "grpo_test.jsonl")[: p.task_examples]
-    # Not held out: the same number of GRPO training prompts, to tell "learned nothing" from "did not transfer
-    # to the unseen plays' characters".
-    grpo_train = _read_jsonl(chat_dir / "grpo_train.jsonl")[: p.task_examples]
+    questions = _read_jsonl(chat_dir / "grpo_test.jsonl")[: p.task_examples]
+    # Not held out: as many GRPO training prompts, to tell "learned nothing" from "did not transfer".
+    train_questions = _read_jsonl(chat_dir / "grpo_train.jsonl")[: p.task_examples]
     metrics: dict = {"final_model": final}
+    items: dict[str, dict[str, list[int]]] = {}  # metric -> model -> per-item result (1 right, 0 wrong; pass: count)
     answers: dict[str, list[str]] = {}
     for i, stage in enumerate(models, 1):
         print(f"evaluate: model {i}/{len(models)}: {stage}", flush=True)  # minutes of work: say where it is
@@ -60,62 +111,232 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> dict:
         tok_sha = sha256_file(ckpt / "tokenizer.json")
         torch.manual_seed(p.seed)
         if tokens is None:
-            with PackedTokens(root / "data" / "packed" / "test.h5", expected_tokenizer_sha256=tok_sha) as test:
+            with PackedTokens(root / PACKED / "test.h5", expected_tokenizer_sha256=tok_sha) as test:
                 tokens = np.asarray(test.tokens[: p.max_tokens] if p.max_tokens else test.tokens[:])
             if len(tokens) < 2:
-                raise AstraiError(f"{root / 'data/packed/test.h5'}: the test split has fewer than 2 tokens")
+                raise AstraiError(f"{root / PACKED / 'test.h5'}: the test split has fewer than 2 tokens")
             n_chars = len(tok.decode(tokens[1:].tolist(), skip_special_tokens=True))  # characters predicted
         print(f"evaluate: {stage}: bits/char on {len(tokens):,} test tokens", flush=True)
         nll, n = sequence_nll(model, tokens, cfg.max_seq_len, p.batch_size)
         m = {f"test_{k}": v for k, v in summarize(nll, n, n_chars).items()}
         if chat_dir.is_dir():
-            print(f"evaluate: {stage}: held-out SFT loss, preference pairs, {len(grpo_test)} + {len(grpo_train)} "
-                  "questions", flush=True)
+            print(f"evaluate: {stage}: held-out SFT loss, preference pairs, {len(questions)} + "
+                  f"{len(train_questions)} questions, {p.pass_samples} samples of each held-out one", flush=True)
             m["sft_test_loss"] = masked_token_loss(model, str(chat_dir / "sft_test.h5"), tok_sha,
                                                    params.pretrain.seq_len, p.batch_size)
-            m |= preference_accuracy(model, str(chat_dir / "dpo_test.h5"), tok_sha)
+            right = {}  # metric -> per-item correctness
+            margins = preference_margins(model, str(chat_dir / "dpo_test.h5"), tok_sha)
+            if len(margins):
+                right["preference_accuracy"] = margins > 0
+                m["preference_margin"] = float(margins.mean())
             chat = load_chat(ckpt / "tokenizer.json")
-            task, answers[stage] = task_accuracy(model, chat, grpo_test, params.grpo.max_new_tokens)
-            m |= task
-            m["train_task_accuracy"] = task_accuracy(model, chat, grpo_train, params.grpo.max_new_tokens)[0]["task_accuracy"]
+            max_new = params.grpo.max_new_tokens
+            if questions:
+                replies = [r[0] for r in answer_questions(model, chat, questions, max_new)]
+                answers[stage] = replies
+                right["task_accuracy"] = [exact_answer(c, q) for c, q in zip(replies, questions)]
+                right["valid_answer_rate"] = [valid_option(c, q) for c, q in zip(replies, questions)]
+                sampled = answer_questions(model, chat, questions, max_new, samples=p.pass_samples,
+                                           temperature=p.pass_temperature, seed=p.seed)
+                items.setdefault("pass_correct", {})[stage] = [sum(int(exact_answer(c, q)) for c in replies_to_q)
+                                                               for replies_to_q, q in zip(sampled, questions)]
+                m |= pass_metrics(items["pass_correct"][stage], p.pass_samples, p.pass_k)
+                m |= family_accuracies(right["task_accuracy"], [q.get("task") for q in questions])
+            if train_questions:
+                replies = [r[0] for r in answer_questions(model, chat, train_questions, max_new)]
+                right["train_task_accuracy"] = [exact_answer(c, q) for c, q in zip(replies, train_questions)]
+            for name, results in right.items():
+                m |= accuracy(name, results)
+                items.setdefault(name, {})[stage] = [int(bool(r)) for r in results]
         metrics |= {f"{stage}/{k}": v for k, v in m.items()}
         if stage == final:
             metrics |= {k: v for k, v in m.items() if k.startswith("test_")}
             samples = _samples(params, model, tok)
     base = summarize(unigram_nll(tokens, cfg.vocab_size)[0], n, n_chars)
     metrics |= {f"unigram_{k}": v for k, v in base.items()} | {"test_tokens": n, "test_chars": n_chars}
+    metrics |= item_counts(questions, items)
+    if questions:
+        metrics |= {"pass_samples": p.pass_samples, "pass_k": p.pass_k, "pass_temperature": p.pass_temperature}
+    for name, count in metrics.items():
+        if name.startswith("n/") and "." not in name and count < MIN_ITEMS:
+            print(f"WARNING: evaluate: {name[2:]} counts only {count} items (fewer than {MIN_ITEMS}): its interval "
+                  "is wide", flush=True)
+
+    checks = stage_checks(models, items, metrics)
+    metrics["flags"] = sum(not c.passed for c in checks)
+    for check in checks:
+        print(("evaluate: " if check.passed else "WARNING: evaluate: ") + check.describe(), flush=True)
+
+    from tasks.evaluation_plots import plot_chain, plot_curves
 
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
         write_json(tmp / "metrics.json", metrics)
-        (tmp / "evaluation.md").write_text(evaluation_table(metrics, models))
-        (tmp / "samples.md").write_text(samples + _answers(grpo_test, answers))
-        write_plot_data(root, models, metrics, tmp)
-    return metrics
+        write_json(tmp / "items.json", items | {"task_family": [q.get("task") for q in questions]})
+        write_json(tmp / "checks.json", [asdict(c) for c in checks])
+        (tmp / "evaluation.md").write_text(evaluation_markdown(metrics, models, checks))
+        (tmp / "samples.md").write_text(samples + _answers(questions, answers))
+        curves = training_curves(root, models)
+        write_plot_data(models, metrics, curves, tmp)
+        plot_chain(models, metrics, tmp / "chain.png")
+        plot_curves(curves, tmp / "curves.png")
+    return metrics, checks
 
 
-def write_plot_data(root: Path, models: list[str], metrics: dict, out_dir: Path) -> None:
+# ---- metrics with their intervals ---------------------------------------------------------------------------------
+
+def accuracy(name: str, right: Sequence[bool]) -> dict[str, float]:
+    """{name, name_low, name_high}: the share of items right and its 95% Wilson interval."""
+    k, n = int(sum(bool(r) for r in right)), len(right)
+    low, high = wilson_interval(k, n)
+    return {name: k / n, f"{name}_low": low, f"{name}_high": high}
+
+
+def pass_metrics(correct: Sequence[int], samples: int, k: int) -> dict[str, float]:
+    """pass@1 and pass@k: the unbiased estimate per question from its `samples` replies of which `correct` were
+    right, averaged over questions, each with the 95% Wilson interval of that mean (conservative, see
+    wilson_interval)."""
+    out = {}
+    for name, kk in (("pass_at_1", 1), ("pass_at_k", k)):
+        per_question = [pass_at_k(samples, c, kk) for c in correct]
+        low, high = wilson_interval(sum(per_question), len(per_question))
+        out |= {name: float(np.mean(per_question)), f"{name}_low": low, f"{name}_high": high}
+    return out
+
+
+def family_accuracies(right: Sequence[bool], families: Sequence[str | None]) -> dict[str, float]:
+    """task_accuracy.<family> (with its interval) for each task family the records name ("task")."""
+    out = {}
+    for family in sorted({f for f in families if f}):
+        out |= accuracy(f"task_accuracy.{family}", [r for r, f in zip(right, families) if f == family])
+    return out
+
+
+def item_counts(questions: list[dict], items: dict) -> dict[str, int]:
+    """n/<metric>: how many items each accuracy counts (the same for every model)."""
+    counts = {f"n/{name}": len(next(iter(per_model.values()))) for name, per_model in items.items()
+              if name != "pass_correct"}
+    families = [q.get("task") for q in questions]
+    counts |= {f"n/task_accuracy.{f}": families.count(f) for f in sorted({f for f in families if f})}
+    if "pass_correct" in items:
+        counts |= {"n/pass_at_1": len(questions), "n/pass_at_k": len(questions)}
+    return counts
+
+
+def stage_checks(models: list[str], items: dict[str, dict[str, list[int]]], metrics: dict) -> list[Check]:
+    """Each post-training model against the model before it in the chain (TARGETS), and the final model's
+    forgetting against the pretrained model."""
+    checks = []
+    for start, stage in zip(models, models[1:]):
+        target, kept = TARGETS[stage]
+        for metric in (target, *kept):
+            if stage not in items.get(metric, {}):
+                continue
+            difference, low, high = paired_difference(items[metric][start], items[metric][stage])
+            raise_ = metric == target
+            checks.append(Check(stage, start, metric, "raise" if raise_ else "keep", difference, low, high,
+                                passed=low > 0 if raise_ else high >= 0))
+    final = metrics["final_model"]
+    if final != "pretrain" and "pretrain" in models:
+        change = metrics[f"{final}/test_bits_per_char"] / metrics["pretrain/test_bits_per_char"] - 1
+        checks.append(Check(final, "pretrain", "test_bits_per_char", "forget", change, None, None,
+                            passed=change <= MAX_FORGETTING))
+    return checks
+
+
+def flag_tags(checks: list[Check]) -> dict[str, str]:
+    """The evaluate run's MLflow tags for the failed checks: astrai.flag.<stage> = what failed (one line)."""
+    tags: dict[str, str] = {}
+    for c in checks:
+        if not c.passed:
+            key = f"astrai.flag.{c.stage}"
+            tags[key] = f"{tags[key]}; {c.describe()}" if key in tags else c.describe()
+    return tags
+
+
+# ---- reports --------------------------------------------------------------------------------------------------
+
+def _cell(metrics: dict, key: str) -> str:
+    if key not in metrics:
+        return "-"
+    if f"{key}_low" not in metrics:
+        return f"{metrics[key]:.4f}"
+    return f"{metrics[key]:.3f} [{metrics[key + '_low']:.3f}, {metrics[key + '_high']:.3f}]"
+
+
+def _label(metric: str, metrics: dict) -> str:
+    label = METRICS[metric][0].replace("pass@k", f"pass@{metrics.get('pass_k', 'k')}")
+    n = metrics.get(f"n/{metric}")
+    return f"{label} ({METRICS[metric][1]} is better{f', n={n}' if n else ''})"
+
+
+def evaluation_markdown(metrics: dict, models: list[str], checks: list[Check]) -> str:
+    flags = [c for c in checks if not c.passed]
+    lines = ["# Evaluation on held-out data", ""]
+    if flags:
+        lines += [f"**⚠ {len(flags)} flag{'s' if len(flags) > 1 else ''}:**", ""]
+        lines += [f"* ⚠ **FLAG** {c.describe()}" for c in flags] + [""]
+    elif checks:
+        lines += ["Every stage beat its starting model on its target metric; no flags.", ""]
+    shown = [k for k in METRICS if any(f"{s}/{k}" in metrics for s in models)]
+    lines += ["Each cell: value [95% interval] (Wilson's; for pass@k, of its mean over the questions).", "",
+              "| model | " + " | ".join(_label(k, metrics) for k in shown) + " |", "|---" * (len(shown) + 1) + "|"]
+    lines += [f"| {s} | " + " | ".join(_cell(metrics, f"{s}/{k}") for k in shown) + " |" for s in models]
+    lines += ["", f"Unigram baseline: {metrics['unigram_bits_per_char']:.4f} bits/char. "
+              f"Final model: {metrics['final_model']}."]
+    if "pass_k" in metrics:
+        lines += ["", f"pass@1 and pass@{metrics['pass_k']}: {metrics['pass_samples']} replies sampled per held-out "
+                  f"question at temperature {metrics['pass_temperature']}, scored with the unbiased estimator "
+                  "1 - C(n-c, k) / C(n, k) and averaged over questions."]
+    families = sorted(k.removeprefix("n/task_accuracy.") for k in metrics if k.startswith("n/task_accuracy."))
+    if families:
+        lines += ["", "## Task accuracy per task family (greedy, 95% Wilson interval)", "",
+                  "| model | " + " | ".join(f"{f} (n={metrics['n/task_accuracy.' + f]})" for f in families) + " |",
+                  "|---" * (len(families) + 1) + "|"]
+        lines += [f"| {s} | " + " | ".join(_cell(metrics, f"{s}/task_accuracy.{f}") for f in families) + " |"
+                  for s in models]
+    if checks:
+        lines += ["", "## Did each stage beat its starting model?", "",
+                  "Rule: each post-training stage is compared with its starting model (the previous enabled stage's) "
+                  "on the same held-out items. It beat it when the 95% interval of the paired difference of per-item "
+                  "correctness (Newcombe's hybrid score interval for paired proportions) lies entirely above 0; a "
+                  "metric it must keep is lowered when that interval lies entirely below 0. The final model's test "
+                  f"bits/char must stay within {MAX_FORGETTING:.0%} of the pretrained model's.", "",
+                  "| stage | starting model | metric | must | difference | 95% interval | passed |",
+                  "|---|---|---|---|---|---|---|"]
+        must = {"raise": "rise beyond the interval", "keep": "not fall beyond the interval",
+                "forget": f"stay within +{MAX_FORGETTING:.0%}"}
+        for c in checks:
+            diff = f"{c.difference:+.1%}" if c.rule == "forget" else f"{c.difference:+.4f}"
+            interval = "-" if c.low is None else f"[{c.low:+.4f}, {c.high:+.4f}]"
+            lines.append(f"| {c.stage} | {c.start} | {METRICS[c.metric][0]} | {must[c.rule]} | {diff} | {interval} | "
+                         + ("yes |" if c.passed else "**no ⚠ FLAG** |"))
+    lines += ["", "![Each metric across the chain, with its 95% interval](chain.png)", "",
+              "![Training curves of each stage](curves.png)", ""]
+    return "\n".join(lines)
+
+
+# ---- training curves and plot data ----------------------------------------------------------------------------------
+
+def training_curves(root: Path, models: list[str]) -> dict[str, list[dict]]:
+    """Each model's training log (metrics.jsonl rows: step and the logged values)."""
+    curves = {}
+    for stage in models:
+        log = model_dir(root, stage) / "metrics.jsonl"
+        curves[stage] = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] \
+            if log.is_file() else []
+    return curves
+
+
+def write_plot_data(models: list[str], metrics: dict, curves: dict[str, list[dict]], out_dir: Path) -> None:
     """chain.json: each model's held-out metrics, in chain order; curves/<stage>.json: its training loss by step."""
-    chain = [{"model": stage} | {k: metrics[f"{stage}/{k}"] for k, _, _ in TABLE if f"{stage}/{k}" in metrics}
+    chain = [{"model": stage} | {k: metrics[f"{stage}/{k}"] for k in METRICS if f"{stage}/{k}" in metrics}
              for stage in models]
     write_json(out_dir / "chain.json", chain)
     (out_dir / "curves").mkdir()
     for stage in models:
-        log = model_dir(root, stage) / "metrics.jsonl"
-        rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
         write_json(out_dir / "curves" / f"{stage}.json",
-                   [{"step": r["step"], "train/loss": r["train/loss"]} for r in rows if "train/loss" in r])
-
-
-def evaluation_table(metrics: dict, models: list[str]) -> str:
-    head = "| model | " + " | ".join(f"{label} ({better} is better)" for _, label, better in TABLE) + " |"
-    lines = ["# Evaluation on held-out data", "", head, "|---" * (len(TABLE) + 1) + "|"]
-    for stage in models:
-        cells = [f"{metrics[f'{stage}/{k}']:.4f}" if f"{stage}/{k}" in metrics else "-" for k, _, _ in TABLE]
-        lines.append(f"| {stage} | " + " | ".join(cells) + " |")
-    lines += ["", f"Unigram baseline: {metrics['unigram_bits_per_char']:.4f} bits/char. "
-              f"Final model: {metrics['final_model']}.", ""]
-    return "\n".join(lines)
+                   [{"step": r["step"], "train/loss": r["train/loss"]} for r in curves[stage] if "train/loss" in r])
 
 
 def _samples(params: Params, model, tok) -> str:

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from astrai_core.config import (DPOConfig, DPOSettings, GRPOConfig, ModelConfig, RunSettings, TrainConfig,
                                 TwoStageConfig)
 from astrai_core.errors import AstraiError
 from astrai_core.tokenizer import MIN_VOCAB_SIZE
 from tasks.layout import CHAT, DPO_REFERENCE, MODEL_STAGES, PACKED, TOKENIZER, model_dir
+from tasks.metrics import METRICS
 
 
 class Strict(BaseModel):
@@ -109,11 +110,34 @@ class EvaluateParams(Strict):
     temperature: float = Field(0.8, gt=0.0)
     top_k: PositiveInt | None = 40
     seed: int = 0
-    task_examples: PositiveInt = 200  # held-out GRPO-style questions answered by each model
+    # Held-out GRPO-style questions answered by each model (and as many training prompts); 500+ keeps a 95%
+    # interval of an accuracy within about +-4 points.
+    task_examples: PositiveInt = 500
+    # pass@k: pass_samples replies per held-out question sampled at pass_temperature (no top-k), scored with the
+    # unbiased estimator for pass@1 and pass@pass_k.
+    pass_samples: PositiveInt = 8
+    pass_temperature: float = Field(1.0, gt=0.0)
+    pass_k: PositiveInt = 4
+
+    @model_validator(mode="after")
+    def _pass_k_fits(self) -> "EvaluateParams":
+        if self.pass_k > self.pass_samples:
+            raise ValueError(f"pass_k ({self.pass_k}) must be <= pass_samples ({self.pass_samples})")
+        return self
 
 
 class RegisterParams(Strict):
     model_name: str = "astrai"
+    # Which model of the chain is registered: the best on this held-out metric (tasks/metrics.py; ties go to the
+    # later stage), and the metric the new version must beat the champion's on to take alias `champion`.
+    metric: str = "task_accuracy"
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, metric: str) -> str:
+        if metric not in METRICS:
+            raise ValueError(f"unknown metric {metric!r}; one of: {', '.join(METRICS)}")
+        return metric
 
 
 class TrackingParams(Strict):

@@ -1,8 +1,13 @@
-"""Stage `register`: log the checkpoint as an MLflow pyfunc model, register a version, move the aliases.
+"""Stage `register`: pick the chain's best model on one held-out metric, log it as an MLflow pyfunc model,
+register a version, move the aliases.
 
-Every new version gets alias `candidate`. Alias `champion` moves to it only if its test bits per character beat
-the current champion's (or there is none). The model's artifacts are the checkpoint and its Hugging Face export
-(`hf`, see astrai_core/hf.py), so a version loads with transformers too. Alone: `astrai stage register`.
+The metric is `register.metric` in params (tasks/metrics.py says which way is better): the registered model is the
+best of the chain on it in the evaluation's metrics.json (a tie goes to the later stage), not blindly the last one.
+Every new version gets alias `candidate`. Alias `champion` moves to it only if its value of the same metric beats
+the current champion's (or there is no champion, or the champion was registered without that metric). Each version
+is tagged with the metric it was chosen by, the stage that trained it and its held-out metrics. The model's
+artifacts are the checkpoint and its Hugging Face export (`hf`, see astrai_core/hf.py), so a version loads with
+transformers too. Alone: `astrai stage register`.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import astrai_core
 from astrai_core.errors import AstraiError
 from astrai_core.hf import export_hf
 from astrai_core.io import write_json
+from tasks.layout import MODEL_STAGES, model_dir
+from tasks.metrics import METRICS, better
 from tasks.params import Params
 from tasks.tracking import FLOW_RUN_ENV
 
@@ -51,18 +58,34 @@ def dvc_hashes(project_dir: Path) -> dict[str, str]:
     return hashes
 
 
-def champion_bpc(client: mlflow.MlflowClient, name: str) -> tuple[str | None, float | None]:
+def best_model(metrics: dict, metric: str) -> str:
+    """The stage whose model is best on `metric` in the evaluation's metrics (`<stage>/<metric>`); a tie goes to the
+    later stage of the chain."""
+    scored = [s for s in MODEL_STAGES if f"{s}/{metric}" in metrics]
+    if not scored:
+        raise AstraiError(f"register.metric {metric!r}: no model of the chain has it in the evaluation's metrics")
+    best = scored[0]
+    for stage in scored[1:]:
+        if not better(metric, metrics[f"{best}/{metric}"], metrics[f"{stage}/{metric}"]):
+            best = stage
+    return best
+
+
+def champion_value(client: mlflow.MlflowClient, name: str, metric: str) -> tuple[str | None, float | None]:
+    """(version, its tag `metric` as a number) of the current champion; (None, None) without one, and a value of
+    None when the champion was registered without that metric."""
     try:
         champ = client.get_model_version_by_alias(name, "champion")
     except MlflowException:
         return None, None
-    bpc = champ.tags.get("test_bits_per_char")
-    return str(champ.version), (float(bpc) if bpc is not None else None)
+    value = champ.tags.get(metric)
+    return str(champ.version), (float(value) if value is not None else None)
 
 
-def claim_champion(client: mlflow.MlflowClient, name: str, version: str, bpc: float,
+def claim_champion(client: mlflow.MlflowClient, name: str, version: str, metric: str, value: float,
                    settle: float = 0.5) -> tuple[bool, str]:
-    """Move alias `champion` to `version` if its test bpc beats the current champion's; returns (promoted, why).
+    """Move alias `champion` to `version` if its `value` of `metric` beats the current champion's; returns
+    (promoted, why).
 
     Another registration may decide at the same moment (two users, one registry), and MLflow has no
     compare-and-set for aliases. So after moving the alias this waits `settle` s and reads it again: if another
@@ -71,13 +94,13 @@ def claim_champion(client: mlflow.MlflowClient, name: str, version: str, bpc: fl
     """
     compared: tuple[str | None, float | None] = (None, None)
     for _ in range(20):
-        champ_version, champ_bpc = champion_bpc(client, name)
+        champ_version, champ_value = champion_value(client, name, metric)
         if champ_version == version:
-            return True, decision_line(version, bpc, *compared)
-        if champ_bpc is not None and bpc >= champ_bpc:
-            return False, (f"version {version} stays candidate: test bpc {bpc:.4f} does not beat champion version "
-                           f"{champ_version}'s {champ_bpc:.4f}")
-        compared = (champ_version, champ_bpc)
+            return True, decision_line(version, metric, value, *compared)
+        if champ_value is not None and not better(metric, value, champ_value):
+            return False, (f"version {version} stays candidate: {metric} {value:.4f} does not beat champion "
+                           f"version {champ_version}'s {champ_value:.4f}")
+        compared = (champ_version, champ_value)
         try:
             client.set_registered_model_alias(name, "champion", version)
         except MlflowException:  # another registration set it at the same instant (sqlite: unique constraint)
@@ -87,16 +110,28 @@ def claim_champion(client: mlflow.MlflowClient, name: str, version: str, bpc: fl
     raise AstraiError(f"model {name!r}: alias champion keeps moving; another registration is racing this one")
 
 
-def decision_line(version: str, bpc: float, old_version: str | None, old_bpc: float | None) -> str:
-    return (f"version {version} is champion: test bpc {bpc:.4f}"
-            + (f" beats version {old_version}'s {old_bpc:.4f}" if old_bpc is not None else " (no previous champion)"))
+def decision_line(version: str, metric: str, value: float, old_version: str | None, old_value: float | None) -> str:
+    if old_version is None:
+        why = " (no previous champion)"
+    elif old_value is None:
+        why = f" (champion version {old_version} has no {metric} to compare)"
+    else:
+        why = f" beats version {old_version}'s {old_value:.4f}"
+    return f"version {version} is champion: {metric} {value:.4f}{why}"
 
 
-def register(params: Params, checkpoint_dir: Path, metrics_path: Path, out_dir: Path, project_dir: Path) -> dict:
-    """Must run inside an active MLflow run (the stage's). Writes out_dir/registration.json; returns it."""
-    name = params.register.model_name
+def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Path) -> dict:
+    """Registers the best model of the chain under project_dir on `register.metric` in metrics_path (the evaluate
+    stage's metrics.json). Must run inside an active MLflow run (the stage's). Writes out_dir/registration.json;
+    returns it."""
+    name, metric = params.register.model_name, params.register.metric
     metrics = json.loads(metrics_path.read_text())
-    bpc = float(metrics["test_bits_per_char"])
+    stage = best_model(metrics, metric)
+    value = float(metrics[f"{stage}/{metric}"])
+    checkpoint_dir = model_dir(project_dir, stage)
+    print(f"register: {stage}'s model is the chain's best on {metric} ({value:.4f}; "
+          + ", ".join(f"{s} {metrics[f'{s}/{metric}']:.4f}" for s in MODEL_STAGES if f"{s}/{metric}" in metrics)
+          + ")", flush=True)
     client = mlflow.MlflowClient()
 
     # The Hugging Face export travels with the version as the model artifact "hf" (transformers loads it directly:
@@ -126,23 +161,23 @@ def register(params: Params, checkpoint_dir: Path, metrics_path: Path, out_dir: 
         "params_hash": params.digest(),
         "prefect_flow_run_id": os.environ.get(FLOW_RUN_ENV, "none"),
         "mlflow_run_id": mlflow.active_run().info.run_id,
-        "test_bits_per_char": f"{bpc:.6f}",
-        "final_stage": str(metrics.get("final_model", "pretrain")),  # which training stage made this model
-        **{k.split("/")[1]: f"{v:.6f}" for k, v in metrics.items()
-           if k.startswith(f"{metrics.get('final_model')}/") and k.split("/")[1] in ("task_accuracy", "preference_accuracy")},
+        "register_metric": metric,  # what this version was chosen by and is compared with the champion on
+        "stage": stage,  # which training stage of the chain made this model
+        # its held-out metrics (evaluation of this model, not of the chain's last one)
+        **{k: f"{metrics[f'{stage}/{k}']:.6f}" for k in METRICS if f"{stage}/{k}" in metrics},
         "hf_export": hf_export,
         **dvc_hashes(project_dir),
     }
-    for key, value in tags.items():
-        client.set_model_version_tag(name, str(mv), key, value)
+    for key, text in tags.items():
+        client.set_model_version_tag(name, str(mv), key, text)
     client.set_registered_model_alias(name, "candidate", str(mv))
 
-    promote, decision = claim_champion(client, name, str(mv), bpc)
+    promote, decision = claim_champion(client, name, str(mv), metric, value)
     mlflow.set_tag("astrai.registration", decision)
     mlflow.log_text(decision + "\n", "registration_decision.txt")
 
     result = {"model_name": name, "version": int(mv), "model_uri": f"models:/{name}/{mv}", "aliases": ["candidate"] + (["champion"] if promote else []),
-              "champion_version": int(mv) if promote else int(champion_bpc(client, name)[0]),
-              "decision": decision, "tags": tags}
+              "champion_version": int(mv) if promote else int(champion_value(client, name, metric)[0]),
+              "stage": stage, "metric": metric, "decision": decision, "tags": tags}
     write_json(out_dir / "registration.json", result)
     return result

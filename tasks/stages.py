@@ -80,19 +80,20 @@ def _dpo_reference(params: Params, root: Path) -> None:
 
 
 def _evaluate(params: Params, root: Path) -> None:
-    from tasks.evaluate import evaluate
+    from tasks.evaluate import evaluate, flag_tags
 
-    metrics = evaluate(params, root, root / EVALUATE)
+    metrics, checks = evaluate(params, root, root / EVALUATE)
     mlflow.log_metrics({k.replace("/", "."): v for k, v in metrics.items() if isinstance(v, (int, float))})
-    for name in ("samples.md", "evaluation.md", "metrics.json"):
+    mlflow.set_tags(flag_tags(checks))  # a stage that did not beat its starting model, on the run's overview
+    for name in ("evaluation.md", "chain.png", "curves.png", "samples.md", "metrics.json", "items.json",
+                 "checks.json"):
         mlflow.log_artifact(str(root / EVALUATE / name))
 
 
 def _register(params: Params, root: Path) -> None:
     from tasks.register import register
-    from tasks.training import final_model
 
-    result = register(params, final_model(root), root / EVALUATE / "metrics.json", root / REGISTER, root)
+    result = register(params, root / EVALUATE / "metrics.json", root / REGISTER, root)
     print(json.dumps(result, indent=2))
 
 

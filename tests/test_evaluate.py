@@ -1,13 +1,21 @@
-"""Held-out metrics against hand-computed values."""
+"""Held-out metrics, their intervals and the stage checks against hand-computed or published values; the evaluate
+stage on a tiny chain."""
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
 import numpy as np
+import pytest
 import torch
 
-from astrai_core.evaluate import sequence_nll, summarize, unigram_nll
+from astrai_core.evaluate import (Z95, paired_difference, pass_at_k, sequence_nll, summarize, unigram_nll,
+                                  wilson_interval)
+from tasks.evaluate import pass_metrics
+from tasks.evaluate import Check, evaluation_markdown, flag_tags, stage_checks
+from test_posttrain import MODEL, chat_setup  # noqa: F401  (a module fixture: tokenizer, chat files, random model)
 
 
 class Uniform(torch.nn.Module):
@@ -54,3 +62,206 @@ def test_bits_per_char_and_perplexity():
     assert math.isclose(m["bits_per_char"], 0.5)
     assert math.isclose(m["perplexity"], 4.0)
     assert math.isclose(m["loss"], 2 * math.log(2))
+
+
+# ---- intervals, pass@k and the paired comparison, against published or hand-computed values ------------------------
+
+
+@pytest.mark.parametrize("k, n, low, high", [
+    # Newcombe (1998), "Two-sided confidence intervals for the single proportion", Table II, Wilson score method
+    (81, 263, 0.2553, 0.3662), (15, 148, 0.0624, 0.1605), (0, 20, 0.0, 0.1611), (1, 29, 0.0061, 0.1718),
+])
+def test_wilson_interval_matches_published_values(k, n, low, high):
+    lo, hi = wilson_interval(k, n)
+    assert (round(lo, 4), round(hi, 4)) == (low, high)
+
+
+def test_wilson_interval_at_none_and_all_right():
+    # k = 0: [0, z^2 / (n + z^2)]; k = n: [n / (n + z^2), 1] (from the formula with p = 0 and p = 1)
+    z2 = Z95 ** 2
+    assert wilson_interval(0, 10) == pytest.approx((0.0, z2 / (10 + z2)))
+    assert wilson_interval(10, 10) == pytest.approx((10 / (10 + z2), 1.0))
+    assert wilson_interval(10, 10)[1] <= 1.0 and wilson_interval(0, 10)[0] >= 0.0
+    assert wilson_interval(0, 500)[1] == pytest.approx(0.00763, abs=1e-5)  # 0 of 500 still allows ~0.8%
+
+
+def test_pass_at_k_unbiased_estimator():
+    assert pass_at_k(8, 2, 4) == pytest.approx(1 - 15 / 70)  # 1 - C(6,4)/C(8,4)
+    assert pass_at_k(5, 1, 2) == pytest.approx(1 - 6 / 10)  # 1 - C(4,2)/C(5,2)
+    assert pass_at_k(8, 3, 1) == pytest.approx(3 / 8)  # pass@1 is the share right
+    assert pass_at_k(8, 0, 4) == 0.0
+    assert pass_at_k(8, 5, 4) == 1.0  # fewer than k wrong samples: any k of them hold a right one
+
+
+def test_pass_at_k_means_and_their_wilson_interval():
+    # 3 questions, 4 samples each, right 0, 2 and 4 times: pass@1 = (0 + 1/2 + 1) / 3, pass@2 = (0 + 5/6 + 1) / 3
+    m = pass_metrics([0, 2, 4], samples=4, k=2)
+    assert m["pass_at_1"] == pytest.approx(0.5) and m["pass_at_k"] == pytest.approx(11 / 18)
+    assert (m["pass_at_k_low"], m["pass_at_k_high"]) == pytest.approx(wilson_interval(11 / 6, 3))
+    # Never right: the interval still allows what 500 questions cannot rule out (not a point at 0).
+    m = pass_metrics([0] * 500, samples=8, k=4)
+    assert m["pass_at_1"] == 0 and m["pass_at_k_high"] == pytest.approx(Z95 ** 2 / (500 + Z95 ** 2))
+
+
+def _paired(both: int, only_after: int, only_before: int, neither: int) -> tuple[list[int], list[int]]:
+    before = [1] * both + [0] * only_after + [1] * only_before + [0] * neither
+    after = [1] * both + [1] * only_after + [0] * only_before + [0] * neither
+    return before, after
+
+
+def test_paired_difference_matches_the_published_newcombe_interval():
+    # Fagerland, Lydersen & Laake, "Statistical Analysis of Contingency Tables" (2017), ch. 8 example (Cavo et al.
+    # 2012): table [[59, 6], [16, 80]], Newcombe square-and-add: -0.0621 (95% CI -0.1186 to -0.0046).
+    before, after = _paired(59, 6, 16, 80)
+    d, low, high = paired_difference(before, after)
+    assert (round(d, 4), round(low, 4), round(high, 4)) == (-0.0621, -0.1186, -0.0046)
+    # Swapping the models swaps the sign.
+    assert paired_difference(after, before) == pytest.approx((-d, -high, -low))
+
+
+def test_paired_difference_rule_beats_only_beyond_the_interval():
+    # Identical results: difference 0, the interval straddles it.
+    d, low, high = paired_difference(*_paired(100, 0, 0, 400))
+    assert d == 0 and low < 0 < high
+    # 12 more right and none lost out of 500: a clear gain.
+    assert paired_difference(*_paired(20, 12, 0, 468))[1] > 0
+    # Net +6 of 500 but with 30 won and 24 lost: noise, not a gain.
+    d, low, high = paired_difference(*_paired(20, 30, 24, 426))
+    assert d == pytest.approx(6 / 500) and low < 0 < high
+
+
+# ---- checks and flags -------------------------------------------------------------------------------------------------
+
+
+def _items(**results):
+    return {"task_accuracy": {s: r[0] for s, r in results.items()},
+            "preference_accuracy": {s: r[1] for s, r in results.items()}}
+
+
+def test_each_stage_is_checked_against_its_starting_model_and_failures_are_flagged():
+    none, some, more = [0] * 500, [1] * 40 + [0] * 460, [1] * 80 + [0] * 420
+    items = _items(pretrain=(none, some), sft=(some, some), grpo=(some, some))  # dpo disabled: grpo starts from sft
+    metrics = {"final_model": "grpo", "pretrain/test_bits_per_char": 2.0, "grpo/test_bits_per_char": 2.2,
+               "unigram_bits_per_char": 4.0}
+    checks = stage_checks(["pretrain", "sft", "grpo"], items, metrics)
+    assert [(c.stage, c.start, c.metric, c.rule, c.passed) for c in checks] == [
+        ("sft", "pretrain", "task_accuracy", "raise", True),
+        ("grpo", "sft", "task_accuracy", "raise", False),  # identical results: not beyond the interval
+        ("grpo", "pretrain", "test_bits_per_char", "forget", False),  # +10% bits/char
+    ]
+    assert checks[2].difference == pytest.approx(0.1)
+    # DPO must raise preference accuracy and keep task accuracy: a drop beyond the interval is flagged.
+    items = _items(pretrain=(none, none), sft=(more, some), dpo=(some, more))
+    metrics = {"final_model": "dpo", "pretrain/test_bits_per_char": 2.0, "dpo/test_bits_per_char": 2.05,
+               "unigram_bits_per_char": 4.0}
+    checks = stage_checks(["pretrain", "sft", "dpo"], items, metrics)
+    assert [(c.stage, c.metric, c.rule, c.passed) for c in checks] == [
+        ("sft", "task_accuracy", "raise", True), ("dpo", "preference_accuracy", "raise", True),
+        ("dpo", "task_accuracy", "keep", False), ("dpo", "test_bits_per_char", "forget", True)]
+
+    tags = flag_tags(checks)
+    assert list(tags) == ["astrai.flag.dpo"] and "dpo lowered beyond the interval task_accuracy" in tags["astrai.flag.dpo"]
+    report = evaluation_markdown(metrics, ["pretrain", "sft", "dpo"], checks)
+    assert "**⚠ 1 flag:**" in report and f"⚠ **FLAG** {checks[2].describe()}" in report
+    assert "| dpo | sft | task accuracy | not fall beyond the interval | -0.0800 |" in report
+    assert report.count("**no ⚠ FLAG**") == 1
+
+
+def test_all_checks_passed_reads_so():
+    checks = [Check("sft", "pretrain", "task_accuracy", "raise", 0.1, 0.05, 0.15, True)]
+    report = evaluation_markdown({"final_model": "sft", "unigram_bits_per_char": 4.0}, ["pretrain", "sft"], checks)
+    assert "no flags" in report and "FLAG" not in report
+
+
+# ---- the stage on a tiny chain: intervals, per-item results, plots, and a flag in the log, the report and MLflow ----
+
+
+@pytest.fixture
+def tiny_chain(chat_setup, core_write_packed, tmp_path):
+    """A project whose sft model is the pretrained model unchanged (so SFT cannot beat it) and dpo/grpo disabled."""
+    from tokenizers import Tokenizer
+
+    from astrai_core.io import sha256_file
+    from tasks.layout import CHAT, PACKED, model_dir
+
+    root = tmp_path / "project"
+    shutil.copytree(chat_setup["chat"], root / CHAT)
+    questions = [json.loads(line) for line in (root / CHAT / "grpo_test.jsonl").read_text().splitlines()]
+    (root / CHAT / "grpo_test.jsonl").write_text("".join(
+        json.dumps(q | {"task": "who_says" if i % 3 else "other"}) + "\n" for i, q in enumerate(questions)))
+    tok = chat_setup["tokenizer"]
+    ids = Tokenizer.from_file(str(tok)).encode("The king loves the night. " * 40).ids
+    core_write_packed(root / PACKED / "test.h5", ids, tokenizer_sha256=sha256_file(tok), vocab_size=MODEL["vocab_size"])
+    for stage in ("pretrain", "sft"):
+        shutil.copytree(chat_setup["base"], model_dir(root, stage))
+        (model_dir(root, stage) / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "train/loss": 5.0 - s / 10, **({"val/loss": 5.0 - s / 12} if s % 2 else {})}) + "\n"
+            for s in range(1, 9)))
+    from tasks.params import parse_params
+
+    params = parse_params({"model": MODEL, "tokenizer": {"vocab_size": 320}, "pretrain": {"seq_len": 64},
+                           "grpo": {"max_new_tokens": 6, "enabled": False}, "dpo": {"enabled": False},
+                           "evaluate": {"batch_size": 4, "prompts": ["Who"], "max_new_tokens": 4, "task_examples": 24,
+                                        "pass_samples": 4, "pass_k": 2}})
+    return root, params
+
+
+def test_evaluate_stage_reports_intervals_and_flags_a_stage_that_did_not_improve(tiny_chain, tmp_path, monkeypatch,
+                                                                                capsys):
+    import mlflow
+
+    from tasks.stages import run_stage
+
+    root, params = tiny_chain
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_stage("evaluate", params, root)
+    out = capsys.readouterr().out
+
+    # The flag: a WARNING line in the stage's log, a tag on its MLflow run, a mark in evaluation.md.
+    assert "WARNING: evaluate: sft did not beat its starting model pretrain on task_accuracy: +0.0000" in out, out
+    ev = root / "data" / "evaluate"
+    report = (ev / "evaluation.md").read_text()
+    assert "⚠ **FLAG** sft did not beat its starting model pretrain on task_accuracy" in report
+    run = mlflow.MlflowClient().search_runs(mlflow.get_experiment_by_name("astrai").experiment_id)[0]
+    assert run.data.tags["astrai.flag.sft"].startswith("sft did not beat its starting model pretrain on task_accuracy")
+    assert {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)} >= {
+        "chain.png", "curves.png", "evaluation.md", "items.json", "metrics.json", "checks.json"}
+
+    # Every accuracy with its Wilson interval and n, pass@k, per-family accuracy; per-item results for pairing.
+    metrics = json.loads((ev / "metrics.json").read_text())
+    items = json.loads((ev / "items.json").read_text())
+    assert metrics["n/task_accuracy"] == 24 and metrics["n/task_accuracy.who_says"] == 16
+    for stage in ("pretrain", "sft"):
+        right = items["task_accuracy"][stage]
+        assert len(right) == 24 and metrics[f"{stage}/task_accuracy"] == sum(right) / 24
+        assert (metrics[f"{stage}/task_accuracy_low"], metrics[f"{stage}/task_accuracy_high"]) == \
+            pytest.approx(wilson_interval(sum(right), 24))
+        assert len(items["preference_accuracy"][stage]) == metrics["n/preference_accuracy"] > 0
+        counts = items["pass_correct"][stage]
+        assert metrics[f"{stage}/pass_at_k"] == pytest.approx(sum(pass_at_k(4, c, 2) for c in counts) / 24)
+        assert metrics[f"{stage}/pass_at_1_low"] <= metrics[f"{stage}/pass_at_1"] <= metrics[f"{stage}/pass_at_1_high"]
+        assert f"{stage}/task_accuracy.other_low" in metrics
+    # Same weights, same items: the same results, and the old keys still there for dvc metrics / exp show.
+    assert items["task_accuracy"]["pretrain"] == items["task_accuracy"]["sft"]
+    assert metrics["final_model"] == "sft" and metrics["test_bits_per_char"] == metrics["sft/test_bits_per_char"]
+    assert metrics["flags"] == 1
+    assert "pass@2 (higher is better, n=24)" in report and "| model | other (n=8) | who_says (n=16) |" in report
+    for png in ("chain.png", "curves.png"):
+        assert (ev / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [r["model"] for r in json.loads((ev / "chain.json").read_text())] == ["pretrain", "sft"]
+    assert len(json.loads((ev / "curves" / "sft.json").read_text())) == 8
+
+
+def test_the_prefect_artifact_embeds_the_plots_as_data_uris(tmp_path):
+    import base64
+
+    from flows.pipeline import embed_images
+
+    png = b"\x89PNG\r\n\x1a\n" + bytes(range(40))
+    (tmp_path / "chain.png").write_bytes(png)
+    out = embed_images("# t\n\n![Each metric](chain.png)\n\n![missing](gone.png)\n", tmp_path)
+    prefix = "![Each metric](data:image/png;base64,"
+    assert prefix in out and "![missing](gone.png)" in out  # a missing file stays a plain link
+    encoded = out.split(prefix)[1].split(")")[0]
+    assert base64.b64decode(encoded) == png

@@ -97,6 +97,21 @@ def test_sampling_is_reproducible_with_a_seeded_generator():
     assert run(1) != run(2)
 
 
+@pytest.mark.parametrize("name", VARIANTS)
+def test_samples_sharing_a_prompt_prefill_equal_the_prompt_repeated(name):
+    """samples_per_prompt encodes each prompt once and copies its KV cache: the same tokens, greedy or sampled with
+    the same seed, as the prompts repeated row by row."""
+    model = model_for(name)
+    repeated = [p for p in PROMPTS for _ in range(3)]
+    assert generate_batch(model, PROMPTS, N_NEW, samples_per_prompt=3) == generate_batch(model, repeated, N_NEW)
+    def sampled(prompts, n):
+        return generate_batch(model, prompts, N_NEW, temperature=1.0, samples_per_prompt=n,
+                              generator=torch.Generator().manual_seed(3))
+    shared = sampled(PROMPTS, 3)
+    assert shared == sampled(repeated, 1)
+    assert len({tuple(row) for row in shared}) > len(PROMPTS)  # the samples of a prompt differ
+
+
 def test_bad_requests_raise():
     model = model_for()
     with pytest.raises(ValueError, match="max_seq_len"):

@@ -237,16 +237,16 @@ def test_pipeline_trained_model_registered_with_hf_export_generates_the_same_tex
     cfg = TrainConfig.model_validate(dict(
         model=dict(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, qk_norm=True),
         optim=dict(lr=1e-2, min_lr=1e-3, warmup_steps=2), train_data=str(core_tiny_data["train"]),
-        tokenizer=str(core_tiny_data["tokenizer"]), out_dir=str(tmp_path / "ckpt"), seq_len=32, batch_size=8,
-        max_steps=15, log_every=5, device="cpu"))
+        tokenizer=str(core_tiny_data["tokenizer"]), out_dir=str(tmp_path / "data" / "pretrain"), seq_len=32,
+        batch_size=8, max_steps=15, log_every=5, device="cpu"))
     train(cfg)
-    (tmp_path / "metrics.json").write_text(json.dumps({"test_bits_per_char": 2.0}))
+    (tmp_path / "metrics.json").write_text(json.dumps({"pretrain/task_accuracy": 0.5}))
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     try:
         exp = mlflow.create_experiment("hf", artifact_location=(tmp_path / "artifacts").as_uri())
         with mlflow.start_run(experiment_id=exp):
-            result = register(Params(register={"model_name": "hf_test"}), tmp_path / "ckpt", tmp_path / "metrics.json",
+            result = register(Params(register={"model_name": "hf_test"}), tmp_path / "metrics.json",
                               tmp_path / "register", tmp_path)
         assert result["tags"]["hf_export"] == "Qwen3ForCausalLM"
         local = mlflow.artifacts.download_artifacts("models:/hf_test@champion", dst_path=str(tmp_path / "dl"))

@@ -54,12 +54,17 @@ def flow_result(project, tmp_path_factory):
             from prefect.client.orchestration import get_client
             from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
 
+            from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
             with get_client(sync_client=True) as client:
                 fr_filter = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
                 task_runs = client.read_task_runs(flow_run_filter=fr_filter)
                 logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+                artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+                    flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
         yield {"result": result, "second": second, "flow_run_id": str(state.state_details.flow_run_id),
-               "task_runs": task_runs, "logs": [log.message for log in logs], "repo": repo, "env": env}
+               "task_runs": task_runs, "logs": [log.message for log in logs], "repo": repo, "env": env,
+               "artifacts": {a.key: a.data for a in artifacts}}
     finally:
         for k, v in old.items():
             if v is None:
@@ -114,10 +119,12 @@ def test_mlflow_parent_run_with_stage_children_and_curves(flow_result):
     assert by_name["pretrain"].data.params["pretrain.max_steps"] == "30"
     ev = by_name["evaluate"].data.metrics
     assert ev["test_bits_per_char"] > 0 and ev["unigram_bits_per_char"] > 0
+    artifacts = {a.path for a in client.list_artifacts(by_name["evaluate"].info.run_id)}
+    assert {"chain.png", "curves.png", "evaluation.md", "items.json"} <= artifacts, artifacts
     assert ev["grpo.test_bits_per_char"] == ev["test_bits_per_char"]  # the final model is the last stage's
 
 
-def test_every_model_evaluated_side_by_side_and_the_final_one_registered(flow_result):
+def test_every_model_evaluated_side_by_side_and_the_best_one_registered(flow_result):
     result, repo = flow_result["result"], flow_result["repo"]
     metrics = result["metrics"]
     for stage in MODELS:
@@ -132,7 +139,15 @@ def test_every_model_evaluated_side_by_side_and_the_final_one_registered(flow_re
     assert (repo / "data/dpo/adapter_model.safetensors").is_file() and (repo / "data/dpo/model.safetensors").is_file()
     ref = json.loads((repo / "data/dpo_reference/info.json").read_text())
     assert ref["reference"] == "data/sft"
-    assert json.loads((repo / "data/register/registration.json").read_text())["version"] == 1
+    registration = json.loads((repo / "data/register/registration.json").read_text())
+    assert registration["version"] == 1
+    best = max(MODELS[::-1], key=lambda s: metrics[f"{s}/task_accuracy"])  # ties: the later stage
+    assert (registration["stage"], registration["metric"]) == (best, "task_accuracy")
+    # Intervals beside every accuracy, and the plots in data/evaluate, in MLflow and in the Prefect artifact.
+    assert metrics["grpo/task_accuracy_low"] <= metrics["grpo/task_accuracy"] <= metrics["grpo/task_accuracy_high"]
+    assert "Did each stage beat its starting model?" in table
+    artifact = flow_result["artifacts"]["evaluation"]
+    assert artifact.count("](data:image/png;base64,") == 2, artifact[:2000]
 
 
 def test_dvc_is_up_to_date_after_the_flow_and_second_run_skips_everything(flow_result):
@@ -157,8 +172,8 @@ def test_changing_a_pretrain_param_reruns_only_pretrain_and_after(flow_result):
 
     client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])
     assert str(client.get_model_version_by_alias(MODEL_NAME, "candidate").version) == "2"
-    bpc = {v: float(client.get_model_version(MODEL_NAME, v).tags["test_bits_per_char"]) for v in ("1", "2")}
-    expected = "2" if bpc["2"] < bpc["1"] else "1"
+    accuracy = {v: float(client.get_model_version(MODEL_NAME, v).tags["task_accuracy"]) for v in ("1", "2")}
+    expected = "2" if accuracy["2"] > accuracy["1"] else "1"  # register.metric: task_accuracy, higher is better
     assert str(client.get_model_version_by_alias(MODEL_NAME, "champion").version) == expected
     registration = json.loads((repo / "data/register/registration.json").read_text())
     assert ("champion" in registration["aliases"]) == (expected == "2")

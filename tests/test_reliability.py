@@ -158,7 +158,8 @@ def test_metrics_compare_across_commits_and_plots_render(tmp_path):
     import json
 
     from conftest import VENV_BIN, make_project, run_ok
-    from tasks.evaluate import write_plot_data
+    from tasks.evaluate import training_curves, write_plot_data
+    from tasks.evaluation_plots import plot_chain, plot_curves
 
     repo = tmp_path / "project"
     env = make_project(repo, tmp_path / "remote", "unused")
@@ -173,9 +174,12 @@ def test_metrics_compare_across_commits_and_plots_render(tmp_path):
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
         (out / "metrics.json").write_text(json.dumps(metrics))
-        (out / "samples.md").write_text("s")
-        (out / "evaluation.md").write_text("e")
-        write_plot_data(repo, ["pretrain"], metrics, out)
+        for name in ("samples.md", "evaluation.md", "items.json", "checks.json"):
+            (out / name).write_text("{}")
+        curves = training_curves(repo, ["pretrain"])
+        write_plot_data(["pretrain"], metrics, curves, out)
+        plot_chain(["pretrain"], metrics, out / "chain.png")
+        plot_curves(curves, out / "curves.png")
         run_ok([VENV_BIN / "dvc", "commit", "-f", "evaluate"], repo, env)
         if step == 1:
             run_ok(["git", "add", "dvc.lock"], repo, env)
@@ -185,7 +189,8 @@ def test_metrics_compare_across_commits_and_plots_render(tmp_path):
     assert change["old"] == 3.0 and change["new"] == 1.5, diff
     plots = json.loads(run_ok([VENV_BIN / "dvc", "plots", "show", "--json"], repo, env))
     assert not plots.get("errors"), plots["errors"]
-    assert {"data/evaluate/curves/pretrain.json", "data/evaluate/chain.json"} <= set(plots["data"]), plots["data"].keys()
+    assert {"data/evaluate/curves/pretrain.json", "data/evaluate/chain.json", "data/evaluate/chain.png",
+            "data/evaluate/curves.png"} <= set(plots["data"]), plots["data"].keys()
 
 
 # --- the quick profile ----------------------------------------------------------------------------------------------
@@ -371,7 +376,7 @@ def test_two_registrations_at_once_agree_with_the_registry(tmp_path):
 
     def register(version):
         barrier.wait()  # both start together: each reads "no champion" before either moves the alias
-        results[version] = claim_champion(client, "m", version, bpc[version], settle=0.3)
+        results[version] = claim_champion(client, "m", version, "test_bits_per_char", bpc[version], settle=0.3)
 
     threads = [threading.Thread(target=register, args=(v,)) for v in ("1", "2")]
     for t in threads:
@@ -491,10 +496,10 @@ def test_register_logs_the_model_without_warnings_or_progress_bars(tmp_path, cor
     cfg = TrainConfig.model_validate(dict(
         model=dict(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32),
         optim=dict(lr=1e-2, min_lr=1e-3, warmup_steps=2), train_data=str(core_tiny_data["train"]),
-        tokenizer=str(core_tiny_data["tokenizer"]), out_dir=str(tmp_path / "ckpt"), seq_len=32, batch_size=8,
-        max_steps=3, log_every=1, device="cpu"))
+        tokenizer=str(core_tiny_data["tokenizer"]), out_dir=str(tmp_path / "data" / "pretrain"), seq_len=32,
+        batch_size=8, max_steps=3, log_every=1, device="cpu"))
     train(cfg)
-    (tmp_path / "metrics.json").write_text(json.dumps({"test_bits_per_char": 2.0}))
+    (tmp_path / "metrics.json").write_text(json.dumps({"pretrain/task_accuracy": 0.5}))
     previous = mlflow.get_tracking_uri()
     params = Params(register={"model_name": "quiet"})
     try:
@@ -502,7 +507,7 @@ def test_register_logs_the_model_without_warnings_or_progress_bars(tmp_path, cor
         capfd.readouterr()
         with warnings.catch_warnings(record=True) as caught, mlflow.start_run():
             warnings.simplefilter("always")
-            register(params, tmp_path / "ckpt", tmp_path / "metrics.json", tmp_path / "register", tmp_path)
+            register(params, tmp_path / "metrics.json", tmp_path / "register", tmp_path)
         model = mlflow.pyfunc.load_model("models:/quiet@champion")
         assert model.metadata.get_params_schema() is not None  # the params are part of the signature
         assert isinstance(model.predict(["the king"], params={"max_new_tokens": 3})[0], str)

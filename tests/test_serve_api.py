@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -526,14 +527,15 @@ def test_serve_from_mlflow_registry(served, tmp_path, monkeypatch):
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    (tmp_path / "metrics.json").write_text(json.dumps({"test_bits_per_char": 2.0}))
+    (tmp_path / "metrics.json").write_text(json.dumps({"pretrain/task_accuracy": 0.5}))
+    shutil.copytree(served["ckpt"], tmp_path / "data" / "pretrain")  # register reads the chain's models there
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(uri)
     try:
         exp = mlflow.create_experiment("serve", artifact_location=(tmp_path / "artifacts").as_uri())
         with mlflow.start_run(experiment_id=exp):
-            register(Params(register={"model_name": "served"}), served["ckpt"], tmp_path / "metrics.json",
-                     tmp_path / "register", tmp_path)
+            register(Params(register={"model_name": "served"}), tmp_path / "metrics.json", tmp_path / "register",
+                     tmp_path)
     finally:
         mlflow.set_tracking_uri(previous)
     proc, url = _start_server(["--model", "models:/served@champion", "--kv-blocks", "32"], tmp_path,

@@ -1,0 +1,19 @@
+"""The held-out metrics every model of the chain is scored on (tasks/evaluate.py): name -> (label, which way is
+better). The register stage picks the model it registers by one of them (`register.metric` in params.yaml), so
+they live here, apart from the evaluation code: reading params must not import torch."""
+
+METRICS: dict[str, tuple[str, str]] = {
+    "test_bits_per_char": ("test bits/char", "lower"),
+    "sft_test_loss": ("SFT test loss", "lower"),
+    "task_accuracy": ("task accuracy", "higher"),
+    "pass_at_1": ("pass@1", "higher"),
+    "pass_at_k": ("pass@k", "higher"),
+    "valid_answer_rate": ("valid answer", "higher"),
+    "preference_accuracy": ("preference accuracy", "higher"),
+    "train_task_accuracy": ("task accuracy on training prompts", "higher"),
+}
+
+
+def better(metric: str, a: float, b: float) -> bool:
+    """Whether value `a` of `metric` is strictly better than `b`."""
+    return a < b if METRICS[metric][1] == "lower" else a > b

@@ -1,0 +1,79 @@
+"""The register stage registers the chain's best model on the metric `register.metric` names, and moves alias
+`champion` by the same metric."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from astrai_core.errors import AstraiError
+from tasks.register import best_model
+
+
+def test_best_model_by_the_named_metric_ties_to_the_later_stage():
+    metrics = {"pretrain/task_accuracy": 0.0, "sft/task_accuracy": 0.3, "dpo/task_accuracy": 0.3,
+               "grpo/task_accuracy": 0.2, "pretrain/test_bits_per_char": 2.0, "sft/test_bits_per_char": 2.5,
+               "dpo/test_bits_per_char": 2.6, "grpo/test_bits_per_char": 2.0, "final_model": "grpo"}
+    assert best_model(metrics, "task_accuracy") == "dpo"  # higher is better; sft ties dpo: the later one
+    assert best_model(metrics, "test_bits_per_char") == "grpo"  # lower is better; pretrain ties grpo
+    assert best_model({"pretrain/sft_test_loss": 3.0, "sft/sft_test_loss": 2.0}, "sft_test_loss") == "sft"
+    with pytest.raises(AstraiError, match="pass_at_k"):
+        best_model(metrics, "pass_at_k")
+
+
+def test_register_picks_the_best_model_and_compares_the_champion_on_the_same_metric(tmp_path, core_tiny_data,
+                                                                                     monkeypatch):
+    import mlflow
+    import torch
+
+    from astrai_core.checkpoint import save_checkpoint
+    from astrai_core.config import ModelConfig
+    from astrai_core.io import sha256_file
+    from astrai_core.model import Transformer
+    from tasks.layout import model_dir
+    from tasks.params import Params
+    from tasks.register import register
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    cfg = ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    for seed, stage in enumerate(("pretrain", "sft")):
+        torch.manual_seed(seed)
+        save_checkpoint(model_dir(tmp_path, stage), Transformer(cfg), cfg, core_tiny_data["tokenizer"])
+    evaluation = tmp_path / "metrics.json"
+
+    def register_with(metric: str, **values: float) -> dict:
+        evaluation.write_text(json.dumps({"final_model": "sft", **{k.replace("__", "/"): v for k, v in values.items()}}))
+        with mlflow.start_run(experiment_id=exp):
+            return register(Params(register={"model_name": "m", "metric": metric}), evaluation, tmp_path / "out",
+                            tmp_path)
+
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    try:
+        exp = mlflow.create_experiment("reg", artifact_location=(tmp_path / "artifacts").as_uri())
+        client = mlflow.MlflowClient()
+        # sft is best on task accuracy though pretrain is best on bits/char: sft's model is registered.
+        first = register_with("task_accuracy", pretrain__task_accuracy=0.1, sft__task_accuracy=0.3,
+                              pretrain__test_bits_per_char=2.0, sft__test_bits_per_char=2.5)
+        assert (first["stage"], first["version"], first["aliases"]) == ("sft", 1, ["candidate", "champion"])
+        v1 = client.get_model_version("m", "1")
+        assert (v1.tags["stage"], v1.tags["register_metric"]) == ("sft", "task_accuracy")
+        assert (v1.tags["task_accuracy"], v1.tags["test_bits_per_char"]) == ("0.300000", "2.500000")
+        weights = mlflow.artifacts.download_artifacts("models:/m/1", dst_path=str(tmp_path / "dl"))
+        assert sha256_file(f"{weights}/artifacts/sft/model.safetensors") == \
+            sha256_file(model_dir(tmp_path, "sft") / "model.safetensors")
+        # A better bits/char does not make a champion when the metric is task accuracy and it is worse.
+        second = register_with("task_accuracy", pretrain__task_accuracy=0.1, sft__task_accuracy=0.25,
+                               pretrain__test_bits_per_char=1.5, sft__test_bits_per_char=1.9)
+        assert second["aliases"] == ["candidate"] and second["champion_version"] == 1
+        assert "task_accuracy 0.2500 does not beat champion version 1's 0.3000" in second["decision"]
+        # Chosen by bits/char (lower is better): pretrain's model, and it beats the champion's 2.5.
+        third = register_with("test_bits_per_char", pretrain__task_accuracy=0.1, sft__task_accuracy=0.25,
+                              pretrain__test_bits_per_char=2.0, sft__test_bits_per_char=2.2)
+        assert (third["stage"], third["aliases"]) == ("pretrain", ["candidate", "champion"])
+        assert "test_bits_per_char 2.0000 beats version 1's 2.5000" in third["decision"]
+        assert str(client.get_model_version_by_alias("m", "champion").version) == "3"
+    finally:
+        mlflow.set_tracking_uri(previous)
