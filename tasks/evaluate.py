@@ -135,7 +135,8 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> tuple[dict, list[Chec
                 replies = [r[0] for r in answer_questions(model, chat, questions, max_new)]
                 answers[stage] = replies
                 right["task_accuracy"] = [exact_answer(c, q) for c, q in zip(replies, questions)]
-                right["valid_answer_rate"] = [valid_option(c, q) for c, q in zip(replies, questions)]
+                if any(q.get("options") for q in questions):  # multiple choice: is the reply one of the options?
+                    right["valid_answer_rate"] = [valid_option(c, q) for c, q in zip(replies, questions)]
                 sampled = answer_questions(model, chat, questions, max_new, samples=p.pass_samples,
                                            temperature=p.pass_temperature, seed=p.seed)
                 items.setdefault("pass_correct", {})[stage] = [sum(int(exact_answer(c, q)) for c in replies_to_q)
