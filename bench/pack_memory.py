@@ -100,6 +100,9 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from astrai_core.tokenizer import train_tokenizer
 
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "tasks", "astrai_core"], capture_output=True,
+                           text=True, cwd=ROOT).stdout.strip()
     pack_params = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.pack)}
     codes = {"this checkout": ROOT, **({f"before ({args.before})": args.before} if args.before else {})}
     results = {label: {} for label in codes}
@@ -118,9 +121,6 @@ def main() -> None:
                 if "failed" not in res["pack"]:
                     res["packed_stats"] = json.loads((work / "packed" / "stats.json").read_text())
                 print(label, kind, json.dumps(res))
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "tasks", "astrai_core"], capture_output=True,
-                           text=True, cwd=ROOT).stdout.strip()
     report = {"document_mb": args.mb, "pack_params": pack_params, "commit": git + (" (modified)" if dirty else ""), "machine": platform.node(),
               "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"), "results": results}
     if not args.no_report:
