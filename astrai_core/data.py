@@ -105,6 +105,22 @@ class PackedWriter:
         return self
 
     def add_document(self, ids: Sequence[int] | np.ndarray, loss_mask: Sequence[int] | np.ndarray | None = None) -> None:
+        """Append `ids` and end the document: a whole document, or the last part of one begun with add_tokens."""
+        self._buffer(ids, loss_mask)
+        self.n_docs += 1
+        self._offset_buf.append(self.n_tokens)
+        if self._buffered_tokens >= TOKEN_CHUNK or len(self._offset_buf) >= OFFSET_CHUNK:
+            self._flush()
+
+    def add_tokens(self, ids: Sequence[int] | np.ndarray) -> None:
+        """Append `ids` to the document in progress without ending it: a document too long to hold at once is
+        written in parts (its last part through add_document), and memory stays at one chunk."""
+        assert not self.with_loss_mask, "documents with a loss mask are written whole"
+        self._buffer(ids, None)
+        if self._buffered_tokens >= TOKEN_CHUNK:
+            self._flush()
+
+    def _buffer(self, ids: Sequence[int] | np.ndarray, loss_mask: Sequence[int] | np.ndarray | None) -> None:
         assert self._stack is not None, "use PackedWriter as a context manager"
         if (loss_mask is not None) != self.with_loss_mask:
             raise ValueError(f"{self.path}: pass loss_mask with every document exactly when with_loss_mask=True")
@@ -125,10 +141,6 @@ class PackedWriter:
             self._token_buf.append(arr.astype(self.dtype, copy=True))
             self._buffered_tokens += arr.size
         self.n_tokens += arr.size
-        self.n_docs += 1
-        self._offset_buf.append(self.n_tokens)
-        if self._buffered_tokens >= TOKEN_CHUNK or len(self._offset_buf) >= OFFSET_CHUNK:
-            self._flush()
 
     def _flush(self) -> None:
         if self._token_buf:

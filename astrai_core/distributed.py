@@ -14,18 +14,23 @@ loads the checkpoint it resumes from; only global rank 0 writes).
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import sys
+import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Literal, Mapping
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 from torch.distributed.rendezvous import rendezvous
 
 from astrai_core.errors import TrainingError
@@ -97,8 +102,8 @@ def init_distributed(backend: str = "auto", device: str = "auto") -> Dist:
         # torchrun's store outlives a restart of the group (--max-restarts), and so do the old group's keys: a new
         # rank could read its dead peer's gloo address and fail ("connectFullMesh ... Connection refused") or
         # hang. Each restart therefore keeps its keys under a prefix of its own.
-        store, rank, world_size = next(rendezvous("env://", rank, world_size))
-        store = dist.PrefixStore(f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        store = dist.PrefixStore(f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                                 _group_store(rank, world_size))
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
                                 device_id=torch_device if torch_device.type == "cuda" else None)
     return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=torch_device)
@@ -116,6 +121,29 @@ def bf16_native(device: torch.device) -> bool:
 def uses_bf16(dtype: str, device: torch.device) -> bool:
     """Whether a TrainConfig.dtype (fp32, bf16, or auto: bf16 where native) runs the forward in bf16 autocast."""
     return dtype == "bf16" or (dtype == "auto" and bf16_native(device))
+
+
+def _group_store(rank: int, world_size: int) -> dist.Store:
+    """The store the ranks meet in. torch's env:// rendezvous has rank 0 host a TCPStore (when the torchrun agent
+    hosts none), and a TCPStore listens on every interface whatever MASTER_ADDR says; when MASTER_ADDR is a loopback
+    address (run_torchrun's single-node launch) rank 0 hosts it on that address alone, through a socket bound there."""
+    addr = os.environ.get("MASTER_ADDR", "")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not _is_loopback(addr):
+        return next(rendezvous("env://", rank, world_size))[0]
+    port = int(os.environ["MASTER_PORT"])
+    listen_fd = None
+    if rank == 0:
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        listen_fd = socket.create_server((addr, port), family=family).detach()  # the store owns the socket now
+    return dist.TCPStore(addr, port, world_size, rank == 0, timeout=default_pg_timeout, multi_tenant=True,
+                         master_listen_fd=listen_fd)
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:  # a host name: left to torch
+        return False
 
 
 def cleanup() -> None:
@@ -147,11 +175,20 @@ def run_torchrun(
     Raises TrainingError (the first error line a rank printed) if any rank fails for good; on any exception while waiting
     (including KeyboardInterrupt) the whole process group is killed.
     """
+    # One node, so nothing needs to listen beyond this host. --standalone would have the agent host two TCPStores
+    # on every interface (torch gives them no bind address): here the agent's rendezvous meets in a file, the agent
+    # hosts no store for the ranks (TORCH_DISABLE_SHARE_RDZV_TCP_STORE), rank 0 hosts it on MASTER_ADDR = 127.0.0.1
+    # alone (_group_store), and gloo binds the loopback interface.
+    rdzv_dir = tempfile.mkdtemp(prefix="astrai-rdzv-")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_dir}/store", "--rdzv-conf=store_type=file",
+        f"--rdzv-id={uuid.uuid4().hex}", "--local-addr=127.0.0.1",
         f"--max-restarts={max_restarts}", "-m", "astrai_core.train", "--config", str(config_path),
     ]
-    child_env = {**os.environ, **(env or {})}
+    child_env = {**os.environ, **(env or {}), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if sys.platform.startswith("linux"):
+        child_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # torchrun would set 1 thread per rank; share the cores instead (2 ranks on 8 cores: 4 threads each).
     child_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     child_env.setdefault("PYTHONUNBUFFERED", "1")  # progress lines arrive as they are printed
@@ -171,6 +208,8 @@ def run_torchrun(
     except RuntimeError as e:
         # torchrun's failure report fills the tail; the first error a rank printed says what actually went wrong.
         raise TrainingError(errors[0] if errors else str(e).splitlines()[0]) from None
+    finally:
+        shutil.rmtree(rdzv_dir, ignore_errors=True)
 
 
 def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0, *, run_id: str | None = None,

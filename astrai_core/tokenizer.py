@@ -8,6 +8,7 @@ The special tokens take ids 0..6 in the order of SPECIAL_TOKENS, so they are the
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -62,6 +63,30 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         if tok.token_to_id(text) is None:
             raise AstraiError(f"{path}: tokenizer lacks the special token {text} ({name}); re-run the tokenizer stage")
     return tok
+
+
+# Just before a space that follows a non-space character, the byte-level pre-tokenizer (the GPT-2 pattern that
+# train_tokenizer uses) always splits: none of its pattern's matches holds a non-space character followed by
+# whitespace (words, numbers and punctuation stop at whitespace; only a leading space joins the word after it), and
+# how it goes on from there depends only on the text from there on. BPE never merges across a split, so text cut
+# there encodes to exactly the tokens of the whole. (A copied tokenizer, tokenizer.source, with another
+# pre-tokenizer or a normalizer may encode the cut differently.)
+_SAFE_CUT = re.compile(r"\S(?= )")
+
+
+def piece_bounds(text: str, max_chars: int) -> list[int]:
+    """Cut positions [0, ..., len(text)] that split `text` into pieces of at most `max_chars` characters whose
+    encodings, end to end, are the encoding of the whole: each cut is the last safe place (above) within the budget.
+    A stretch of `max_chars` characters with no such place (no space after a non-space) is cut at the budget; the
+    tokens at that cut may then differ from the whole's (no merge across it), the same way every run."""
+    bounds = [0]
+    while len(text) - bounds[-1] > max_chars:
+        start, cut = bounds[-1], None
+        for cut in _SAFE_CUT.finditer(text, start, start + max_chars):
+            pass
+        bounds.append(cut.end() if cut else start + max_chars)
+    bounds.append(len(text))
+    return bounds
 
 
 def special_id(tok: Tokenizer, name: str) -> int:

@@ -1,8 +1,11 @@
 """Pack stage: corpus splits + tokenizer -> data/packed/{train,validation,test}.h5 + stats.json.
 
 Each document becomes its token ids followed by <|end_of_text|>, appended end to end (see astrai_core/data.py for
-the file format). Text is read line by line and encoded `batch_documents` at a time, so memory stays flat however
-large the corpus.
+the file format). Text is read line by line and encoded in batches of at most `batch_documents` documents and
+`batch_characters` characters; a longer document is encoded in pieces of at most `batch_characters`, cut before a
+space, where the tokenizer splits anyway (astrai_core.tokenizer.piece_bounds), so its tokens are those of the whole
+and stream into the file one chunk at a time. Memory is then the budget's plus the longest document's text, not
+the tokenizer's working memory of the whole document (gigabytes for 50 MB of text).
 
 Run alone: `astrai stage pack` (what dvc.yaml runs; paths in tasks/stages.py), or call the
 function above from Python.
@@ -10,14 +13,13 @@ function above from Python.
 
 from __future__ import annotations
 
-from itertools import islice
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from astrai_core.data import PackedWriter
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file, write_json
-from astrai_core.tokenizer import load_tokenizer, special_id
+from astrai_core.tokenizer import load_tokenizer, piece_bounds, special_id
 from tasks.corpus import SPLITS
 from tasks.params import PackParams
 from tasks.tokenizer import iter_texts
@@ -46,18 +48,32 @@ def pack(params: PackParams, corpus_dir: Path, tokenizer_path: Path, out_dir: Pa
         for split in SPLITS:
             st = stats[split] = {"documents": 0, "tokens": 0, "characters": 0}
             with PackedWriter(tmp / f"{split}.h5", split=split, **attrs) as writer:
-                for texts in _batches(iter_texts(corpus_dir / f"{split}.jsonl"), params.batch_documents):
-                    for text, enc in zip(texts, tok.encode_batch_fast(texts, add_special_tokens=False)):
-                        writer.add_document(enc.ids + [eos])
-                        st["documents"] += 1
-                        st["characters"] += len(text)
+                texts = iter_texts(corpus_dir / f"{split}.jsonl")
+                for batch in _batches(texts, params.batch_documents, params.batch_characters):
+                    for (piece, ends), enc in zip(batch, tok.encode_batch_fast([p for p, _ in batch],
+                                                                                add_special_tokens=False)):
+                        st["characters"] += len(piece)
+                        if ends:
+                            writer.add_document(enc.ids + [eos])
+                            st["documents"] += 1
+                        else:
+                            writer.add_tokens(enc.ids)
                 st["tokens"] = writer.n_tokens
         write_json(tmp / "stats.json", stats)
     return stats
 
 
-def _batches(items: Iterable[str], size: int) -> Iterator[list[str]]:
-    """itertools.batched, which needs Python 3.12."""
-    it = iter(items)
-    while batch := list(islice(it, size)):
+def _batches(texts: Iterable[str], max_pieces: int, max_chars: int) -> Iterator[list[tuple[str, bool]]]:
+    """(piece, ends its document) pairs, at most max_pieces and max_chars characters per batch: whole documents,
+    and pieces of those longer than max_chars."""
+    batch, size = [], 0
+    for text in texts:
+        bounds = piece_bounds(text, max_chars)
+        for a, b in zip(bounds, bounds[1:]):
+            if batch and (len(batch) == max_pieces or size + b - a > max_chars):
+                yield batch
+                batch, size = [], 0
+            batch.append((text[a:b], b == len(text)))  # a whole document's slice is the string itself, no copy
+            size += b - a
+    if batch:
         yield batch

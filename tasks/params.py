@@ -69,7 +69,9 @@ class ChatDataParams(Strict):
 
 
 class PackParams(Strict):
-    batch_documents: PositiveInt = 64  # documents encoded per batch; bounds memory while packing
+    batch_documents: PositiveInt = 64  # documents encoded per batch, at most
+    # characters encoded per batch, at most: a longer document is encoded in pieces of this size (memory stays flat)
+    batch_characters: PositiveInt = 1_000_000
 
 
 class Launch(Strict):

@@ -9,7 +9,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -22,7 +24,8 @@ import tasks.corpus as corpus_mod
 from astrai_core.data import FORMAT_VERSION, PackedTokens, PackedWriter
 from astrai_core.errors import AstraiError
 from astrai_core.io import sha256_file
-from astrai_core.tokenizer import SPECIAL_TOKENS, load_tokenizer, special_id, train_tokenizer
+from astrai_core.tokenizer import SPECIAL_TOKENS, load_tokenizer, piece_bounds, special_id, train_tokenizer
+from conftest import PROJECT_ROOT
 from tasks.corpus import assign_splits, build_corpus
 from tasks.pack import pack
 from tasks.params import CorpusParams, PackParams, TokenizerParams
@@ -497,14 +500,15 @@ def test_pack_empty_split_and_special_text(tmp_path, data_tokenizer):
     assert data_tokenizer.decode(ids[:-1]) == "a <|end_of_text|> b"
 
 
-def test_pack_streams_in_batches(tmp_path, data_corpus_dir, monkeypatch):
+@pytest.fixture
+def encode_batches(monkeypatch) -> list[list[str]]:
+    """The texts of every encode batch pack sends to its tokenizer, in order."""
     import tasks.pack as pack_mod
 
-    tok_path = build_tokenizer(TokenizerParams(vocab_size=300), data_corpus_dir, tmp_path / "tok")
     real_load = pack_mod.load_tokenizer
     batches = []
 
-    class Spy:  # records the size of every encode batch; delegates everything else to the real tokenizer
+    class Spy:  # records every encode batch; delegates everything else to the real tokenizer
         def __init__(self, tok):
             object.__setattr__(self, "tok", tok)
 
@@ -515,12 +519,93 @@ def test_pack_streams_in_batches(tmp_path, data_corpus_dir, monkeypatch):
             setattr(self.tok, name, value)
 
         def encode_batch_fast(self, texts, **kw):
-            batches.append(len(texts))
+            batches.append(list(texts))
             return self.tok.encode_batch_fast(texts, **kw)
 
     monkeypatch.setattr(pack_mod, "load_tokenizer", lambda p: Spy(real_load(p)))
+    return batches
+
+
+def test_pack_streams_in_batches(tmp_path, data_corpus_dir, encode_batches):
+    tok_path = build_tokenizer(TokenizerParams(vocab_size=300), data_corpus_dir, tmp_path / "tok")
     stats = pack(PackParams(batch_documents=2), data_corpus_dir, tok_path, tmp_path / "packed")
-    assert max(batches) == 2 and sum(batches) == sum(s["documents"] for s in stats.values())
+    sizes = [len(b) for b in encode_batches]
+    assert max(sizes) == 2 and sum(sizes) == sum(s["documents"] for s in stats.values())
+
+
+LONG_TEXT = ("To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n  two leading "
+             "spaces, tabs\tand\r\nCRLF lines,  it's done; isn't it?\n\n  Yes. café naïve Ελληνικά 中文 测试 👍🏽🎉 and "
+             "123 4567 numbers <|end_of_text|> too  ") * 3
+
+
+def test_piece_bounds_cut_where_the_tokenizer_splits(data_tokenizer):
+    data_tokenizer.encode_special_tokens = True  # as pack encodes
+    whole = data_tokenizer.encode(LONG_TEXT, add_special_tokens=False).ids
+    for budget in (24, 64):
+        bounds = piece_bounds(LONG_TEXT, budget)
+        pieces = [LONG_TEXT[a:b] for a, b in zip(bounds, bounds[1:])]
+        assert "".join(pieces) == LONG_TEXT and max(len(p) for p in pieces) <= budget and len(pieces) > 10
+        assert all(LONG_TEXT[b] == " " and not LONG_TEXT[b - 1].isspace() for b in bounds[1:-1])
+        assert [i for p in pieces for i in data_tokenizer.encode(p, add_special_tokens=False).ids] == whole
+    assert piece_bounds("x" * 50, 16) == [0, 16, 32, 48, 50]  # no space to cut before: cut at the budget
+    assert piece_bounds("a b", 16) == [0, 3] and piece_bounds("", 16) == [0, 0]
+
+
+def test_pack_bounds_memory_by_characters_not_documents(tmp_path, data_tokenizer, encode_batches, monkeypatch):
+    """A document longer than pack.batch_characters is encoded in pieces of at most that many characters and its
+    tokens stream into the file a chunk at a time (issue 14: a 50 MB document took 5.6 GB), yet it packs to the
+    tokens of the whole."""
+    monkeypatch.setattr(data_mod, "TOKEN_CHUNK", 64)
+    flushes = []
+    real_flush = PackedWriter._flush
+    monkeypatch.setattr(PackedWriter, "_flush", lambda w: (flushes.append((w.path.name, w.n_docs)), real_flush(w)))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    docs = [LONG_TEXT * 4, "a short one", LONG_TEXT]
+    (corpus / "train.jsonl").write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n" for i, t in enumerate(docs)))
+    for split in ("validation", "test"):
+        (corpus / f"{split}.jsonl").write_text("")
+    (corpus / "manifest.json").write_text("{}")
+    data_tokenizer.save(str(tmp_path / "tokenizer.json"))
+
+    stats = pack(PackParams(batch_characters=100), corpus, tmp_path / "tokenizer.json", tmp_path / "packed")
+    assert max(sum(len(t) for t in batch) for batch in encode_batches) <= 100 and len(encode_batches) > 20
+    assert ("train.h5", 0) in flushes  # tokens reached the file before the first document ended
+    assert stats["train"]["documents"] == 3 and stats["train"]["characters"] == sum(len(t) for t in docs)
+    data_tokenizer.encode_special_tokens = True
+    with PackedTokens(tmp_path / "packed" / "train.h5") as data:
+        for i, text in enumerate(docs):
+            assert data.document(i).tolist() == data_tokenizer.encode(text, add_special_tokens=False).ids + [1]
+
+
+PACK_PEAK = """
+import json, resource, sys
+from pathlib import Path
+from tasks.pack import pack
+from tasks.params import PackParams
+root = Path(sys.argv[1])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+pack(PackParams(batch_characters=100_000), root / "corpus", root / "tokenizer.json", root / "packed")
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+"""
+
+
+def test_pack_peak_memory_stays_flat_on_a_huge_document(tmp_path, data_tokenizer):
+    """A 3 MB single-line document grows pack's peak memory by tens of MB, not by ~110 bytes per character as
+    when the tokenizer encoded it whole (330 MB here; 5.6 GB for 50 MB: bench/pack_memory.py)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    words = ("thou art more lovely and more temperate, rough winds do shake the darling buds of May; " * 35_000)
+    (corpus / "train.jsonl").write_text(json.dumps({"id": "huge", "text": words[:3_000_000]}) + "\n")
+    for split in ("validation", "test"):
+        (corpus / f"{split}.jsonl").write_text("")
+    (corpus / "manifest.json").write_text("{}")
+    data_tokenizer.save(str(tmp_path / "tokenizer.json"))
+    proc = subprocess.run([sys.executable, "-c", PACK_PEAK, str(tmp_path)], capture_output=True, text=True,
+                          cwd=PROJECT_ROOT, env=dict(os.environ, PYTHONPATH=str(PROJECT_ROOT)))
+    assert proc.returncode == 0, proc.stderr
+    growth_mb = float(proc.stdout.split()[-1])
+    assert growth_mb < 150, f"pack's peak memory grew {growth_mb:.0f} MB on a 3 MB document"
 
 
 def test_pack_missing_inputs_leave_nothing(tmp_path, data_corpus_dir):

@@ -443,6 +443,43 @@ def test_sigkill_of_the_launcher_group_kills_the_ranks(core_tiny_data, tmp_path)
             os.killpg(launcher.pid, signal.SIGKILL)
 
 
+@pytest.mark.integration
+def test_a_single_node_run_listens_on_loopback_only(core_tiny_data, tmp_path):
+    """A training stage's torchrun (run_torchrun: the agent, rank 0's store, gloo) listens on no interface but
+    loopback; --standalone would have the agent listen on every interface (issue 14)."""
+    import ipaddress
+
+    import psutil
+
+    from astrai_core.distributed import run_torchrun
+    from test_train import make_cfg
+
+    cfg_path = tmp_path / "cfg.json"
+    cfg_path.write_text(make_cfg(core_tiny_data, tmp_path / "out", max_steps=100000, log_every=1,
+                                 val_data=None).model_dump_json())
+    listening: dict[str, list[str]] = {}
+
+    class Inspected(Exception):
+        pass
+
+    def on_line(line: str) -> None:
+        if not line.startswith("step "):
+            return
+        for proc in psutil.process_iter(["cmdline"]):  # the agent and both ranks: their command lines name cfg_path
+            if str(cfg_path) in (proc.info["cmdline"] or []):
+                role = "agent" if "torch.distributed.run" in proc.info["cmdline"] else f"rank {proc.pid}"
+                listening[role] = [c.laddr.ip for c in proc.net_connections(kind="inet")
+                                   if c.status == psutil.CONN_LISTEN]
+        raise Inspected  # run_torchrun kills the run
+
+    with pytest.raises(Inspected):
+        run_torchrun(cfg_path, 2, env={"OMP_NUM_THREADS": "1"}, on_line=on_line)
+    assert len(listening) == 3, listening
+    addresses = [ip for ips in listening.values() for ip in ips]
+    assert len(addresses) >= 3, listening  # rank 0's store and each rank's gloo socket
+    assert all(ipaddress.ip_address(ip).is_loopback for ip in addresses), listening
+
+
 # --- corpus edge cases -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("files, message", [
