@@ -55,6 +55,18 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def resume_on_one_rank(step8: Path, cfg: TrainConfig, reference: TrainConfig, label: str) -> None:
+    """cfg resumes from a step-8 checkpoint written by 2 ranks on one rank (in this process) and ends within
+    WEIGHT_TOL of the reference run's weights."""
+    resume_from(step8, cfg)
+    with pytest.warns(UserWarning, match="written by 2 ranks, resuming on 1"):
+        summary = train(cfg)
+    assert summary["resumed_from_step"] == 8 and summary["steps"] == 24
+    diff = max_diff(weights(cfg), weights(reference))
+    print(f"{label}: weights {diff:.1e}")
+    assert diff <= WEIGHT_TOL
+
+
 def losses(cfg: TrainConfig) -> list[float]:
     lines = (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()
     return [m["train/loss"] for m in map(json.loads, lines) if "train/loss" in m]
@@ -170,13 +182,7 @@ def test_tp_checkpoint_resumes_on_one_rank_and_under_ddp(runs, core_tiny_data, t
 
     # On one rank (ddp, tp_size 1): the rest of the run is the one-rank run's.
     one = make_cfg(core_tiny_data, tmp_path / "one" / "out", **RUN)
-    resume_from(step8["tp"], one)
-    with pytest.warns(UserWarning, match="written by 2 ranks, resuming on 1"):
-        summary = train(one)
-    assert summary["resumed_from_step"] == 8 and summary["steps"] == 24
-    diff = max_diff(weights(one), weights(runs["one"]))
-    print(f"tp=2 checkpoint resumed on one rank vs one rank: weights {diff:.1e}")
-    assert diff <= WEIGHT_TOL
+    resume_on_one_rank(step8["tp"], one, runs["one"], "tp=2 checkpoint resumed on one rank vs one rank")
 
     # Under DDP=2 (each rank a batch of 4: 16 samples a step from step 8 on): the same as DDP=2 resumed from the
     # one-rank run's step-8 checkpoint, whose optimizer state is the position-keyed one DDP writes.
@@ -265,13 +271,7 @@ def test_sharded_checkpoints_resume_from_tp2_on_one_rank_and_back(runs, core_tin
 
     # Resumed on one rank (2 ranks -> 1; TP's shards -> plain tensors): the rest is the one-rank run's.
     one = make_cfg(core_tiny_data, tmp_path / "one" / "out", **RUN, checkpoint_format="sharded")
-    resume_from(step8, one)
-    with pytest.warns(UserWarning, match="written by 2 ranks, resuming on 1"):
-        summary = train(one)
-    assert summary["resumed_from_step"] == 8 and summary["steps"] == 24
-    diff = max_diff(weights(one), weights(runs["one"]))
-    print(f"tp=2 sharded checkpoint (step 8) resumed on one rank vs one rank: weights {diff:.1e}")
-    assert diff <= WEIGHT_TOL
+    resume_on_one_rank(step8, one, runs["one"], "tp=2 sharded checkpoint (step 8) resumed on one rank vs one rank")
 
     # And back (1 rank -> 2; plain tensors -> TP's shards): that run's step-16 checkpoint, one process's shards,
     # resumed under TP=2 ends where the uninterrupted TP run does.
