@@ -84,8 +84,13 @@ def _words(line: str) -> list[str] | None:
     return pieces
 
 
+def _lines(speeches: list[Speech]) -> list[str]:
+    """The passage's lines short enough to ask about."""
+    return [ln for s in speeches for ln in s.lines[:MAX_LINES] if len(ln) <= MAX_LINE_CHARS]
+
+
 def _verse_line(speeches: list[Speech], rng: random.Random) -> str | None:
-    lines = [ln for s in speeches for ln in s.lines[:MAX_LINES] if len(ln) <= MAX_LINE_CHARS]
+    lines = _lines(speeches)
     return rng.choice(lines) if lines else None
 
 
@@ -108,7 +113,7 @@ def word_count(speeches: list[Speech], rng: random.Random) -> Item | None:
 
 def is_question(speeches: list[Speech], rng: random.Random) -> Item | None:
     """Half the items ask about a line that ends with a question mark (when the passage has one)."""
-    lines = [ln for s in speeches for ln in s.lines[:MAX_LINES] if len(ln) <= MAX_LINE_CHARS]
+    lines = _lines(speeches)
     want = rng.random() < 0.5
     lines = [ln for ln in lines if ln.rstrip().endswith("?") == want]
     if not lines:
