@@ -327,6 +327,18 @@ def test_seeded_sampling_is_reproducible_whatever_shares_the_batch():
     assert other_seed != together[0]
 
 
+def test_greedy_and_sampled_requests_in_one_batch_equal_their_solo_runs():
+    """The scheduler samples the greedy rows in one call and the others row by row: each row keeps its token."""
+    model = model_for()
+    prompts = prompts_for(6, seed=9)
+    params = [greedy(10) if i % 2 else SamplingParams(max_tokens=10, temperature=1.0, seed=200 + i) for i in range(6)]
+    together = [c.tokens for c in run(Engine(model, EngineConfig(kv_blocks=128, block_size=4)), prompts, params)]
+    alone = [run(Engine(model, EngineConfig(kv_blocks=128, block_size=4)), [p], sp)[0].tokens
+             for p, sp in zip(prompts, params)]
+    assert together == alone
+    assert together[1] == generate(model, prompts[1], 10)
+
+
 # --- finishing ---------------------------------------------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ from astrai_core.checkpoint import load_model, save_checkpoint
 from astrai_core.config import ModelConfig
 from astrai_core.errors import AstraiError
 from astrai_core.generate import generate, generate_text
-from astrai_core.model import Transformer, apply_rope, cross_entropy_loss, rope_tables
+from astrai_core.model import RMSNorm, Transformer, apply_rope, cross_entropy_loss, rope_tables
 
 TINY = dict(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 
@@ -94,6 +94,20 @@ def test_rope_matches_hf_convention_and_is_relative():
     torch.testing.assert_close(rot(q, 5).norm(), q.norm())
     torch.testing.assert_close((rot(q, 7) * rot(k, 4)).sum(), (rot(q, 10) * rot(k, 7)).sum(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(rot(q, 0), q)
+
+
+def test_rmsnorm_inference_path_equals_training_path():
+    """Without grad RMSNorm skips its autograd.Function: the same bits, and rms_norm's values."""
+    torch.manual_seed(0)
+    norm = RMSNorm(16, eps=1e-6)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    trained = norm(x)
+    assert trained.grad_fn is not None
+    with torch.no_grad():
+        inferred = norm(x)
+    assert torch.equal(trained.detach(), inferred)
+    torch.testing.assert_close(inferred, F.rms_norm(x.detach(), (16,), norm.weight.detach(), eps=1e-6))
 
 
 def test_cross_entropy_loss_hand_computed():
