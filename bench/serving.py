@@ -22,10 +22,10 @@ What is measured, in one run on one machine:
 * naive: the same model in this process, one request at a time through astrai_core.generate.generate (a
   KV-cached loop, batch 1) over the level-1 prompts: what serving without batching gives.
 
-The default model is the demo's shape (params.yaml: 256 wide, 4 layers, vocab 2048, context 256) with random
-weights and a tokenizer trained here: speed does not depend on the weights. The report records the machine and
-its load average, since anything else running on the shared cores skews every number; both sides use --threads
-torch threads (default 1).
+The default model is the demo's shape (params.yaml's `model` section) with random weights and a tokenizer of its
+vocabulary size trained here: speed does not depend on the weights. Every level runs --repeats times in a row and
+reports the median run's figures (by output tokens/s) with every run's tokens/s. The report records the machine and its load average, since anything else
+running on the shared cores skews every number; both sides use --threads torch threads (default 1).
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from astrai_core.checkpoint import load_model, save_checkpoint  # noqa: E402
-from astrai_core.config import ModelConfig  # noqa: E402
 from astrai_core.generate import generate  # noqa: E402
 from astrai_core.model import Transformer  # noqa: E402
 from astrai_core.tokenizer import special_id, train_tokenizer  # noqa: E402
+from tasks.params import load_params  # noqa: E402
 
 WORDS = ("the king queen lord lady fool ghost speaks loves follows betrays crown horse night brother people "
          "sword castle rain sun and to of in my your thou art hath doth what light yonder window breaks").split()
@@ -71,12 +71,12 @@ def machine() -> dict:
 
 
 def demo_shape_checkpoint(root: Path) -> Path:
+    cfg = load_params(ROOT / "params.yaml").model
     rng = random.Random(0)
     texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 30))) for _ in range(3000)]
-    tok = train_tokenizer(texts, vocab_size=2048)
+    tok = train_tokenizer(texts, vocab_size=cfg.vocab_size)
     tok.save(str(root / "tokenizer.json"))
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256)
     return save_checkpoint(root / "bench-model", Transformer(cfg), cfg, root / "tokenizer.json")
 
 
@@ -161,6 +161,14 @@ async def load_level(url: str, model_id: str, prompts: list[list[int]] | list[st
             "itl_p50_ms": round(1000 * percentile(itls, 50), 2), "kv_blocks_used_peak": int(peak_blocks)}
 
 
+def repeated_level(url: str, model_id: str, prompts: list, concurrency: int, max_tokens: int, repeats: int,
+                   kv_metrics: bool = True) -> dict:
+    """load_level `repeats` times: the median run by output tokens/s, with every run's tokens/s."""
+    runs = sorted((asyncio.run(load_level(url, model_id, prompts, concurrency, max_tokens, kv_metrics))
+                   for _ in range(repeats)), key=lambda r: r["output_tokens_per_s"])
+    return {**runs[len(runs) // 2], "runs_tokens_per_s": [r["output_tokens_per_s"] for r in runs]}
+
+
 def naive(model, prompts: list[list[int]], max_tokens: int, eos: int) -> dict:
     tokens, ttfts = 0, []
     generate(model, prompts[0], 2)  # warm-up (first-call allocations), as the server gets below
@@ -231,7 +239,7 @@ def peer(venv: Path, ckpt: Path, tokenizer, levels: list[int], args, tmp: Path) 
         for i, c in enumerate(levels):
             n = args.requests or (max(4, c) if args.quick else max(8, 2 * c))
             texts = [tokenizer.decode(p) for p in prompts_for(tokenizer, n, args.min_prompt, args.max_prompt, seed=i)]
-            row = asyncio.run(load_level(url, str(hf), texts, c, args.max_tokens, kv_metrics=False))
+            row = repeated_level(url, str(hf), texts, c, args.max_tokens, args.repeats, kv_metrics=False)
             del row["kv_blocks_used_peak"]
             rows.append(row)
             print("peer", json.dumps(row), flush=True)
@@ -247,7 +255,8 @@ def stop_server(server: subprocess.Popen) -> None:
     server.wait(timeout=30)
 
 
-def shared_prefix(ckpt: Path, tokenizer, context: int, tmp: Path, requests: int = 16, concurrency: int = 4) -> dict:
+def shared_prefix(ckpt: Path, tokenizer, context: int, tmp: Path, repeats: int, requests: int = 16,
+                  concurrency: int = 4) -> dict:
     """Time to first token when every prompt starts with the same half-context prefix (a long shared system
     prompt), with the prefix cache and without (--no-prefix-cache): a fresh server each."""
     header = prompts_for(tokenizer, 1, context // 2, context // 2, seed=1000)[0]
@@ -257,7 +266,7 @@ def shared_prefix(ckpt: Path, tokenizer, context: int, tmp: Path, requests: int 
         server, url, model_id = start_server(ckpt, options, tmp)
         try:
             asyncio.run(load_level(url, model_id, prompts_for(tokenizer, 2, 8, 16, seed=99), 2, 4))  # warm-up
-            row = asyncio.run(load_level(url, model_id, prompts, concurrency, 8))
+            row = repeated_level(url, model_id, prompts, concurrency, 8, repeats)
             m = metrics(url)
             out[name] = {k: row[k] for k in ("ttft_p50_ms", "ttft_p99_ms", "output_tokens_per_s")}
             out[name]["prefix_cache_hit_rate"] = round(m["astrai_prefix_cache_hits_total"]
@@ -277,6 +286,7 @@ def main() -> None:
     ap.add_argument("--levels", type=int, nargs="*", help="concurrency levels (default 1 4 16 64)")
     ap.add_argument("--requests", type=int, help="requests per level (default: max(8, 2 x concurrency); quick: "
                                                  "max(4, concurrency))")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per level; the median is reported")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--min-prompt", type=int, default=8)
     ap.add_argument("--max-prompt", type=int, default=160)
@@ -313,7 +323,7 @@ def main() -> None:
             for i, c in enumerate(levels):
                 n = args.requests or (max(4, c) if args.quick else max(8, 2 * c))
                 prompts = prompts_for(tokenizer, n, args.min_prompt, args.max_prompt, seed=i)
-                row = asyncio.run(load_level(url, model_id, prompts, c, args.max_tokens))
+                row = repeated_level(url, model_id, prompts, c, args.max_tokens, args.repeats)
                 row["kv_mib_used_peak"] = round(row["kv_blocks_used_peak"] * bytes_per_block / 2**20, 2)
                 report["served"].append(row)
                 print(json.dumps(row), flush=True)
@@ -322,10 +332,12 @@ def main() -> None:
         if args.peer_venv:
             report["peer"] = peer(args.peer_venv, ckpt, tokenizer, levels, args, Path(tmp))
         if not args.no_prefix_scenario:
-            report["shared_prefix"] = shared_prefix(ckpt, tokenizer, cfg.max_seq_len, Path(tmp))
+            report["shared_prefix"] = shared_prefix(ckpt, tokenizer, cfg.max_seq_len, Path(tmp), args.repeats)
         n = args.requests or (4 if args.quick else 8)
-        report["naive"] = naive(model, prompts_for(tokenizer, n, args.min_prompt, args.max_prompt, seed=0),
-                                args.max_tokens, special_id(tokenizer, "eos"))
+        naive_prompts = prompts_for(tokenizer, n, args.min_prompt, args.max_prompt, seed=0)
+        runs = sorted((naive(model, naive_prompts, args.max_tokens, special_id(tokenizer, "eos"))
+                       for _ in range(args.repeats)), key=lambda r: r["output_tokens_per_s"])
+        report["naive"] = {**runs[len(runs) // 2], "runs_tokens_per_s": [r["output_tokens_per_s"] for r in runs]}
         print("naive", json.dumps(report["naive"]), flush=True)
     base = report["naive"]["output_tokens_per_s"]
     report["speedup_over_naive"] = {str(r["concurrency"]): round(r["output_tokens_per_s"] / base, 2)
