@@ -10,10 +10,9 @@ from typing import Optional
 
 import typer
 
-# Telemetry off before Prefect, MLflow or DVC is imported: the network here is closed and they would stall.
-for _key, _value in {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
-                     "DVC_NO_ANALYTICS": "1", "DO_NOT_TRACK": "1"}.items():
-    os.environ.setdefault(_key, _value)
+from flows import env
+
+env.apply()  # before Prefect, MLflow or DVC is imported
 
 from astrai_core.errors import AstraiError  # noqa: E402
 

@@ -8,10 +8,9 @@ import subprocess as _subprocess
 import sys as _sys
 from pathlib import Path as _Path
 
-# Telemetry off before anything imports Prefect, MLflow or DVC: the network here is closed.
-for _k, _v in {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
-               "DVC_NO_ANALYTICS": "1", "DO_NOT_TRACK": "1"}.items():
-    _os.environ.setdefault(_k, _v)
+from flows import env as _env
+
+_env.apply()  # before anything imports Prefect, MLflow or DVC
 
 PROJECT_ROOT = _Path(__file__).resolve().parents[1]
 VENV_BIN = _Path(_sys.executable).parent

@@ -1,0 +1,19 @@
+"""The environment every entry point sets before Prefect, MLflow or DVC is imported: the one place it is written
+(the Makefile exports the telemetry switches too, for the prefect and mlflow commands it runs itself)."""
+
+import os
+
+DEFAULTS = {
+    # Telemetry off: the network here is closed and they would stall.
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true", "DVC_NO_ANALYTICS": "1",
+    "DO_NOT_TRACK": "1",
+    # The temporary Prefect server migrates a fresh database before it answers; Prefect waits 20 s for it, which a
+    # busy 2-core machine exceeded ("Timed out while attempting to connect to ephemeral Prefect API server").
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+}
+
+
+def apply() -> None:
+    """Set each default the environment does not set already."""
+    for key, value in DEFAULTS.items():
+        os.environ.setdefault(key, value)
