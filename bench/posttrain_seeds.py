@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.engine import cpu_name  # noqa: E402
 from tasks.layout import CHAT, CORPUS, EVALUATE, PACKED, PRETRAIN, TOKENIZER  # noqa: E402
-from tasks.params import parse_params, set_dotted  # noqa: E402
+from astrai_core.errors import AstraiError  # noqa: E402
+from tasks.params import load_params  # noqa: E402
 
 SHARED = (CORPUS, TOKENIZER, PACKED, PRETRAIN, CHAT)  # what every seed starts from, linked, never written
 STAGES = ("sft", "dpo_reference", "dpo", "grpo", "evaluate")
@@ -47,14 +48,14 @@ def spread(values: list[float]) -> dict:
 
 
 def run_seed(seed: int, raw: dict, work: Path) -> dict:
-    """The post-training chain with `seed` in `work`: -> the evaluate stage's checks and metrics."""
+    """The post-training chain with `seed` in `work` (raw: the resolved params): -> the evaluate stage's checks
+    and metrics."""
     for path in SHARED:
         (work / path).parent.mkdir(parents=True, exist_ok=True)
         (work / path).symlink_to(ROOT / path)
     raw = json.loads(json.dumps(raw))
     for stage in SEEDED:
-        set_dotted(raw, f"{stage}.seed", seed)
-    parse_params(raw, source=f"params of seed {seed}")  # a bad --set stops here, not half-way through the chain
+        raw[stage]["seed"] = seed
     (work / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}"}
     times = {}
@@ -64,7 +65,7 @@ def run_seed(seed: int, raw: dict, work: Path) -> dict:
             done = subprocess.run([sys.executable, "-m", "flows.cli", "stage", stage, "--params", "params.yaml"],
                                   cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
         if done.returncode:
-            raise SystemExit(f"seed {seed}: stage {stage} failed (exit {done.returncode}); its log: "
+            raise SystemExit(f"posttrain_seeds: error: seed {seed}: stage {stage} failed (exit {done.returncode}); its log: "
                              f"{work / f'{stage}.log'}")
         times[stage] = round(time.perf_counter() - start, 1)
         print(f"seed {seed}: {stage} {times[stage]} s", flush=True)
@@ -84,11 +85,18 @@ def main() -> None:
     args = ap.parse_args()
     missing = [str(p) for p in SHARED if not (ROOT / p).exists()]
     if missing:
-        raise SystemExit(f"missing {', '.join(missing)}: run the pipeline up to chat_data first (make demo)")
-    raw = yaml.safe_load(args.params.read_text())
-    for item in args.overrides:
-        key, _, value = item.partition("=")
-        set_dotted(raw, key, yaml.safe_load(value))
+        raise SystemExit(f"posttrain_seeds: error: missing {', '.join(missing)}: run the pipeline up to chat_data "
+                         "first (make demo)")
+    try:  # every bad value stops here, in one line, before any stage runs
+        overrides = {}
+        for item in args.overrides:
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise AstraiError(f"--set {item!r}: expected KEY=VALUE, e.g. sft.max_steps=50")
+            overrides[key.strip()] = yaml.safe_load(value)
+        raw = load_params(args.params, overrides).model_dump(mode="json")  # every default filled in
+    except AstraiError as e:
+        raise SystemExit(f"posttrain_seeds: error: {e}") from None
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     runs = {}
     with contextlib.nullcontext(args.work) if args.work else tempfile.TemporaryDirectory() as base:

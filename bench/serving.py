@@ -24,8 +24,9 @@ What is measured, in one run on one machine:
 
 The default model is the demo's shape (params.yaml's `model` section) with random weights and a tokenizer of its
 vocabulary size trained here: speed does not depend on the weights. Every level runs --repeats times in a row and
-reports the median run's figures (by output tokens/s) with every run's tokens/s. The report records the machine and its load average, since anything else
-running on the shared cores skews every number; both sides use --threads torch threads (default 1).
+reports the median run's figures (by output tokens/s) with every run's tokens/s. The report records the machine
+and its load average, since anything else running on the shared cores skews every number; both sides use
+--threads torch threads (default 1).
 """
 
 from __future__ import annotations
@@ -161,12 +162,17 @@ async def load_level(url: str, model_id: str, prompts: list[list[int]] | list[st
             "itl_p50_ms": round(1000 * percentile(itls, 50), 2), "kv_blocks_used_peak": int(peak_blocks)}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median output tokens/s, with every run's tokens/s."""
+    runs = sorted(runs, key=lambda r: r["output_tokens_per_s"])
+    return {**runs[len(runs) // 2], "runs_tokens_per_s": [r["output_tokens_per_s"] for r in runs]}
+
+
 def repeated_level(url: str, model_id: str, prompts: list, concurrency: int, max_tokens: int, repeats: int,
                    kv_metrics: bool = True) -> dict:
-    """load_level `repeats` times: the median run by output tokens/s, with every run's tokens/s."""
-    runs = sorted((asyncio.run(load_level(url, model_id, prompts, concurrency, max_tokens, kv_metrics))
-                   for _ in range(repeats)), key=lambda r: r["output_tokens_per_s"])
-    return {**runs[len(runs) // 2], "runs_tokens_per_s": [r["output_tokens_per_s"] for r in runs]}
+    """load_level `repeats` times: median_run of them."""
+    return median_run([asyncio.run(load_level(url, model_id, prompts, concurrency, max_tokens, kv_metrics))
+                       for _ in range(repeats)])
 
 
 def naive(model, prompts: list[list[int]], max_tokens: int, eos: int) -> dict:
@@ -335,9 +341,8 @@ def main() -> None:
             report["shared_prefix"] = shared_prefix(ckpt, tokenizer, cfg.max_seq_len, Path(tmp), args.repeats)
         n = args.requests or (4 if args.quick else 8)
         naive_prompts = prompts_for(tokenizer, n, args.min_prompt, args.max_prompt, seed=0)
-        runs = sorted((naive(model, naive_prompts, args.max_tokens, special_id(tokenizer, "eos"))
-                       for _ in range(args.repeats)), key=lambda r: r["output_tokens_per_s"])
-        report["naive"] = {**runs[len(runs) // 2], "runs_tokens_per_s": [r["output_tokens_per_s"] for r in runs]}
+        report["naive"] = median_run([naive(model, naive_prompts, args.max_tokens, special_id(tokenizer, "eos"))
+                                      for _ in range(args.repeats)])
         print("naive", json.dumps(report["naive"]), flush=True)
     base = report["naive"]["output_tokens_per_s"]
     report["speedup_over_naive"] = {str(r["concurrency"]): round(r["output_tokens_per_s"] / base, 2)
