@@ -4,14 +4,14 @@ Each kind (`chat_data.sft`, `.dpo`, `.grpo` in params.yaml) is either "demo", de
 download, or the path of the user's own JSONL file, read and validated here.
 
 Demo records are the tasks of tasks/demo_tasks.py (questions about a short passage whose answer follows from the
-prompt: who speaks first / last, how many speeches, the last word of a line, three words reversed), the tasks
-taking turns. Train records come from the corpus's `train` plays, test records from its `test` plays (the
+prompt: who speaks first, how many speeches, how many words a line has, whether it asks a question, its last
+word), the tasks taking turns. Train records come from the corpus's `train` plays, test records from its `test` plays (the
 `validation` plays are left alone), and a test prompt that also occurs in training (a line two plays share) is
 dropped, so the test files are truly held out. Within a split each prompt feeds one record of one kind: no DPO
 pair or GRPO prompt repeats an SFT example.
 
 * SFT: the question, answered. DPO: the question, chosen = the answer, rejected = a plausible wrong answer (the
-  other speaker, a count off by one, the word before the last, the words unreversed). GRPO: the question with its
+  next speaker, a count off by one, the other answer to a yes/no question, the word before the last). GRPO: the question with its
   answer, checked exactly by the reward.
 
 Record formats (the contract with the training code; every record is validated by `check_record`):

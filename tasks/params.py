@@ -56,14 +56,15 @@ class ChatDataParams(Strict):
     dpo: str = DEMO  # {"prompt", "chosen", "rejected"}
     grpo: str = DEMO  # {"prompt", "answer"[, "options"]}
     test_fraction: float = Field(0.1, ge=0.0, lt=1.0)  # of a user file's records, held out (chosen by seed)
-    sft_examples: PositiveInt = 3000  # demo sizes of the train files ...
+    sft_examples: PositiveInt = 20000  # demo sizes of the train files ...
     dpo_pairs: PositiveInt = 1500
     grpo_prompts: PositiveInt = 600
     test_examples: PositiveInt = 500  # ... and of each test file (every held-out metric: 500 items or more)
     max_chars: PositiveInt = 600  # a whole rendered record; the model sees 256 tokens of ~3 characters
     # Share of SFT's training loss tokens that are pretraining text (whole rows of packed/train.h5), against
-    # forgetting language modeling while fine-tuning; 0: none.
-    sft_replay: float = Field(0.5, ge=0.0, lt=1.0)
+    # forgetting language modeling while fine-tuning; 0: none. The replay windows are distinct: they repeat only
+    # when SFT runs more than one pass over sft_train.h5 (then they are memorized and forgetting returns).
+    sft_replay: float = Field(0.8, ge=0.0, lt=1.0)
     seed: int = 0
     on_bad_record: Literal["skip", "stop"] = "skip"
 
