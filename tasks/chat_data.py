@@ -45,12 +45,20 @@ from tasks.params import DEMO, ChatDataParams
 from tasks.plays import Speech, read_plays
 
 
+SIZE_KEYS = {"sft": "sft_examples", "dpo": "dpo_pairs", "grpo": "grpo_prompts"}  # each train file's size key
+
+
+def demo_sizes(params: ChatDataParams) -> dict[str, dict[str, int]]:
+    """{split: {kind: records asked for}}: the train files' sizes by SIZE_KEYS, every test file test_examples."""
+    return {"train": {k: getattr(params, key) for k, key in SIZE_KEYS.items()},
+            "test": {k: params.test_examples for k in KINDS}}
+
+
 def derive_demo(plays: dict[str, dict[str, list[Speech]]], params: ChatDataParams, kinds: tuple[str, ...]
                 ) -> tuple[dict[str, dict[str, list[dict]]], Counter]:
     """{split: {kind: records}} of the demo kinds from the train and test plays, and why items were skipped.
     Each split's items (the tasks taking turns) are dealt out in order: DPO pairs, then GRPO prompts, then SFT."""
-    sizes = {"train": {"dpo": params.dpo_pairs, "grpo": params.grpo_prompts, "sft": params.sft_examples},
-             "test": {k: params.test_examples for k in KINDS}}
+    sizes = demo_sizes(params)
     out: dict[str, dict[str, list[dict]]] = {}
     skipped: Counter = Counter()
     train_prompts: set[str] = set()
@@ -122,6 +130,11 @@ def build_chat_data(params: ChatDataParams, corpus_dir: Path, out_dir: Path) -> 
                     raise AstraiError(f"{corpus_dir}: no demo {kind} records could be derived from the {split} "
                                       "plays (too few speeches)")
                 data[split][kind] = records[split][kind]
+                asked = demo_sizes(params)[split][kind]
+                if len(records[split][kind]) < asked:  # fewer items than asked: said, not silently trained on
+                    key = SIZE_KEYS[kind] if split == "train" else "test_examples"
+                    print(f"WARNING: chat_data: {key}: {asked} asked, only {len(records[split][kind])} demo {kind} "
+                          f"records could be derived from the {split} plays", flush=True)
             stats["sources"][kind] = (f"demo: tasks/demo_tasks.py on the train/test plays of {corpus_dir} "
                                       f"({len(plays['train'])}/{len(plays['test'])} documents)")
             stats["skipped"][kind] = {"count": sum(n for r, n in skipped.items() if r.startswith(kind)),

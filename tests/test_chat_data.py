@@ -110,6 +110,13 @@ def test_parse_play_reads_speakers_bodies_and_scenes():
 # --- demo build -------------------------------------------------------------------------------------------------------
 
 
+def test_asking_for_more_demo_records_than_the_plays_give_is_said(corpus, tmp_path, capsys):
+    stats = build_chat_data(ChatDataParams(**(SMALL | {"sft_examples": 100_000})), corpus, tmp_path / "chat")
+    n = stats["files"]["sft_train.jsonl"]
+    assert 0 < n < 100_000
+    assert f"WARNING: chat_data: sft_examples: 100000 asked, only {n} demo sft records" in capsys.readouterr().out
+
+
 def test_demo_build_from_synthetic_corpus(corpus, tmp_path):
     out = tmp_path / "chat"
     stats = build_chat_data(ChatDataParams(**SMALL), corpus, out)
