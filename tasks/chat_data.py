@@ -5,14 +5,14 @@ download, or the path of the user's own JSONL file, read and validated here.
 
 Demo records are the tasks of tasks/demo_tasks.py (questions about a short passage whose answer follows from the
 prompt: who speaks first, how many speeches, how many words a line has, whether it asks a question, its last
-word), the tasks taking turns. Train records come from the corpus's `train` plays, test records from its `test` plays (the
-`validation` plays are left alone), and a test prompt that also occurs in training (a line two plays share) is
-dropped, so the test files are truly held out. Within a split each prompt feeds one record of one kind: no DPO
+word), the tasks taking turns. Train records come from the corpus's `train` plays, test records from its `test`
+plays (the `validation` plays are left alone), and a test prompt that also occurs in training (a line two plays
+share) is dropped, so the test files are truly held out. Within a split each prompt feeds one record of one kind: no DPO
 pair or GRPO prompt repeats an SFT example.
 
 * SFT: the question, answered. DPO: the question, chosen = the answer, rejected = a plausible wrong answer (the
-  next speaker, a count off by one, the other answer to a yes/no question, the word before the last). GRPO: the question with its
-  answer, checked exactly by the reward.
+  next speaker, a count off by one, the other answer to a yes/no question, the word before the last). GRPO: the
+  question with its answer, checked exactly by the reward.
 
 Record formats (the contract with the training code; every record is validated by `check_record`):
 
@@ -123,6 +123,7 @@ def build_chat_data(params: ChatDataParams, corpus_dir: Path, out_dir: Path) -> 
                                   f"split to derive the demo {'/'.join(demo)} data from; set chat_data.{demo[0]} "
                                   "to a JSONL file")
         records, skipped = derive_demo(plays, params, demo)
+        sizes = demo_sizes(params)
         stats["plays"] = {split: {doc_id: len(s) for doc_id, s in p.items()} for split, p in plays.items()}
         for kind in demo:
             for split in ("train", "test"):
@@ -130,7 +131,7 @@ def build_chat_data(params: ChatDataParams, corpus_dir: Path, out_dir: Path) -> 
                     raise AstraiError(f"{corpus_dir}: no demo {kind} records could be derived from the {split} "
                                       "plays (too few speeches)")
                 data[split][kind] = records[split][kind]
-                asked = demo_sizes(params)[split][kind]
+                asked = sizes[split][kind]
                 if len(records[split][kind]) < asked:  # fewer items than asked: said, not silently trained on
                     key = SIZE_KEYS[kind] if split == "train" else "test_examples"
                     print(f"WARNING: chat_data: {key}: {asked} asked, only {len(records[split][kind])} demo {kind} "
