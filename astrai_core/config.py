@@ -139,6 +139,7 @@ class DPOSettings(Strict):
     beta: PositiveFloat = 0.1
     loss: Literal["sigmoid", "ipo", "conservative"] = "sigmoid"
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)  # conservative DPO: the assumed share of flipped labels
+    nll_coef: float = Field(0.0, ge=0.0)  # + this x the chosen reply's per-token NLL (RPO): keeps chosen likely
 
 
 class DPOConfig(DPOSettings):

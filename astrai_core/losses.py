@@ -76,13 +76,16 @@ def sequence_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
              ref_rejected: torch.Tensor, beta: float, kind: str = "sigmoid",
-             label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             label_smoothing: float = 0.0, nll_coef: float = 0.0,
+             chosen_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair DPO losses and the implicit rewards (beta * log-ratio to the reference) of chosen and rejected.
 
     h = (pi_c - ref_c) - (pi_r - ref_r), the margin of the log-ratios.
     sigmoid (Rafailov et al. 2023): -log sigmoid(beta h)
     conservative (label-smoothed, cDPO): -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)
     ipo (Azar et al. 2023): (h - 1 / (2 beta))^2
+    nll_coef > 0 adds nll_coef * -pi_c / chosen_tokens, the chosen reply's per-token NLL (RPO, Pang et al. 2024):
+    DPO alone can lower the chosen reply's probability as long as the rejected one falls faster.
     """
     h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
     if kind == "sigmoid":
@@ -93,6 +96,8 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
         loss = (h - 1 / (2 * beta)) ** 2
     else:
         raise ValueError(f"unknown DPO loss {kind!r}: sigmoid, conservative or ipo")
+    if nll_coef:
+        loss = loss - nll_coef * policy_chosen / chosen_tokens
     rewards_chosen = beta * (policy_chosen - ref_chosen).detach()
     rewards_rejected = beta * (policy_rejected - ref_rejected).detach()
     return loss, rewards_chosen, rewards_rejected

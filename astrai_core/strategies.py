@@ -249,8 +249,9 @@ class DPOStrategy(Strategy):
         d, c = batch.data, self.cfg.dpo
         logps = sequence_logps(logits, d["y"])
         n = len(logps) // 2
+        chosen_tokens = (d["y"][:n] != IGNORE_INDEX).sum(-1)
         losses, r_chosen, r_rejected = dpo_loss(logps[:n], logps[n:], d["ref"][:n], d["ref"][n:], c.beta, c.loss,
-                                                c.label_smoothing)
+                                                c.label_smoothing, c.nll_coef, chosen_tokens)
         return losses.sum(), {"dpo/rewards_chosen": r_chosen.sum(), "dpo/rewards_rejected": r_rejected.sum(),
                               "dpo/reward_margin": (r_chosen - r_rejected).sum(),
                               "dpo/reward_accuracy": (r_chosen > r_rejected).float().sum(),

@@ -47,7 +47,7 @@ from astrai_core.io import atomic_path, sha256_file, write_json
 from astrai_core.rewards import exact_answer, valid_option
 from tasks.layout import CHAT, PACKED
 from tasks.metrics import METRICS
-from tasks.params import Params
+from tasks.params import Params, dpo_pairs
 from tasks.training import MODEL_STAGES, final_model, model_dir
 
 # What each post-training stage is for: the metric it must raise beyond the interval, and those it must not lower
@@ -125,7 +125,7 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> tuple[dict, list[Chec
             m["sft_test_loss"] = masked_token_loss(model, str(chat_dir / "sft_test.h5"), tok_sha,
                                                    params.pretrain.seq_len, p.batch_size)
             right = {}  # metric -> per-item correctness
-            margins = preference_margins(model, str(chat_dir / "dpo_test.h5"), tok_sha)
+            margins = preference_margins(model, str(dpo_pairs(params, root, "test")), tok_sha)
             if len(margins):
                 right["preference_accuracy"] = margins > 0
                 m["preference_margin"] = float(margins.mean())

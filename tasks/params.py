@@ -100,6 +100,11 @@ class StageParams(RunSettings, Launch):
 class DPOParams(DPOSettings, StageParams):
     """`label_smoothing` here is DPO's (conservative DPO), not the token loss's."""
 
+    # on_policy: the dpo_reference stage makes each pair's rejected reply the starting model's own wrong answer
+    # (tasks/posttrain.py on_policy_pairs), for pairs whose chosen reply is the one right answer (the demo's);
+    # static: chat_data's pairs as they are (your own JSONL of preferences).
+    rejected: Literal["on_policy", "static"] = "on_policy"
+
 
 class GRPOParams(GRPOConfig, StageParams):
     pass
@@ -183,6 +188,9 @@ class Params(Strict):
         if self.tokenizer.source == "train" and self.model.vocab_size < self.tokenizer.vocab_size:
             raise ValueError(f"model.vocab_size ({self.model.vocab_size}) must be >= tokenizer.vocab_size "
                              f"({self.tokenizer.vocab_size})")
+        if self.dpo.rejected == "on_policy" and self.chat_data.dpo != "demo":
+            raise ValueError(f"dpo.rejected: on_policy needs pairs whose chosen reply is the one right answer "
+                             f"(chat_data.dpo: demo); set dpo.rejected: static for {self.chat_data.dpo}")
         # Every training stage's TrainConfig, built now with its real settings: its cross-field checks
         # (astrai_core/config.py) run at parse time, and an error names the section.
         for stage in MODEL_STAGES:
@@ -219,6 +227,13 @@ def start_model(params: Params, root: Path, stage: str) -> Path:
     return model_dir(root, before[-1])
 
 
+def dpo_pairs(params: Params, root: Path, split: str) -> Path:
+    """The packed DPO pairs of `split` that dpo trains on and evaluate scores: on-policy ones are written by the
+    dpo_reference stage, static ones by chat_data."""
+    on_policy = params.dpo.enabled and params.dpo.rejected == "on_policy"
+    return root / (DPO_REFERENCE if on_policy else CHAT) / f"dpo_{split}.h5"
+
+
 def train_config(params: Params, stage: str, root: Path) -> TrainConfig:
     """The training core's config of `stage`: its section's RunSettings (the strategy's own settings go to the
     strategy's config) plus the model and the paths under `root`."""
@@ -237,7 +252,7 @@ def train_config(params: Params, stage: str, root: Path) -> TrainConfig:
     if stage == "sft":
         data = dict(train_data=str(root / CHAT / "sft_train.h5"), val_data=str(root / CHAT / "sft_test.h5"))
     elif stage == "dpo":
-        data = dict(train_data=str(root / CHAT / "dpo_train.h5"),
+        data = dict(train_data=str(dpo_pairs(params, root, "train")),
                     dpo=DPOConfig(**{k: getattr(section, k) for k in own - {"reference_logps"}},
                                   reference_logps=str(root / DPO_REFERENCE / "train_logps.h5")))
     else:

@@ -46,6 +46,16 @@ def test_dpo_gradient_raises_chosen_and_lowers_rejected():
     assert (pc.grad.item(), pr.grad.item()) == pytest.approx((-0.5 * s, 0.5 * s))
 
 
+def test_dpo_nll_term_by_hand():
+    # RPO: + nll_coef * the chosen reply's per-token NLL; the chosen one's gradient grows by nll_coef / tokens
+    pc = torch.tensor([-1.0], requires_grad=True)
+    loss, _, _ = dpo_loss(pc, PAIR["policy_rejected"], PAIR["ref_chosen"], PAIR["ref_rejected"], beta=0.5,
+                          nll_coef=2.0, chosen_tokens=torch.tensor([4]))
+    assert loss.item() == pytest.approx(math.log1p(math.exp(-0.5)) + 2.0 * 1.0 / 4)
+    loss.sum().backward()
+    assert pc.grad.item() == pytest.approx(-0.5 / (1 + math.exp(0.5)) - 2.0 / 4)
+
+
 def test_group_advantages_by_hand():
     adv = group_advantages(torch.tensor([1.0, 0.0, 3.0, 3.0]), group_size=2)
     std = math.sqrt(0.5)  # sample std of (1, 0)

@@ -38,6 +38,10 @@ def test_shipped_params_are_valid():
     ({"grpo.rewards": {"exact_answr": 1.0}}, "grpo.rewards: unknown reward 'exact_answr'"),
     ({"grpo.rewards": {"no_such_module:fn": 1.0}}, "grpo.rewards: reward 'no_such_module:fn': cannot import"),
     ({"dpo.label_smoothing": 0.7}, "dpo.label_smoothing: Input should be less than 0.5"),
+    ({"dpo.nll_coef": -1}, "dpo.nll_coef: Input should be greater than or equal to 0"),
+    ({"dpo.rejected": "random"}, "dpo.rejected: Input should be 'on_policy' or 'static'"),
+    ({"chat_data.dpo": "my_pairs.jsonl"}, "dpo.rejected: on_policy needs pairs whose chosen reply is the one right "
+                                          "answer (chat_data.dpo: demo); set dpo.rejected: static for my_pairs.jsonl"),
 ])
 def test_bad_params_name_the_key(override, message):
     with pytest.raises(AstraiError) as e:
@@ -56,7 +60,7 @@ def test_sections_resolve_into_the_core_configs():
     """Each training section is the core's RunSettings: what it sets reaches the stage's TrainConfig, and what it
     leaves out takes the core's one default. model.vocab_size left out is the tokenizer's."""
     from astrai_core.config import RunSettings
-    from tasks.params import train_config
+    from tasks.params import dpo_pairs, train_config
 
     p = load_params(ROOT / "params.yaml", {"sft.label_smoothing": 0.1, "dpo.label_smoothing": 0.2})
     sft, dpo = train_config(p, "sft", ROOT), train_config(p, "dpo", ROOT)
@@ -66,6 +70,11 @@ def test_sections_resolve_into_the_core_configs():
     assert train_config(p, "grpo", ROOT).init_from == str(ROOT / "data" / "dpo")
     skip = load_params(ROOT / "params.yaml", {"dpo.enabled": False})
     assert train_config(skip, "grpo", ROOT).init_from == str(ROOT / "data" / "sft")  # the previous enabled stage
+    # On-policy pairs are the dpo_reference stage's; static ones chat_data's (and evaluate's when dpo is off).
+    static = load_params(ROOT / "params.yaml", {"dpo.rejected": "static"})
+    assert (dpo.train_data, train_config(static, "dpo", ROOT).train_data) == (
+        str(ROOT / "data/dpo_reference/dpo_train.h5"), str(ROOT / "data/chat/dpo_train.h5"))
+    assert dpo_pairs(skip, ROOT, "test") == ROOT / "data/chat/dpo_test.h5"
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     del raw["model"]["vocab_size"]
     raw["tokenizer"]["vocab_size"] = 300

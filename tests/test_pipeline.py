@@ -139,6 +139,11 @@ def test_every_model_evaluated_side_by_side_and_the_best_one_registered(flow_res
     assert (repo / "data/dpo/adapter_model.safetensors").is_file() and (repo / "data/dpo/model.safetensors").is_file()
     ref = json.loads((repo / "data/dpo_reference/info.json").read_text())
     assert ref["reference"] == "data/sft"
+    # On-policy pairs: each rejected reply is the SFT model's own answer where it had a wrong one.
+    pairs = (repo / "data/chat/records/dpo_train.jsonl").read_text().count("\n")
+    assert ref["rejected"] == "on_policy" and sum(ref["on_policy"]["train"].values()) == pairs, ref
+    packed = json.loads((repo / "data/chat/pack_stats.json").read_text())["dpo_train"]
+    assert ref["documents"] == 2 * packed and (repo / "data/dpo_reference/dpo_test.h5").is_file()
     registration = json.loads((repo / "data/register/registration.json").read_text())
     assert registration["version"] == 1
     best = max(MODELS[::-1], key=lambda s: metrics[f"{s}/task_accuracy"])  # ties: the later stage

@@ -15,7 +15,7 @@ from astrai_core.chat import DEFAULT_TEMPLATE, load_chat
 from astrai_core.checkpoint import load_model, save_checkpoint
 from astrai_core.config import ModelConfig, TrainConfig
 from astrai_core.errors import AstraiError
-from astrai_core.evaluate import masked_token_loss
+from astrai_core.evaluate import answer_questions, masked_token_loss
 from astrai_core.io import sha256_file
 from astrai_core.losses import IGNORE_INDEX
 from astrai_core.model import Transformer
@@ -25,7 +25,7 @@ from astrai_core.dpo_reference import reference_logps, save_reference_logps
 from astrai_core.tokenizer import train_tokenizer
 from astrai_core.train import default_callbacks, train
 from tasks.params import parse_params
-from tasks.posttrain import pack_chat
+from tasks.posttrain import on_policy_pairs, pack_chat
 
 from test_resume import SigtermAt
 
@@ -197,6 +197,31 @@ def test_dpo_learns_the_preference_and_starts_at_zero_reward(chat_setup, tmp_pat
     assert m[0]["train/loss"] == pytest.approx(np.log(2), abs=1e-4)  # -log sigmoid(0)
     assert m[-1]["dpo/reward_accuracy"] >= 0.9 and m[-1]["dpo/reward_margin"] > 0.5
     assert {"dpo/rewards_chosen", "dpo/rewards_rejected", "dpo/logps_chosen"} <= set(m[-1])
+
+
+def test_on_policy_pairs_reject_the_models_own_wrong_answers(chat_setup):
+    model, _, _ = load_model(chat_setup["base"])
+    with torch.no_grad():  # sharper: the untrained model's greedy reply is empty (the end of turn), this one's is not
+        for p in model.parameters():
+            p.mul_(8)
+    chat = load_chat(chat_setup["tokenizer"])
+    grpo = [json.loads(line) for line in (chat_setup["root"] / "records" / "grpo_test.jsonl").read_text().splitlines()]
+    records = [{"prompt": r["prompt"], "chosen": r["answer"], "rejected": "static"} for r in grpo[:12]]
+    greedy = [r[0].strip() for r in answer_questions(model, chat, records, 6)]
+    for r, g in list(zip(records, greedy))[::2]:  # these the model answers right (greedy)
+        r["chosen"] = g
+    out, counts = on_policy_pairs(model, chat, records, 6, seed=0)
+    wrong_greedy = [i for i, (r, g) in enumerate(zip(records, greedy)) if g and g != r["chosen"]]
+    assert len(wrong_greedy) >= 3 and counts["greedy"] == len(wrong_greedy) and sum(counts.values()) == 12
+    for i, (before, after) in enumerate(zip(records, out)):
+        assert (after["prompt"], after["chosen"]) == (before["prompt"], before["chosen"])
+        assert after["rejected"].strip() != after["chosen"].strip()  # never the right answer
+        if i in wrong_greedy:
+            assert after["rejected"] == greedy[i]  # the model's own greedy answer
+        else:  # right when greedy: a wrong sampled answer, or the static one when every sample was right
+            assert after["rejected"] != greedy[i] or not greedy[i]
+    assert counts["sampled"] + counts["kept"] == 12 - len(wrong_greedy)
+    assert on_policy_pairs(model, chat, records, 6, seed=0) == (out, counts)  # seeded
 
 
 def test_dpo_refuses_a_stale_reference_cache(chat_setup, tmp_path):

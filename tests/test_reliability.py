@@ -163,7 +163,7 @@ def test_metrics_compare_across_commits_and_plots_render(tmp_path):
 
     repo = tmp_path / "project"
     env = make_project(repo, tmp_path / "remote", "unused")
-    for dep in ("pretrain", "sft", "dpo", "grpo", "packed", "chat"):
+    for dep in ("pretrain", "sft", "dpo", "grpo", "packed", "chat", "dpo_reference"):
         (repo / "data" / dep).mkdir(parents=True)
         (repo / "data" / dep / "x").write_text(dep)
     for step in (1, 2):
@@ -236,7 +236,7 @@ def test_the_quick_profile_runs_the_whole_chain(tmp_path):
     assert "=== AstrAI pipeline finished ===" in out.stdout
     log = out.stdout + out.stderr  # the long stages say what they are doing
     assert "evaluate: model 1/4: pretrain" in log and "evaluate: grpo: bits/char on" in log, log[-3000:]
-    assert "dpo_reference: scoring the DPO pairs of data/chat/dpo_train.h5 with data/sft" in log
+    assert "dpo_reference: scoring the DPO pairs of data/dpo_reference/dpo_train.h5 with data/sft" in log
     assert json.loads((repo / "data/register/registration.json").read_text())["version"] == 1
     assert (repo / "params.yaml").read_bytes() == (PROJECT_ROOT / "params.yaml").read_bytes()
     assert "git add dvc.lock" not in log  # DVC's advice is not repeated in every task's log
