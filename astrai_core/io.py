@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -25,11 +27,14 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `target`; on success rename it onto `target`, on error remove it.
 
     Works for files and directories alike (the caller decides what to create at the yielded path).
-    An existing `target` is replaced only after the new one is complete.
+    An existing `target` is replaced only after the new one is complete. The temporary path names its process;
+    one left by a process of this host that no longer runs (SIGKILL: no cleanup ran) is removed here.
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    for stale in _orphaned_temps(target):
+        _remove(stale)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{_OWNER}{os.getpid()}.", suffix=".tmp", dir=target.parent))
     tmp.rmdir()  # the caller creates a file or a directory here
     try:
         yield tmp
@@ -42,11 +47,38 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
         else:
             os.replace(tmp, target)
     except BaseException:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
+        _remove(tmp)
         raise
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+_OWNER = socket.gethostname().replace(".", "_") + "-"  # temp names: .NAME.HOST-PID.RANDOM.tmp
+
+
+def _orphaned_temps(target: Path) -> list[Path]:
+    """atomic_path's temporary paths beside `target` whose process, on this host, has ended."""
+    out = []
+    for path in target.parent.glob(f".{glob.escape(target.name)}.{glob.escape(_OWNER)}*.tmp"):
+        pid = path.name[len(target.name) + len(_OWNER) + 2:].split(".", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            out.append(path)
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:

@@ -86,6 +86,38 @@ def lock_outs(repo: Path, stage: str) -> dict:
 
 
 @pytest.mark.integration
+def test_a_sigkilled_writer_leaves_no_temporary_path_behind_the_next_one(tmp_path):
+    """atomic_path cannot clean up after SIGKILL; the next write to the same target removes what the dead process
+    left, and never the temporary path of a process that still runs."""
+    import signal
+    import subprocess
+    import sys
+
+    from astrai_core.io import _OWNER, atomic_path
+
+    target = tmp_path / "chat"
+    code = ("import os, signal; from astrai_core.io import atomic_path\n"
+            f"with atomic_path({str(target)!r}) as tmp:\n"
+            "    tmp.mkdir(); (tmp / 'half.jsonl').write_text('{')\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    killed = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT)
+    assert killed.returncode == -signal.SIGKILL
+    left = list(tmp_path.glob(".chat.*.tmp"))
+    assert len(left) == 1 and (left[0] / "half.jsonl").is_file() and not target.exists()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        running = tmp_path / f".chat.{_OWNER}{alive.pid}.x1y2.tmp"
+        running.mkdir()  # the temporary path of a writer that still runs
+        with atomic_path(target) as tmp:
+            tmp.mkdir()
+            (tmp / "whole.jsonl").write_text("{}")
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["chat", running.name])
+        assert (target / "whole.jsonl").read_text() == "{}"
+    finally:
+        alive.kill()
+        alive.wait()
+
+
 def test_a_cancelled_or_failed_run_leaves_the_last_good_outputs(tmp_path):
     """SIGTERM to a flow run in pretrain (what a Prefect cancel sends): the pretrain task ends CANCELLED, no
     later stage runs, params.yaml is the user's file again and data/pretrain is the last good one (DVC had
