@@ -226,11 +226,15 @@ def dpo_reference(params: Params, root: Path, on_line: Callable[[str], None] = p
 def _write_on_policy_pairs(params: Params, root: Path, model, ref: Path, out_dir: Path,
                            on_line: Callable[[str], None]) -> dict:
     """records/dpo_{train,test}.jsonl and dpo_{train,test}.h5 in out_dir: chat_data's pairs, on-policy."""
-    chat, tokenizer_path = load_chat(ref / "tokenizer.json"), ref / "tokenizer.json"
+    tokenizer_path = ref / "tokenizer.json"
+    chat = load_chat(tokenizer_path)
     (out_dir / "records").mkdir()
     counts, problems = {}, []
     for split in SPLITS:
-        records = [r for _, r in _records(root / CHAT / "records" / f"dpo_{split}.jsonl")]
+        source = root / CHAT / "records" / f"dpo_{split}.jsonl"
+        if not source.is_file():
+            raise AstraiError(f"{source}: not found; run the chat_data stage")
+        records = [r for _, r in _records(source)]
         on_line(f"dpo_reference: {ref.relative_to(root)} answers the {len(records)} {split} DPO prompts")
         records, counts[split] = on_policy_pairs(model, chat, records, params.grpo.max_new_tokens,
                                                    params.chat_data.seed)
