@@ -17,9 +17,15 @@ POOL ?= astrai-local
 
 .PHONY: setup demo test pipeline repro serve server worker deploy run-deployment stop mlflow-ui bench clean
 
+# uv installs the lock in about a quarter of pip's time (1 min against 3.7 on 2 cores). It reads no pip.conf, so it
+# gets pip's configured find-links (where a machine keeps local wheels, e.g. a CPU build of torch).
+UV := uv==0.13.9
+FIND_LINKS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
 $(BIN)/astrai: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet -c requirements.lock -e '.[dev]'
+	$(BIN)/pip install --quiet $(UV)
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode $(addprefix --find-links ,$(FIND_LINKS)) \
+	  -c requirements.lock -e '.[dev]'
 	touch $@
 
 setup: $(BIN)/astrai  ## create .venv with every dependency
