@@ -14,7 +14,7 @@ import torch
 from astrai_core.evaluate import (Z95, paired_difference, pass_at_k, sequence_nll, summarize, unigram_nll,
                                   wilson_interval)
 from tasks.evaluate import pass_metrics
-from tasks.evaluate import Check, evaluation_markdown, flag_tags, stage_checks
+from tasks.evaluate import Check, evaluation_markdown, flag_tags, grpo_why, stage_checks
 from test_posttrain import MODEL, chat_setup  # noqa: F401  (a module fixture: tokenizer, chat files, random model)
 
 
@@ -165,6 +165,23 @@ def test_each_stage_is_checked_against_its_starting_model_and_failures_are_flagg
     assert "**⚠ 1 flag:**" in report and f"⚠ **FLAG** {checks[2].describe()}" in report
     assert "| dpo | sft | task accuracy | not fall beyond the interval | -0.0800 |" in report
     assert report.count("**no ⚠ FLAG**") == 1
+
+
+def test_a_grpo_flag_says_what_grpo_had_to_learn_from():
+    some = [1] * 40 + [0] * 460
+    items = _items(pretrain=([0] * 500, some), sft=(some, some), grpo=(some, some))
+    metrics = {"final_model": "grpo", "pretrain/test_bits_per_char": 2.0, "grpo/test_bits_per_char": 2.0,
+               "pass_samples": 8, "pass_k": 8, "sft/pass_at_k": 0.576, "sft/task_accuracy": 0.08}
+    curves = {"grpo": [{"step": 1, "grpo/zero_spread_fraction": 0.75}, {"step": 2, "train/loss": 0.1},
+                       {"step": 3, "grpo/zero_spread_fraction": 0.25}]}
+    checks = stage_checks(["pretrain", "sft", "grpo"], items, metrics, curves)
+    assert [c.why for c in checks] == ["", grpo_why(metrics, "sft", curves["grpo"]), ""]  # only the failed GRPO one
+    assert checks[1].describe() == (
+        "grpo did not beat its starting model sft on task_accuracy: +0.0000 (95% interval -0.0075 to +0.0075). Why: "
+        "GRPO re-weights the answers its starting model samples, and sft answered 0.576 of the held-out questions "
+        "right in 8 samples (pass@8) against 0.080 greedily; 50% of its rollout groups had equal rewards, which "
+        "give no gradient")
+    assert grpo_why({}, "sft", []) == ""  # nothing known: nothing said
 
 
 def test_all_checks_passed_reads_so():
