@@ -114,6 +114,7 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> tuple[dict, list[Chec
 
     # The models side by side, one process each (on 2 cores: the demo's four in 125 s instead of 146 s).
     workers = min(len(models), os.cpu_count() or 1)
+    print(f"evaluate: {len(models)} models, {workers} at a time: {', '.join(models)}", flush=True)  # minutes of work
     score = partial(_score_model, params, root, tokens, n_chars, questions, train_questions, final)
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads,
                              initargs=(max(1, (os.cpu_count() or 1) // workers),)) as pool:
@@ -186,7 +187,7 @@ def _score_model(params: Params, root: Path, tokens: np.ndarray, n_chars: int, q
     model, tok, cfg = load_model(ckpt)
     tok_sha = sha256_file(ckpt / "tokenizer.json")
     torch.manual_seed(p.seed)
-    print(f"evaluate: {stage}: bits/char on {len(tokens):,} test tokens", flush=True)  # minutes of work: say where
+    print(f"evaluate: {stage}: bits/char on {len(tokens):,} test tokens", flush=True)
     nll, n = sequence_nll(model, tokens, cfg.max_seq_len, p.batch_size)
     m = {f"test_{k}": v for k, v in summarize(nll, n, n_chars).items()}
     items: dict[str, list[int]] = {}
