@@ -126,6 +126,17 @@ def emit(callbacks: list[Callback], hook: str, run: RunState, *args) -> None:
     for cb in callbacks:
         getattr(cb, hook)(run, *args)
 
+class StopFlag:
+    """Set by the SIGTERM handler. A plain attribute and no lock: threading.Event.set takes one, and a second
+    SIGTERM landing while the handler holds it (torchrun forwards to each rank the SIGTERM a scheduler may also
+    send it) runs the handler again inside itself, which then waits on its own lock forever."""
+
+    requested = False
+
+    def set(self, *_) -> None:
+        self.requested = True
+
+
 
 # ---- checkpoints: collective (every rank calls), rank 0 writes ------------------------------------------------
 
@@ -430,9 +441,9 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
            "samples")
 
     # SIGTERM (a scheduler's preemption, torchrun stopping the group): finish the step, checkpoint, exit 0.
-    stop_requested = threading.Event()
+    stop = StopFlag()
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous_handler = signal.signal(signal.SIGTERM, lambda *_: stop_requested.set()) if in_main_thread else None
+    previous_handler = signal.signal(signal.SIGTERM, stop.set) if in_main_thread else None
     # One timer: each step's seconds, excluding validation and checkpoints. Throughput over the log window, and
     # over the run without its first step (warm-up) for the summary.
     window_seconds, window_tokens = 0.0, 0
@@ -492,7 +503,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
             run.step += 1
             finished = run.step >= max_steps
             # Every rank must agree to stop at the same step, whichever ranks saw the signal.
-            if all_reduce_sum(torch.tensor(float(stop_requested.is_set()), device=d.device), d).item() > 0 \
+            if all_reduce_sum(torch.tensor(float(stop.requested), device=d.device), d).item() > 0 \
                     and not finished:
                 run.stop = "SIGTERM"
             seconds = time.perf_counter() - t0

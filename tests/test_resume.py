@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import select
 import signal
 import socket
 import subprocess
@@ -124,6 +125,42 @@ def test_sharded_checkpoints_hash_every_shard_file_and_skip_corrupt(tmp_path, co
 
 
 # ---- in-process: SIGTERM inside an accumulation window, early stopping ---------------------------------------
+
+# A process that installs the training loop's SIGTERM handler and writes one byte each time it sees the flag set.
+FLAG_CHILD = """
+import os, signal
+from astrai_core.train import StopFlag
+stop = StopFlag()
+signal.signal(signal.SIGTERM, stop.set)
+os.write(1, b"r")
+while True:
+    while not stop.requested:
+        pass
+    stop.requested = False
+    os.write(1, b"s")
+"""
+
+
+def test_a_second_sigterm_inside_the_handler_does_not_hang_the_rank():
+    """torchrun forwards SIGTERM to each rank that a scheduler (or this suite's kill_run) also sent it, so the
+    second can land while the handler for the first is running. Pairs of signals a few microseconds apart: with a
+    lock in the handler (threading.Event) about 1 pair in 13 deadlocked the process here."""
+    proc = subprocess.Popen([sys.executable, "-c", FLAG_CHILD], stdout=subprocess.PIPE, env=rank_env())
+    try:
+        fd = proc.stdout.fileno()
+        assert select.select([fd], [], [], 60)[0] and os.read(fd, 1) == b"r"
+        for i in range(300):
+            os.kill(proc.pid, signal.SIGTERM)
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < (i % 50) * 2e-6:
+                pass
+            os.kill(proc.pid, signal.SIGTERM)
+            assert select.select([fd], [], [], 5)[0], f"no reply after signal pair {i}: the handler hung"
+            os.read(fd, 64)
+    finally:
+        proc.kill()
+        proc.wait()
+
 
 class SigtermAt(Callback):
     """Send this process SIGTERM after micro-step `micro` of step `step` (0-based), i.e. inside the window."""
