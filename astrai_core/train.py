@@ -126,6 +126,7 @@ def emit(callbacks: list[Callback], hook: str, run: RunState, *args) -> None:
     for cb in callbacks:
         getattr(cb, hook)(run, *args)
 
+
 class StopFlag:
     """Set by the SIGTERM handler. A plain attribute and no lock: threading.Event.set takes one, and a second
     SIGTERM landing while the handler holds it (torchrun forwards to each rank the SIGTERM a scheduler may also
@@ -135,7 +136,6 @@ class StopFlag:
 
     def set(self, *_) -> None:
         self.requested = True
-
 
 
 # ---- checkpoints: collective (every rank calls), rank 0 writes ------------------------------------------------
