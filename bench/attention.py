@@ -3,7 +3,7 @@
     python bench/attention.py          # writes bench/attention_report.json
 
 Attention is the one part of the training step whose kernel we choose (matmuls are oneDNN's either way), so this
-measures, at the demo shape and the 512 x 8 x 512 shape of bench/throughput.py, bf16 and fp32:
+measures, at each shape of bench/throughput.py (the demo's, 256 x 4 and 512 x 8 x 512), bf16 and fp32:
 
 * sdpa: F.scaled_dot_product_attention(is_causal=True, enable_gqa=True), what astrai_core/model.py calls;
 * sdpa_fp32_inside: the same on q, k, v cast to fp32 (bf16 in and out), in case the fp32 kernel is faster;
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import SHAPES as TRAIN_SHAPES  # noqa: E402  (the same two shapes the throughput benchmark trains)
+from throughput import SHAPES as TRAIN_SHAPES  # noqa: E402  (the shapes the throughput benchmark trains)
 
 # (batch, heads, kv heads, seq, head dim) of each of bench/throughput.py's shapes
 SHAPES = {name: (s["batch_size"], s["model"]["n_heads"], s["model"]["n_kv_heads"], s["seq_len"],

@@ -1,6 +1,6 @@
 """Wall-clock training throughput of each architecture option under torchrun (not a test).
 
-Every variant trains the demo's shape (params.yaml `model`, 256 wide, 4 layers, vocab 512, seq 256) on the
+Every variant trains the demo's shape (params.yaml `model`, with its seq_len and batch size) on the
 packed demo data for a few steps with 2 gloo ranks, bf16 autocast, batch 16 per rank, exactly as the pretrain
 stage runs it; tokens/s excludes the first step. The plain Llama baseline runs first, in the middle and last, so
 drift from other load on the machine shows. Needs `astrai stage pack` to have run (data/packed, data/tokenizer).

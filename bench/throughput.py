@@ -50,12 +50,17 @@ from astrai_core.config import ModelConfig, TrainConfig  # noqa: E402
 from astrai_core.data import PackedWriter  # noqa: E402
 from astrai_core.distributed import run_torchrun  # noqa: E402
 from astrai_core.io import sha256_file  # noqa: E402
+from tasks.params import load_params  # noqa: E402
 
+_DEMO = load_params(ROOT / "params.yaml")
 SHAPES = {
-    # the demo's model (params.yaml) and batch
-    "demo": dict(model=dict(vocab_size=2048, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256),
+    # the demo's model and batch, as params.yaml has them now
+    "demo": dict(model=_DEMO.model.model_dump(), seq_len=_DEMO.pretrain.seq_len,
+                 batch_size=_DEMO.pretrain.batch_size),
+    # the demo's shape until it moved to AVX2-only CPUs (the 2026-11-21 report's "demo" rows)
+    "wide": dict(model=dict(vocab_size=2048, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256),
                  seq_len=256, batch_size=16),
-    # twice as wide, twice as deep, twice the context; batch 4 keeps a step around a second or two
+    # twice as wide and as deep as "wide", twice the context; batch 4 keeps a step around a second or two
     "large": dict(model=dict(vocab_size=2048, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, max_seq_len=512),
                   seq_len=512, batch_size=4),
 }
@@ -191,8 +196,9 @@ def main() -> None:
     print(json.dumps({"matmul_peak_gflops": {k: v / 1e9 for k, v in peak.items()}}), flush=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        data = synthetic_data(Path(tmp), 2048)
         for shape in args.shapes:
+            (Path(tmp) / shape).mkdir()
+            data = synthetic_data(Path(tmp) / shape, SHAPES[shape]["model"]["vocab_size"])
             fpt = flops_per_token(ModelConfig(**SHAPES[shape]["model"]), SHAPES[shape]["seq_len"])
             for dtype in args.dtypes:
                 variants = {f"ours_{'compiled' if c else 'eager'}_{n}rank": (lambda c=c, n=n: ours(
