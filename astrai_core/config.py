@@ -97,6 +97,35 @@ class ModelConfig(Strict):
         return 64 * ((8 * self.dim // 3 + 63) // 64)
 
 
+# ---- what a parallel layout needs (checked when a config is read; astrai_core/parallel.py applies it) ----
+
+def check_ranks(parallel: str, tp_size: int, world_size: int) -> None:
+    """Raise ValueError naming tp_size unless `world_size` ranks can run `parallel` (tp or fsdp+tp) with tp_size:
+    tp splits the model across every rank (no data parallelism: DDP cannot wrap the split weights, so data
+    parallelism across TP groups is fsdp+tp); fsdp+tp needs whole TP groups."""
+    if parallel == "tp" and world_size != tp_size:
+        raise ValueError(f"parallel 'tp' runs on exactly tp_size ranks: tp_size is {tp_size}, the ranks {world_size} "
+                         "(set nproc to tp_size, or use parallel 'fsdp+tp' for data parallelism across TP groups)")
+    if parallel == "fsdp+tp" and world_size % tp_size:
+        raise ValueError(f"parallel 'fsdp+tp': tp_size ({tp_size}) must divide the number of ranks ({world_size})")
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp_size: int, lora: bool = False) -> None:
+    """Raise ValueError naming the option if a model of this config (with LoRA adapters: `lora`) cannot be split
+    tp_size ways. Needs no process group, so a config can be checked before any rank starts."""
+    if cfg.attention == "mla":
+        raise ValueError("model.attention 'mla' is not supported with tensor parallelism (its shared key/value "
+                         "latent is not split by heads): use attention 'gqa', or parallel ddp/fsdp")
+    if cfg.n_experts:
+        raise ValueError(f"model.n_experts ({cfg.n_experts}) is not supported with tensor parallelism (experts need "
+                         "expert parallelism): set n_experts to 0, or use parallel ddp/fsdp")
+    if lora:
+        raise ValueError("lora is not supported with tensor parallelism (adapters are small: use parallel ddp)")
+    for field in ("n_heads", "n_kv_heads"):
+        if getattr(cfg, field) % tp_size:
+            raise ValueError(f"model.{field} ({getattr(cfg, field)}) is not divisible by tp_size ({tp_size})")
+
+
 class OptimConfig(Strict):
     """AdamW (weight decay on matrices only) and the learning-rate schedule (astrai_core/schedules.py):
     cosine = linear warmup then cosine decay to min_lr; sgdr = warmup then cosine warm restarts, the first cycle
@@ -284,8 +313,6 @@ class TrainConfig(RunSettings):
         if self.two_stage is not None:
             raise ValueError(f"two_stage is not supported with parallel {self.parallel!r} yet (its frozen reference "
                              "is a copy of the split model): use ddp or fsdp")
-        from astrai_core.parallel import check_tensor_parallel  # torch.distributed only when TP is asked for
-
         check_tensor_parallel(self.model, self.tp_size, lora=self.lora is not None)
 
     @property

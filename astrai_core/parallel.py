@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-from astrai_core.config import ModelConfig
+from astrai_core.config import check_tensor_parallel
 from astrai_core.model import Attention, Transformer
 
 
@@ -58,33 +58,6 @@ def build_mesh(world_size: int, tp_size: int, device_type: str) -> DeviceMesh:
     if tp_size < 1 or world_size % tp_size:
         raise ValueError(f"tp_size ({tp_size}) must divide the number of ranks ({world_size})")
     return init_device_mesh(device_type, (world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
-
-
-def check_ranks(parallel: str, tp_size: int, world_size: int) -> None:
-    """Raise ValueError naming tp_size unless `world_size` ranks can run `parallel` (tp or fsdp+tp) with tp_size:
-    tp splits the model across every rank (no data parallelism: DDP cannot wrap the split weights, so data
-    parallelism across TP groups is fsdp+tp); fsdp+tp needs whole TP groups."""
-    if parallel == "tp" and world_size != tp_size:
-        raise ValueError(f"parallel 'tp' runs on exactly tp_size ranks: tp_size is {tp_size}, the ranks {world_size} "
-                         "(set nproc to tp_size, or use parallel 'fsdp+tp' for data parallelism across TP groups)")
-    if parallel == "fsdp+tp" and world_size % tp_size:
-        raise ValueError(f"parallel 'fsdp+tp': tp_size ({tp_size}) must divide the number of ranks ({world_size})")
-
-
-def check_tensor_parallel(cfg: ModelConfig, tp_size: int, lora: bool = False) -> None:
-    """Raise ValueError naming the option if a model of this config (with LoRA adapters: `lora`) cannot be split
-    tp_size ways. Needs no process group, so a config can be checked before any rank starts."""
-    if cfg.attention == "mla":
-        raise ValueError("model.attention 'mla' is not supported with tensor parallelism (its shared key/value "
-                         "latent is not split by heads): use attention 'gqa', or parallel ddp/fsdp")
-    if cfg.n_experts:
-        raise ValueError(f"model.n_experts ({cfg.n_experts}) is not supported with tensor parallelism (experts need "
-                         "expert parallelism): set n_experts to 0, or use parallel ddp/fsdp")
-    if lora:
-        raise ValueError("lora is not supported with tensor parallelism (adapters are small: use parallel ddp)")
-    for field in ("n_heads", "n_kv_heads"):
-        if getattr(cfg, field) % tp_size:
-            raise ValueError(f"model.{field} ({getattr(cfg, field)}) is not divisible by tp_size ({tp_size})")
 
 
 class _Replicated(ParallelStyle):

@@ -64,13 +64,13 @@ from torch.utils.checkpoint import checkpoint
 from astrai_core.callbacks import Callback, ProgressBar, RunState
 from astrai_core.checkpoint import (clear_resumable, find_resumable, load_weights, save_checkpoint, save_resumable,
                                     verify_checkpoint)
-from astrai_core.config import TrainConfig
+from astrai_core.config import TrainConfig, check_ranks
 from astrai_core.distributed import ERROR_PREFIX, DataGroup, Dist, cleanup, init_distributed, uses_bf16
 from astrai_core.errors import AstraiError, TrainingError
 from astrai_core.evaluate import forward
 from astrai_core.io import sha256_file
 from astrai_core.model import Transformer
-from astrai_core.parallel import (apply_fsdp, apply_tensor_parallel, build_mesh, check_ranks, full_optimizer_state_dict,
+from astrai_core.parallel import (apply_fsdp, apply_tensor_parallel, build_mesh, full_optimizer_state_dict,
                                   full_state_dict, load_full_optimizer_state_dict, load_full_state_dict, load_sharded,
                                   save_sharded)
 from astrai_core.schedules import lr_at

@@ -203,7 +203,7 @@ class Params(Strict):
                                  f"{err['msg'].removeprefix('Value error, ')}") from None
             section = getattr(self, stage)
             if section.parallel in ("tp", "fsdp+tp") and section.nproc != "auto":  # auto: checked by the ranks
-                from astrai_core.parallel import check_ranks
+                from astrai_core.config import check_ranks
 
                 try:
                     check_ranks(section.parallel, section.tp_size, section.nproc)

@@ -26,7 +26,8 @@ from astrai_core.generate import generate, generate_batch
 from astrai_core.lora import apply_lora
 from astrai_core.losses import token_loss_sum
 from astrai_core.model import Transformer, document_mask
-from astrai_core.parallel import (apply_fsdp, apply_tensor_parallel, build_mesh, check_tensor_parallel,
+from astrai_core.config import check_tensor_parallel
+from astrai_core.parallel import (apply_fsdp, apply_tensor_parallel, build_mesh,
                                   full_optimizer_state_dict, full_state_dict, load_full_optimizer_state_dict,
                                   load_full_state_dict)
 from astrai_core.train import checkpoint_blocks, total_grad_norm

@@ -1,0 +1,70 @@
+"""The package layering the design promises, read from the source (every import: top level, inside functions and
+under TYPE_CHECKING): flows -> tasks -> astrai_core, astrai_core free of Prefect and DVC, and no import circle
+inside astrai_core."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("astrai_core", "tasks", "flows")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module `path` imports, wherever the import statement sits."""
+    package = module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" else module_name(path)
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            out.add(base)
+            out.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import module`
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    return {name: {m for m in imports_of(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def test_layers_point_down_only():
+    rank = {"astrai_core": 0, "tasks": 1, "flows": 2}
+    upward = [(a, b) for a, deps in graph().items() for b in deps if rank[b.split(".")[0]] > rank[a.split(".")[0]]]
+    assert not upward, f"imports against flows -> tasks -> astrai_core: {upward}"
+
+
+def test_core_imports_no_orchestration():
+    banned = ("prefect", "dvc")
+    found = sorted((module_name(p), m) for p in (ROOT / "astrai_core").rglob("*.py") for m in imports_of(p)
+                   if m.split(".")[0] in banned)
+    assert not found, f"astrai_core must not import Prefect or DVC: {found}"
+
+
+def test_no_import_circle_in_the_core():
+    deps = {a: {b for b in bs if b.startswith("astrai_core")} for a, bs in graph().items() if a.startswith("astrai_core")}
+    deps = {a: bs - {"astrai_core"} for a, bs in deps.items()}  # the package's __init__ is a namespace, not a module
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(deps.get(node, ())):
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt):] + [nxt] if nxt in stack else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(deps):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, f"import circles in astrai_core: {cycles}"
