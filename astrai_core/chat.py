@@ -23,7 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from astrai_core.errors import AstraiError
-from astrai_core.tokenizer import SPECIAL_TOKENS, load_tokenizer, special_id
+from astrai_core.bpe import SPECIAL_TOKENS, load_tokenizer, special_id
 
 TEMPLATE_FILE = "chat_template.jinja"
 DEFAULT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end_of_turn|>' }}"

@@ -127,7 +127,7 @@ def check_tensor_parallel(cfg: ModelConfig, tp_size: int, lora: bool = False) ->
 
 
 class OptimConfig(Strict):
-    """AdamW (weight decay on matrices only) and the learning-rate schedule (astrai_core/schedules.py):
+    """AdamW (weight decay on matrices only) and the learning-rate schedule (astrai_core/optim.py):
     cosine = linear warmup then cosine decay to min_lr; sgdr = warmup then cosine warm restarts, the first cycle
     `restart_period` steps, each next one `restart_mult` times longer; wsd = warmup, constant lr, then a linear
     decay to min_lr over the last `decay_fraction` of the run."""

@@ -15,7 +15,7 @@ the random window reads of training 10-100x slower. Readers refuse a file packed
     with PackedWriter("train.h5", vocab_size=2048, tokenizer_sha256=h, source_manifest_sha256=m, split="train") as w:
         w.add_document([5, 9, 1])
     with PackedTokens("train.h5", expected_tokenizer_sha256=h) as data:
-        x = data.window(0, 257)
+        first = data.tokens[data.doc_offsets[0] : data.doc_offsets[1]]  # the first document
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ class PackedTokens:
     """Read-only view of a packed file, checked against the tokenizer the caller is about to use.
 
     `tokens` stays on disk (an h5py dataset); `doc_offsets` is loaded (8 bytes per document).
-    h5py handles do not survive fork: open one PackedTokens per process (e.g. per DataLoader worker).
+    h5py handles do not survive fork: open one PackedTokens per process.
     """
 
     def __init__(self, path: str | os.PathLike, expected_tokenizer_sha256: str | None = None) -> None:
@@ -230,17 +230,6 @@ class PackedTokens:
         ):
             raise AstraiError(f"{self.path}: corrupt packed token file (tokens/doc_offsets disagree); re-run the pack stage")
 
-    def window(self, start: int, length: int) -> np.ndarray:
-        """tokens[start:start + length] as int64 (ready for torch.from_numpy); crosses document boundaries."""
-        if start < 0 or length < 0 or start + length > self.n_tokens:
-            raise IndexError(f"{self.path}: window [{start}, {start + length}) outside [0, {self.n_tokens})")
-        return self.tokens[start : start + length].astype(np.int64)
-
-    def document(self, i: int) -> np.ndarray:
-        if not 0 <= i < self.n_docs:
-            raise IndexError(f"{self.path}: document {i} outside [0, {self.n_docs})")
-        return self.tokens[self.doc_offsets[i] : self.doc_offsets[i + 1]].astype(np.int64)
-
     def close(self) -> None:
         self._file.close()
 
@@ -268,6 +257,11 @@ class Batch:
     n_tokens: int
     positions: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+
+    def logits(self, model: torch.nn.Module, autocast=contextlib.nullcontext()) -> torch.Tensor:
+        """The model's logits of this batch: the one forward of training, validation and evaluation."""
+        with autocast:
+            return model(self.x, positions=self.positions, mask=self.mask)
 
 
 IN_MEMORY_TOKENS = 1 << 28  # below this (512 MB as uint16) read the token file into RAM once: no disk reads per batch
@@ -363,9 +357,6 @@ class Documents:
             self.path, self.n_docs, self.doc_offsets = path, data.n_docs, data.doc_offsets
             self.tokens = data.tokens[:].astype(np.int64)
             self.loss_mask = data.loss_mask[:]
-
-    def document(self, d: int) -> np.ndarray:
-        return self.tokens[self.doc_offsets[d] : self.doc_offsets[d + 1]]
 
     def targets(self, d: int) -> tuple[np.ndarray, np.ndarray]:
         """(x, y) of document d: y[t] = tokens[t + 1] where that token is a target, else IGNORE_INDEX."""

@@ -14,7 +14,7 @@ Which architecture a ModelConfig becomes (hf_model_type); anything else is refus
 
 Import reads llama, mistral, qwen2, qwen3 (and qwen3_moe / deepseek_v2 as written above) straight from
 config.json and *.safetensors: no `transformers` needed at run time; the tests use it as the reference.
-The stages need astrai's special tokens (astrai_core/tokenizer.py): import adds the ones the HF tokenizer lacks
+The stages need astrai's special tokens (astrai_core/bpe.py): import adds the ones the HF tokenizer lacks
 (reusing any it has, e.g. Llama-3's <|begin_of_text|>), growing the vocabulary if needed (see _init_new_rows);
 summary.json records what was added, and the logits of the original vocabulary are unchanged.
 The names in model.py already are HF's (without `model.`); the only rewrites are the MoE experts (stacked here,
@@ -281,7 +281,7 @@ def _read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
 def _special_ids(tokenizer_json: Path) -> dict[str, int | None]:
     from tokenizers import Tokenizer
 
-    from astrai_core.tokenizer import SPECIAL_TOKENS
+    from astrai_core.bpe import SPECIAL_TOKENS
 
     tok = Tokenizer.from_file(str(tokenizer_json))
     return {name: tok.token_to_id(text) for name, text in SPECIAL_TOKENS.items()}
@@ -304,7 +304,7 @@ def _add_special_tokens(tok) -> tuple[dict[str, int], dict[str, int]]:
     Returns ({name: id} added, {name: id} reused)."""
     from tokenizers import AddedToken
 
-    from astrai_core.tokenizer import SPECIAL_TOKENS
+    from astrai_core.bpe import SPECIAL_TOKENS
 
     reused = {name: tok.token_to_id(text) for name, text in SPECIAL_TOKENS.items() if tok.token_to_id(text) is not None}
     # Also the reused ones: a string that is only a BPE vocabulary entry would be split when encoded; declaring it
@@ -339,7 +339,7 @@ def _init_new_rows(cfg: ModelConfig, state: dict[str, torch.Tensor], rows: list[
 def _tokenizer_config(ckpt: Path, cfg: ModelConfig, ids: dict[str, int | None]) -> dict:
     """tokenizer_config.json: the imported one when the checkpoint came from HF, else PreTrainedTokenizerFast over
     tokenizer.json with the astrai special tokens. The chat template comes from chat_template.jinja if present."""
-    from astrai_core.tokenizer import SPECIAL_TOKENS
+    from astrai_core.bpe import SPECIAL_TOKENS
 
     if (ckpt / "tokenizer_config.json").is_file():
         out = json.loads((ckpt / "tokenizer_config.json").read_text())

@@ -5,12 +5,17 @@
     dpo   preference pairs against cached reference log-probabilities
     grpo  completions sampled from the policy, scored by reward functions
 
-The loop (astrai_core/train.py) asks a strategy for this rank's micro-batches of step `step` (micro_batches),
-runs the model on each, and asks for that micro-batch's summed loss from the logits (loss: a pure function of
-tensors); it divides by the step's unit count (target tokens, pairs or completion tokens) summed over all
-micro-batches and ranks. A strategy never sees the loop's state. Its data order is a pure function of the step
-(astrai_core/data.py samplers), and anything else it carries across steps is in state_dict(), so every strategy
-resumes exactly.
+Each step the loop (astrai_core/train.py) calls, in this order:
+
+    prepare(step, model, dp)   what the step needs from the current policy: GRPO's rollouts (sampled here, with
+                               their statistics returned for the loop to log), two-stage's frozen reference
+    micro_batches(step)        this rank's micro-batches of the step: batch building only
+    loss(logits, batch)        one micro-batch's summed loss and metric sums: a pure function of tensors
+
+and divides the losses by the step's unit count (target tokens, pairs or completion tokens) summed over all
+micro-batches and ranks. A strategy never sees or writes the loop's state, and its collective operations run on
+the data group `dp` the loop passes. Its data order is a pure function of the step (astrai_core/data.py samplers),
+and anything else it carries across steps is in state_dict(), so every strategy resumes exactly.
 """
 
 from __future__ import annotations
@@ -23,13 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from astrai_core.data import (Batch, Documents, IndexSampler, PackedRows, WindowSampler, open_tokens, pad_rows,
                               pair_batch, read_windows, row_targets)
 from astrai_core.dpo_reference import load_reference_logps
 from astrai_core.errors import AstraiError
-from astrai_core.evaluate import token_loss_total
+from astrai_core.scoring import token_loss_total
 from astrai_core.losses import (IGNORE_INDEX, dpo_loss, full_kl_sum, group_advantages, grpo_token_loss,
                                 sequence_logps, token_logps, token_loss_sum)
 from astrai_core.model import Transformer
@@ -53,7 +57,7 @@ def window_batch(x: torch.Tensor, y: torch.Tensor, **data: torch.Tensor) -> Batc
 
 
 class Strategy:
-    """Base: micro_batches once per step, loss once per micro-batch, eval_batch to validate. `rank` and
+    """Base: prepare and micro_batches once per step, loss once per micro-batch, eval_batch to validate. `rank` and
     `world_size` are the data-parallel ones: under tensor parallelism a TP group's ranks are one data rank and
     build the same batches."""
 
@@ -63,7 +67,6 @@ class Strategy:
                  autocast: Any):
         self.cfg, self.rank, self.world_size, self.device, self.autocast = cfg, rank, world_size, device, autocast
         self.per_step = world_size * cfg.grad_accum * cfg.batch_size  # samples per optimizer step, all ranks
-        self.step_stats: dict[str, tuple[float, float]] = {}  # (sum, count) pairs to average over ranks this step
         self.sampler: IndexSampler
 
     def setup(self, model: Transformer) -> None:
@@ -74,9 +77,13 @@ class Strategy:
         b = self.cfg.batch_size
         return [items[(m * self.world_size + self.rank) * b:][:b] for m in range(self.cfg.grad_accum)]
 
-    def micro_batches(self, step: int, model: Transformer) -> list[Batch]:
-        """This rank's micro-batches of optimizer step `step` (0-based); `model` is the bare policy (GRPO samples
-        from it, two-stage snapshots it)."""
+    def prepare(self, step: int, model: Transformer, dp: Any) -> dict[str, tuple[float, float]]:
+        """Before step `step` (0-based) builds its batches: whatever it needs from `model`, the bare policy as it is
+        now. Returns this rank's statistics of it as (sum, count) pairs, which the loop averages over `dp`."""
+        return {}
+
+    def micro_batches(self, step: int) -> list[Batch]:
+        """This rank's micro-batches of optimizer step `step` (0-based)."""
         raise NotImplementedError
 
     def loss(self, logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -144,13 +151,16 @@ class SeqStrategy(Strategy):
             starts[sel] = sampler.next_starts(int(sel.sum()))
         return [self.mix_tokens[j] for j in choice], starts
 
-    def micro_batches(self, step, model):
+    def prepare(self, step, model, dp):
+        if self.in_stage2(step) and self.reference is None:  # the switch: freeze a snapshot of the model as it is now
+            self.reference = frozen_copy(model)
+            if self.rank == 0:
+                print(f"two-stage: step {step}, the reference is frozen; KL beta {self.cfg.two_stage.beta}", flush=True)
+        return {}
+
+    def micro_batches(self, step):
         cfg = self.cfg
         if self.in_stage2(step):
-            if self.reference is None:  # the switch: freeze a snapshot of the model as it is now
-                self.reference = frozen_copy(model)
-                if self.rank == 0:
-                    print(f"two-stage: step {step}, the reference is frozen; KL beta {cfg.two_stage.beta}", flush=True)
             sources, starts = self._stage2_starts(step)
         else:
             sources, starts = None, self.sampler.next_starts(self.per_step)
@@ -211,7 +221,7 @@ class SFTStrategy(Strategy):
         self.sampler = IndexSampler(len(self.rows.rows), cfg.seed)
         self.val_rows = rows(cfg.val_data) if cfg.val_data else None
 
-    def micro_batches(self, step, model):
+    def micro_batches(self, step):
         items = self.sampler.next_indices(self.per_step)
         return [self.rows.batch(sel, self.device) for sel in self.my_slices(items)]
 
@@ -236,7 +246,7 @@ class DPOStrategy(Strategy):
                                               Path(cfg.init_from) / "model.safetensors")
         self.sampler = IndexSampler(self.docs.n_docs // 2, cfg.seed)
 
-    def micro_batches(self, step, model):
+    def micro_batches(self, step):
         pairs = self.sampler.next_indices(self.per_step)
         out = []
         for sel in self.my_slices(pairs):
@@ -322,14 +332,21 @@ class GRPOStrategy(Strategy):
         right, reward, n = dp.all_reduce_sum(sums).tolist()
         return {"val/task_accuracy": right / n, "val/reward": reward / n}
 
-    def micro_batches(self, step, model):
-        self.step_stats = {}  # rollout statistics are logged on the step that sampled them
-        if step % self.cfg.grpo.iterations == 0 or not self.buffer:
-            self.buffer = self._rollouts(step, model, self.sampler.next_indices(self.per_step))
+    def prepare(self, step, model, dp):
+        """New rollouts every `iterations` steps (their statistics are logged on the step that sampled them)."""
+        if step % self.cfg.grpo.iterations and self.buffer:
+            return {}
+        self.buffer, stats = self.rollouts(step, model, self.sampler.next_indices(self.per_step), dp)
+        return stats
+
+    def micro_batches(self, step):
         return [Batch(d["x"], d, int(d["mask"].sum()), d["x"].numel()) for d in self.buffer]
 
     @torch.no_grad()
-    def _rollouts(self, step: int, model: Transformer, items: np.ndarray) -> list[dict[str, torch.Tensor]]:
+    def rollouts(self, step: int, model: Transformer, items: np.ndarray,
+                 dp: Any) -> tuple[list[dict[str, torch.Tensor]], dict[str, tuple[float, float]]]:
+        """This rank's rollout batches of `items` (group_size completions of each prompt, scored and turned into
+        advantages) and their statistics as (sum, count) pairs."""
         from astrai_core.generate import generate_batch
 
         g = self.cfg.grpo
@@ -368,16 +385,13 @@ class GRPOStrategy(Strategy):
                                   ("grpo/reward_errors", bad.float().sum(), len(spread))):
                 stats[key][0] += float(value)
                 stats[key][1] += n
-        self.step_stats = {k: tuple(v) for k, v in stats.items()}
         # With on_reward_error: skip, a reward that always fails would "train" on zero advantages and exit 0.
         errors = torch.tensor(stats["grpo/reward_errors"], dtype=torch.float64, device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(errors)
-        failed, groups = errors.tolist()
+        failed, groups = dp.all_reduce_sum(errors).tolist()
         if failed == groups:
             raise AstraiError(f"step {step + 1}: every reward failed on every rank (grpo.on_reward_error: skip), "
-                              "nothing to learn from; fix the reward functions (grpo.rewards)")
-        return out
+                              "nothing to learn from; fix the reward functions (grpo.objective.rewards)")
+        return out, {k: tuple(v) for k, v in stats.items()}
 
     def _reward(self, completion: str, record: dict) -> float:
         total = 0.0

@@ -67,21 +67,35 @@ from astrai_core.checkpoint import (clear_resumable, find_resumable, load_weight
 from astrai_core.config import TrainConfig, check_ranks
 from astrai_core.distributed import ERROR_PREFIX, DataGroup, Dist, cleanup, init_distributed, uses_bf16
 from astrai_core.errors import AstraiError, TrainingError
-from astrai_core.evaluate import forward
 from astrai_core.io import sha256_file
+from astrai_core.metric_log import MetricLogger
 from astrai_core.model import Transformer
+from astrai_core.optim import build_optimizer
 from astrai_core.parallel import (apply_fsdp, apply_tensor_parallel, build_mesh, full_optimizer_state_dict,
                                   full_state_dict, load_full_optimizer_state_dict, load_full_state_dict, load_sharded,
                                   save_sharded)
-from astrai_core.schedules import lr_at
 from astrai_core.strategies import STRATEGIES, Strategy
-from astrai_core.tracking import MetricLogger
 
 # Config fields that may change between a run and its resumption without changing what it computes.
 # The parallelism is one of them: a checkpoint (full or sharded) loads under any other, as does its format.
 RESUME_MAY_CHANGE = {"train_data", "val_data", "tokenizer", "out_dir", "log_every", "compile", "compile_cache_dir",
                      "checkpoint_every", "checkpoint_dir", "keep_checkpoints", "resume", "parallel", "tp_size",
                      "checkpoint_format"}
+
+
+def default_callbacks() -> list[Callback]:
+    """What a run shows besides its metrics files: the progress line (a tqdm bar on a terminal)."""
+    return [ProgressBar()]
+
+
+def emit(callbacks: list[Callback], hook: str, run: RunState, *args) -> None:
+    for cb in callbacks:
+        getattr(cb, hook)(run, *args)
+
+
+def due(step: int, every: int) -> bool:
+    """Whether a periodic action (every `every` steps; 0: never) falls on `step`."""
+    return every > 0 and step % every == 0
 
 
 def rng_state() -> dict[str, Any]:
@@ -103,12 +117,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def all_reduce_sum(x: torch.Tensor, d: Dist) -> torch.Tensor:
-    if d.world_size > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
-    return x
-
-
 def all_gather(obj: Any, d: Dist) -> list[Any]:
     if d.world_size == 1:
         return [obj]
@@ -116,15 +124,6 @@ def all_gather(obj: Any, d: Dist) -> list[Any]:
     dist.all_gather_object(out, obj)
     return out
 
-
-def default_callbacks(cfg: TrainConfig) -> list[Callback]:
-    """What a run shows besides its metrics files: the progress line (a tqdm bar on a terminal)."""
-    return [ProgressBar()]
-
-
-def emit(callbacks: list[Callback], hook: str, run: RunState, *args) -> None:
-    for cb in callbacks:
-        getattr(cb, hook)(run, *args)
 
 
 class StopFlag:
@@ -138,23 +137,32 @@ class StopFlag:
         self.requested = True
 
 
-# ---- checkpoints: collective (every rank calls), rank 0 writes ------------------------------------------------
+# ---- what a run trains: built once, saved and restored as a whole -------------------------------------------
 
 @dataclass
 class Trainee:
-    """What a checkpoint holds besides RunState: the bare model (DDP/compile wrap it; FSDP and TP split it in
-    place), its optimizer and schedule, and the strategy (its data position and anything it carries across steps).
-    A checkpoint holds either the full single-rank state (checkpoint_format "full": `sharded` models gather it to
-    rank 0, the optimizer state then keyed by parameter name; DDP's own is keyed by position) or every rank's
-    shards of the model and optimizer ("sharded", torch.distributed.checkpoint); either loads under any
-    parallelism and number of ranks."""
+    """Everything the loop trains with, and what a checkpoint holds besides RunState: the bare model (`wrapped` is
+    what forward calls: DDP and compile wrap it; FSDP and TP split it in place), its optimizer and schedule, and
+    the strategy (its data position and anything it carries across steps). A checkpoint holds either the full
+    single-rank state (checkpoint_format "full": `sharded` models gather it to rank 0, the optimizer state then
+    keyed by parameter name; DDP's own is keyed by position) or every rank's shards of the model and optimizer
+    ("sharded", torch.distributed.checkpoint); either loads under any parallelism and number of ranks."""
 
     model: Transformer
+    wrapped: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     strategy: Strategy
+    dp: DataGroup  # the data-parallel ranks (under TP: one per TP group)
+    device: torch.device
+    autocast: Any  # the mixed-precision context every forward runs in (weights and optimizer stay fp32)
+    max_steps: int
+    tokens_per_step: int
     sharded: bool  # FSDP or TP: the weights are DTensors
     tp_size: int  # ranks per TP group (1: none); they hold one strategy state between them
+    n_params: int
+    trainable: int
+    describe: str  # one line: what trains where
 
     def save(self, run: RunState, callbacks: list[Callback], cfg: TrainConfig, d: Dist) -> Path | None:
         """Write a resumable checkpoint in cfg.checkpoints; rank 0 returns its path. Every rank must call. The one
@@ -198,8 +206,7 @@ class Trainee:
             state["optimizer"] = optim
         return weights, state
 
-    def restore(self, ckpt: Path, run: RunState, callbacks: list[Callback], cfg: TrainConfig, d: Dist,
-                dp: DataGroup) -> None:
+    def restore(self, ckpt: Path, run: RunState, callbacks: list[Callback], cfg: TrainConfig, d: Dist) -> None:
         """Load a resumable checkpoint (written under any parallelism) into the (already wrapped) model, optimizer,
         scheduler, strategy, RunState, callbacks and this rank's RNGs."""
         state = torch.load(ckpt / "train_state.pt", weights_only=True, map_location="cpu")
@@ -218,7 +225,7 @@ class Trainee:
         self.scheduler.load_state_dict(state["scheduler"])
         self.strategy.sampler.load_state_dict(state["sampler"])
         if "strategy" in state:
-            self.strategy.load_state_dict(state["strategy"][dp.rank % len(state["strategy"])])
+            self.strategy.load_state_dict(state["strategy"][self.dp.rank % len(state["strategy"])])
         for cb in callbacks:
             cb.load_state_dict(state["callbacks"].get(type(cb).__name__, {}))
         if state["world_size"] != d.world_size:
@@ -264,7 +271,68 @@ def resumable_checkpoint(cfg: TrainConfig) -> Path | None:
     return ckpt
 
 
-# ---- the model and its optimizer -----------------------------------------------------------------------------
+def resume_point(cfg: TrainConfig, d: Dist) -> Path | None:
+    """The checkpoint this run continues from (resume auto), the same on every rank: rank 0 picks it (verifying
+    its manifest) and tells the others; a fresh run clears stale ones."""
+    ckpt = [resumable_checkpoint(cfg) if cfg.resume == "auto" and d.is_main else None]
+    if d.world_size > 1:
+        dist.broadcast_object_list(ckpt, src=0)
+    if ckpt[0] is None and d.is_main:
+        clear_resumable(cfg.checkpoints)
+    return ckpt[0]
+
+
+# ---- the model ---------------------------------------------------------------------------------------------------
+
+def build(cfg: TrainConfig, d: Dist) -> Trainee:
+    """Data, model, parallel layout and optimizer of a fresh run (restore() then loads a checkpoint into them)."""
+    bf16 = uses_bf16(cfg.dtype, d.device)
+    autocast = torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16)
+    # Tensor parallelism: a ("dp", "tp") mesh; the ranks of one TP group share their batches, so the data is split
+    # over the dp dimension only (without TP every rank is a data-parallel rank).
+    mesh, dp = None, DataGroup(d.rank, d.world_size)
+    if cfg.parallel in ("tp", "fsdp+tp"):
+        try:
+            check_ranks(cfg.parallel, cfg.tp_size, d.world_size)
+        except ValueError as e:
+            raise AstraiError(str(e)) from None
+        mesh = build_mesh(d.world_size, cfg.tp_size, d.device.type)
+        dp = DataGroup(mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["dp"].get_group())
+
+    # Data (the strategy's): refuse files packed with another tokenizer or ids the model cannot embed.
+    tok_sha = sha256_file(cfg.tokenizer)
+    strategy = STRATEGIES[cfg.strategy](cfg, dp.rank, dp.size, d.device, tok_sha, autocast)
+    per_step = dp.size * cfg.grad_accum * cfg.batch_size  # samples in one optimizer step
+    max_steps = math.ceil(cfg.max_tokens / (per_step * cfg.seq_len)) if cfg.max_tokens else cfg.max_steps
+
+    # Model: the same seed gives every rank the same initial weights (DDP also broadcasts rank 0's at wrap time).
+    torch.manual_seed(cfg.seed)
+    model = Transformer(cfg.model).to(d.device)
+    if cfg.init_from:
+        load_initial_weights(model, cfg, tok_sha)
+    strategy.setup(model)  # e.g. GRPO freezes its reference here
+    if cfg.lora is not None:
+        from astrai_core.lora import apply_lora
+
+        if cfg.parallel == "fsdp" and d.world_size > 1:
+            raise AstraiError("lora with parallel 'fsdp' is not supported: use ddp (adapters are small)")
+        apply_lora(model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout)
+    n_params = model.num_params()
+    if mesh is not None:  # every rank holds the same weights here (seed or init_from): each keeps its shards
+        apply_tensor_parallel(model, mesh["tp"])
+    if cfg.activation_checkpointing:
+        checkpoint_blocks(model)
+    wrapped = wrap(model, cfg, d, mesh)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # after wrap: FSDP's shards
+    optimizer, scheduler = build_optimizer(model, cfg.optim, d.device, max_steps)
+    layout = f"{cfg.parallel}, {dp.size} x tp {cfg.tp_size}" if mesh is not None else cfg.parallel
+    describe = (f"{cfg.strategy}: training {trainable:,} of {n_params:,} parameters on {d.world_size} rank(s) "
+                f"({d.device}, {'bf16' if bf16 else 'fp32'}, {layout}), {max_steps} steps of {per_step} samples")
+    return Trainee(model, wrapped, optimizer, scheduler, strategy, dp, d.device, autocast, max_steps, per_step * cfg.seq_len,
+                   sharded=mesh is not None or (cfg.parallel == "fsdp" and d.world_size > 1),
+                   tp_size=cfg.tp_size if mesh is not None else 1, n_params=n_params, trainable=trainable,
+                   describe=describe)
+
 
 def load_initial_weights(model: Transformer, cfg: TrainConfig, tokenizer_sha256: str) -> None:
     """Start from cfg.init_from: a checkpoint of the same model shape and tokenizer (a pipeline stage's output or
@@ -315,21 +383,6 @@ def wrap(raw_model: Transformer, cfg: TrainConfig, d: Dist, mesh) -> torch.nn.Mo
     return model
 
 
-def make_optimizer(raw_model: Transformer, cfg: TrainConfig, d: Dist, max_steps: int):
-    """AdamW with weight decay on matrices (and the embedding) only, not on norm gains; frozen weights (LoRA's base)
-    are left out. The fused kernel exists on CUDA and CPU (one pass over each parameter instead of several).
-    LambdaLR scales optim.lr by the schedule's factor; it counts optimizer steps from 0, as the schedules do."""
-    params = [p for p in raw_model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.optim.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    fused = cfg.optim.fused == "on" or (cfg.optim.fused == "auto" and d.device.type in ("cuda", "cpu"))
-    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), fused=fused)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg.optim, max_steps) / cfg.optim.lr)
-    return optimizer, scheduler
-
-
 def grad_sync(model: torch.nn.Module, raw_model: torch.nn.Module, enabled: bool):
     """Context for one backward: gradient reduction across ranks on (last micro-step) or off (the earlier ones)."""
     if isinstance(model, DDP) and not enabled:
@@ -361,230 +414,233 @@ def mean_over_ranks(sums: dict[str, torch.Tensor], stats: dict[str, tuple[float,
     return out
 
 
+# ---- one step ------------------------------------------------------------------------------------------------
+
+@dataclass
+class StepResult:
+    loss_sum: torch.Tensor  # this rank's summed loss
+    units: int  # loss units (target tokens, pairs, completion tokens) of the whole step, every data rank
+    tokens: int  # tokens fed to the model in the whole step
+    grad_norm: torch.Tensor
+
+
+def train_step(t: Trainee, run: RunState, callbacks: list[Callback], cfg: TrainConfig) -> StepResult:
+    """One optimizer step: the strategy's preparation (GRPO's rollouts) and this rank's micro-batches, forward and
+    backward over the accumulation window, the gradient norm (stop if it or the loss is not finite), clipping,
+    the update. The step's strategy metrics go to run.metrics."""
+    stats = t.strategy.prepare(run.step, t.model, t.dp)
+    batches = t.strategy.micro_batches(run.step)
+    counts = torch.tensor([float(sum(b.count for b in batches)), float(sum(b.n_tokens for b in batches))],
+                          device=t.device)
+    units, tokens = (int(v) for v in t.dp.all_reduce_sum(counts).tolist())
+    if units == 0:
+        raise TrainingError(f"step {run.step + 1}: no {t.strategy.unit} to learn from in the whole step "
+                            "(every target masked); check the data")
+
+    # The loss is summed over units and divided by the whole step's count (times the data-parallel size: DDP and
+    # FSDP average the ranks' gradients; a TP group computes one loss, whose gradient its ranks share).
+    loss_sum = torch.zeros((), device=t.device)
+    metric_sums: dict[str, torch.Tensor] = {}
+    for run.micro, batch in enumerate(batches):
+        emit(callbacks, "on_batch_begin", run)
+        # Gradients are all-reduced only on the last micro-step; the earlier ones just accumulate locally.
+        with grad_sync(t.wrapped, t.model, enabled=run.micro == cfg.grad_accum - 1):
+            loss, metrics = t.strategy.loss(batch.logits(t.wrapped, t.autocast), batch)
+            scaled = loss * (t.dp.size / units)
+            aux = getattr(t.model, "aux_loss", None)  # e.g. a mixture-of-experts balance loss
+            if isinstance(aux, torch.Tensor):
+                scaled = scaled + aux / cfg.grad_accum
+            scaled.backward()
+        loss_sum += loss.detach()
+        for k, v in metrics.items():
+            metric_sums[k] = metric_sums.get(k, 0) + v.detach().float()
+        emit(callbacks, "on_batch_end", run)
+    run.metrics.update(mean_over_ranks(metric_sums, stats, units, t.dp, loss_sum.device))
+
+    # Stop before the update can spread NaNs into the weights. The norm is taken after the all-reduce, so it is
+    # the same on every rank (and a non-finite loss on one rank makes it non-finite everywhere).
+    params = list(t.model.parameters())
+    grad_norm = total_grad_norm(params)
+    if not math.isfinite(grad_norm.item()) or not math.isfinite(loss_sum.item()):
+        raise TrainingError(f"step {run.step + 1}: non-finite loss ({loss_sum.item()}) or gradient norm "
+                            f"({grad_norm.item()}); lower optim.lr, raise optim.warmup_steps or use fp32")
+    if cfg.optim.grad_clip > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, cfg.optim.grad_clip, grad_norm)
+    emit(callbacks, "on_optimizer_step_begin", run)
+    t.optimizer.step()
+    t.scheduler.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_sum, units, tokens, grad_norm)
+
+
+def validate(t: Trainee, run: RunState, cfg: TrainConfig) -> bool:
+    """The strategy's held-out metrics into run.metrics (held-out loss, or GRPO's held-out task accuracy), and
+    early stopping on val/loss: True when the run should end here."""
+    run.metrics.update(t.strategy.validate(t.wrapped, t.model, t.dp))
+    run.val_loss = run.metrics.get("val/loss")
+    if not cfg.early_stopping_patience:
+        return False
+    if run.val_loss < run.best_val - cfg.early_stopping_min_delta:
+        run.best_val, run.bad_validations = run.val_loss, 0
+    else:
+        run.bad_validations += 1
+    if run.bad_validations < cfg.early_stopping_patience or run.step >= t.max_steps:
+        return False
+    run.stop = (f"early stopping: no val/loss improvement in {run.bad_validations} validations "
+                f"(best {run.best_val:.4f})")
+    return True
+
+
+class Throughput:
+    """Tokens per second: over the log window (reset each time it is read), and over the run without its first
+    step (warm-up) for the summary. Steps only: validation and checkpoints are not timed."""
+
+    def __init__(self) -> None:
+        self.window_seconds, self.window_tokens = 0.0, 0
+        self.seconds, self.tokens = 0.0, 0
+
+    def add(self, seconds: float, tokens: int, warm: bool) -> None:
+        self.window_seconds, self.window_tokens = self.window_seconds + seconds, self.window_tokens + tokens
+        if warm:
+            self.seconds, self.tokens = self.seconds + seconds, self.tokens + tokens
+
+    def window(self) -> float:
+        rate = self.window_tokens / self.window_seconds
+        self.window_seconds, self.window_tokens = 0.0, 0
+        return rate
+
+    def overall(self) -> float:
+        return self.tokens / self.seconds if self.seconds else float("nan")
+
+
+def stop_requested(stop: StopFlag, d: Dist) -> bool:
+    """Whether any rank got SIGTERM: every rank must agree to stop at the same step."""
+    flag = torch.tensor(float(stop.requested), device=d.device)
+    if d.world_size > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+    return flag.item() > 0
+
+
+@contextlib.contextmanager
+def sigterm_stops(stop: StopFlag):
+    """SIGTERM (a scheduler's preemption, torchrun stopping the group) sets `stop` while the run lasts (signals
+    reach the main thread only: a run in another thread keeps the default)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, stop.set)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 # ---- the loop ----------------------------------------------------------------------------------------------------
 
 def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
     """Train (resuming if cfg.resume == "auto" finds a checkpoint of this run); rank 0 writes the final checkpoint
-    to cfg.out_dir. Returns the run summary (on every rank). `callbacks` replaces default_callbacks(cfg)."""
+    to cfg.out_dir. Returns the run summary (on every rank). `callbacks` replaces default_callbacks()."""
     t_start = time.time()
     d = init_distributed(cfg.backend, cfg.device)
     print0 = functools.partial(print, flush=True) if d.is_main else (lambda *a, **k: None)
-    callbacks = default_callbacks(cfg) if callbacks is None else callbacks
-    # Every forward runs in this mixed-precision context (weights and optimizer stay fp32).
-    bf16 = uses_bf16(cfg.dtype, d.device)
-    autocast = torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16)
-
-    # Tensor parallelism: a ("dp", "tp") mesh; the ranks of one TP group share their batches, so the data is split
-    # over the dp dimension only (without TP every rank is a data-parallel rank).
-    mesh, dp = None, DataGroup(d.rank, d.world_size)
-    if cfg.parallel in ("tp", "fsdp+tp"):
-        try:
-            check_ranks(cfg.parallel, cfg.tp_size, d.world_size)
-        except ValueError as e:
-            raise AstraiError(str(e)) from None
-        mesh = build_mesh(d.world_size, cfg.tp_size, d.device.type)
-        dp = DataGroup(mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["dp"].get_group())
-
-    # Data (the strategy's): refuse files packed with another tokenizer or ids the model cannot embed.
-    tok_sha = sha256_file(cfg.tokenizer)
-    strategy = STRATEGIES[cfg.strategy](cfg, dp.rank, dp.size, d.device, tok_sha, autocast)
-    per_step = dp.size * cfg.grad_accum * cfg.batch_size  # samples in one optimizer step
-    tokens_per_step = per_step * cfg.seq_len
-    max_steps = math.ceil(cfg.max_tokens / tokens_per_step) if cfg.max_tokens else cfg.max_steps
-
-    # Resume? Rank 0 picks the checkpoint (verifying its manifest) and tells the others; a fresh run clears stale ones.
-    ckpt = [resumable_checkpoint(cfg) if cfg.resume == "auto" and d.is_main else None]
-    if d.world_size > 1:
-        dist.broadcast_object_list(ckpt, src=0)
-    ckpt = ckpt[0]
-    if ckpt is None and d.is_main:
-        clear_resumable(cfg.checkpoints)
-
-    # Model: the same seed gives every rank the same initial weights (DDP also broadcasts rank 0's at wrap time).
-    torch.manual_seed(cfg.seed)
-    raw_model = Transformer(cfg.model).to(d.device)
-    if cfg.init_from:
-        load_initial_weights(raw_model, cfg, tok_sha)
-    strategy.setup(raw_model)  # e.g. GRPO freezes its reference here
-    if cfg.lora is not None:
-        from astrai_core.lora import apply_lora
-
-        if cfg.parallel == "fsdp" and d.world_size > 1:
-            raise AstraiError("lora with parallel 'fsdp' is not supported: use ddp (adapters are small)")
-        apply_lora(raw_model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout)
-    n_params = raw_model.num_params()
-    if mesh is not None:  # every rank holds the same weights here (seed or init_from): each keeps its shards
-        apply_tensor_parallel(raw_model, mesh["tp"])
-    if cfg.activation_checkpointing:
-        checkpoint_blocks(raw_model)
-    model = wrap(raw_model, cfg, d, mesh)
-    all_params = list(raw_model.parameters())  # after wrap: FSDP replaces them with sharded ones
-    trainable = sum(p.numel() for p in all_params if p.requires_grad)
-    optimizer, scheduler = make_optimizer(raw_model, cfg, d, max_steps)
-    trainee = Trainee(raw_model, optimizer, scheduler, strategy,
-                      sharded=mesh is not None or (cfg.parallel == "fsdp" and d.world_size > 1),
-                      tp_size=cfg.tp_size if mesh is not None else 1)
-
-    run = RunState(max_steps=max_steps, is_main=d.is_main)
+    callbacks = default_callbacks() if callbacks is None else callbacks
+    t = build(cfg, d)
+    run = RunState(max_steps=t.max_steps, is_main=d.is_main)
+    ckpt = resume_point(cfg, d)
     if ckpt is not None:
-        trainee.restore(ckpt, run, callbacks, cfg, d, dp)
-        if run.step > max_steps:  # the loop would never reach max_steps
-            raise AstraiError(f"{ckpt}: checkpoint at step {run.step} is beyond max_steps {max_steps}; raise "
+        t.restore(ckpt, run, callbacks, cfg, d)
+        if run.step > t.max_steps:  # the loop would never reach max_steps
+            raise AstraiError(f"{ckpt}: checkpoint at step {run.step} is beyond max_steps {t.max_steps}; raise "
                               "max_steps or delete the checkpoint directory to start over")
         print0(f"resuming from {ckpt} (step {run.step})")
     # metrics.jsonl + MLflow on rank 0, a no-op elsewhere; a resumed run keeps the lines up to its checkpoint.
     log = MetricLogger(Path(cfg.out_dir).with_name(Path(cfg.out_dir).name + ".logs"), enabled=d.is_main,
                        resume_step=run.resumed_from)
-    layout = f"{cfg.parallel}, {dp.size} x tp {cfg.tp_size}" if mesh is not None else cfg.parallel
-    print0(f"{cfg.strategy}: training {trainable:,} of {n_params:,} parameters on {d.world_size} rank(s) "
-           f"({d.device}, {'bf16' if bf16 else 'fp32'}, {layout}), {max_steps} steps of {per_step} "
-           "samples")
+    print0(t.describe)
 
-    # SIGTERM (a scheduler's preemption, torchrun stopping the group): finish the step, checkpoint, exit 0.
-    stop = StopFlag()
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous_handler = signal.signal(signal.SIGTERM, stop.set) if in_main_thread else None
-    # One timer: each step's seconds, excluding validation and checkpoints. Throughput over the log window, and
-    # over the run without its first step (warm-up) for the summary.
-    window_seconds, window_tokens = 0.0, 0
-    timed_seconds, timed_steps, timed_tokens = 0.0, 0, 0
-    finished = run.step >= max_steps  # the run is complete (last step, or early stopping): the final save follows
+    stop, speed = StopFlag(), Throughput()
+    finished = run.step >= t.max_steps  # the run is complete (last step, or early stopping): the final save follows
     try:
-        emit(callbacks, "on_train_begin", run)
-        log.log_params(cfg.model_dump())
-        emit(callbacks, "on_epoch_begin", run)
-        while not finished and not run.stop:
-            t0 = time.perf_counter()
-            lr, run.metrics = scheduler.get_last_lr()[0], {}
+        with sigterm_stops(stop):
+            emit(callbacks, "on_train_begin", run)
+            log.log_params(cfg.model_dump())
+            emit(callbacks, "on_epoch_begin", run)
+            while not finished and not run.stop:
+                t0, lr, run.metrics = time.perf_counter(), t.scheduler.get_last_lr()[0], {}
+                step = train_step(t, run, callbacks, cfg)
+                run.step += 1
+                finished = run.step >= t.max_steps
+                if stop_requested(stop, d) and not finished:
+                    run.stop = "SIGTERM"  # finish this step, checkpoint, exit 0
+                speed.add(time.perf_counter() - t0, step.tokens,
+                          warm=run.step > (run.resumed_from or 0) + 1 or t.max_steps == 1)
 
-            # 1. This step's micro-batches for this rank; the loss units and tokens across the data-parallel ranks.
-            strategy.step_stats = {}
-            batches = strategy.micro_batches(run.step, raw_model)
-            counts = torch.tensor([float(sum(b.count for b in batches)), float(sum(b.n_tokens for b in batches))],
-                                  device=d.device)
-            step_units, step_tokens = (int(v) for v in dp.all_reduce_sum(counts).tolist())
-            if step_units == 0:
-                raise TrainingError(f"step {run.step + 1}: no {strategy.unit} to learn from in the whole step "
-                                    "(every target masked); check the data")
+                # Validation every eval_every steps and after the last; early stopping ends a complete run.
+                if cfg.val_data and (due(run.step, cfg.eval_every) or finished):
+                    finished = validate(t, run, cfg) or finished
+                # Metrics every log_every steps, on the last step and on a stop; the train loss is the mean over
+                # the step's units on all ranks.
+                if due(run.step, cfg.log_every) or finished or run.stop:
+                    run.train_loss = t.dp.all_reduce_sum(step.loss_sum.clone()).item() / step.units
+                    run.metrics.update({"train/loss": run.train_loss, "train/lr": lr,
+                                        "train/grad_norm": float(step.grad_norm),
+                                        "train/tokens_per_sec": speed.window()})
+                if run.metrics:
+                    log.log(run.metrics, step=run.step)
+                # A resumable checkpoint every checkpoint_every steps and when asked to stop.
+                if not finished and (due(run.step, cfg.checkpoint_every) or run.stop):
+                    if path := t.save(run, callbacks, cfg, d):
+                        print0(f"checkpoint {path}")
+                emit(callbacks, "on_optimizer_step_end", run)
+                if t.strategy.sampler.epoch != run.epoch:
+                    emit(callbacks, "on_epoch_end", run)
+                    run.epoch = t.strategy.sampler.epoch
+                    emit(callbacks, "on_epoch_begin", run)
+            emit(callbacks, "on_epoch_end", run)
 
-            # 2. Forward and backward over the accumulation window. The loss is summed over units and divided by
-            # the whole step's count (times the data-parallel size: DDP and FSDP average the ranks' gradients;
-            # a TP group computes one loss, whose gradient its ranks share).
-            loss_sum = torch.zeros((), device=d.device)  # this rank's summed loss this step
-            metric_sums: dict[str, torch.Tensor] = {}
-            for run.micro, batch in enumerate(batches):
-                emit(callbacks, "on_batch_begin", run)
-                # Gradients are all-reduced only on the last micro-step; the earlier ones just accumulate locally.
-                with grad_sync(model, raw_model, enabled=run.micro == cfg.grad_accum - 1):
-                    loss, metrics = strategy.loss(forward(model, batch, autocast), batch)
-                    scaled = loss * (dp.size / step_units)
-                    aux = getattr(raw_model, "aux_loss", None)  # e.g. a mixture-of-experts balance loss
-                    if isinstance(aux, torch.Tensor):
-                        scaled = scaled + aux / cfg.grad_accum
-                    scaled.backward()
-                loss_sum += loss.detach()
-                for k, v in metrics.items():
-                    metric_sums[k] = metric_sums.get(k, 0) + v.detach().float()
-                emit(callbacks, "on_batch_end", run)
-            run.metrics.update(mean_over_ranks(metric_sums, strategy.step_stats, step_units, dp, loss_sum.device))
-
-            # 3. Stop before the update can spread NaNs into the weights. The norm is taken after the all-reduce,
-            # so it is the same on every rank (and a non-finite loss on one rank makes it non-finite everywhere).
-            grad_norm = total_grad_norm(all_params)
-            if not math.isfinite(grad_norm.item()) or not math.isfinite(loss_sum.item()):
-                raise TrainingError(f"step {run.step + 1}: non-finite loss ({loss_sum.item()}) or gradient norm "
-                                    f"({grad_norm.item()}); lower optim.lr, raise optim.warmup_steps or use fp32")
-            if cfg.optim.grad_clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(all_params, cfg.optim.grad_clip, grad_norm)
-            emit(callbacks, "on_optimizer_step_begin", run)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            run.step += 1
-            finished = run.step >= max_steps
-            # Every rank must agree to stop at the same step, whichever ranks saw the signal.
-            if all_reduce_sum(torch.tensor(float(stop.requested), device=d.device), d).item() > 0 \
-                    and not finished:
-                run.stop = "SIGTERM"
-            seconds = time.perf_counter() - t0
-            window_seconds, window_tokens = window_seconds + seconds, window_tokens + step_tokens
-            if run.step > (run.resumed_from or 0) + 1 or max_steps == 1:
-                timed_seconds, timed_steps, timed_tokens = timed_seconds + seconds, timed_steps + 1, timed_tokens + step_tokens
-
-            # 4. Validation every eval_every steps and after the last (the strategy's: held-out loss, or GRPO's
-            # held-out task accuracy); early stopping on val/loss.
-            if cfg.val_data and ((cfg.eval_every > 0 and run.step % cfg.eval_every == 0) or finished):
-                run.metrics.update(strategy.validate(model, raw_model, dp))
-                run.val_loss = run.metrics.get("val/loss")
-                if cfg.early_stopping_patience:
-                    if run.val_loss < run.best_val - cfg.early_stopping_min_delta:
-                        run.best_val, run.bad_validations = run.val_loss, 0
-                    else:
-                        run.bad_validations += 1
-                    if run.bad_validations >= cfg.early_stopping_patience and not finished:
-                        run.stop = (f"early stopping: no val/loss improvement in {run.bad_validations} validations "
-                                    f"(best {run.best_val:.4f})")
-                        finished = True  # a complete run: the final checkpoint goes to out_dir
-
-            # 5. Metrics every log_every steps (and on the last step or a stop): the train loss is the mean over
-            # the step's units on all ranks.
-            if run.step % cfg.log_every == 0 or finished or run.stop:
-                run.train_loss = dp.all_reduce_sum(loss_sum.clone()).item() / step_units
-                run.metrics.update({"train/loss": run.train_loss, "train/lr": lr, "train/grad_norm": float(grad_norm),
-                                    "train/tokens_per_sec": window_tokens / window_seconds})
-                window_seconds, window_tokens = 0.0, 0
-            if run.metrics:
-                log.log(run.metrics, step=run.step)
-
-            # 6. A resumable checkpoint every checkpoint_every steps and when asked to stop (SIGTERM).
-            if not finished and ((cfg.checkpoint_every > 0 and run.step % cfg.checkpoint_every == 0) or run.stop):
-                if path := trainee.save(run, callbacks, cfg, d):
-                    print0(f"checkpoint {path}")
-            emit(callbacks, "on_optimizer_step_end", run)
-            if strategy.sampler.epoch != run.epoch:
-                emit(callbacks, "on_epoch_end", run)
-                run.epoch = strategy.sampler.epoch
-                emit(callbacks, "on_epoch_begin", run)
-        emit(callbacks, "on_epoch_end", run)
-
-        if run.stop:
-            print0(f"stopped at step {run.step}/{max_steps}: {run.stop}")
-        run.summary = {
-            "strategy": cfg.strategy,
-            "final_train_loss": run.train_loss,
-            "final_val_loss": run.val_loss if cfg.val_data else None,
-            "steps": run.step,
-            "max_steps": max_steps,
-            "tokens_seen": run.step * tokens_per_step if cfg.strategy == "seq" else None,
-            "tokens_per_sec": timed_tokens / timed_seconds if timed_seconds else float("nan"),
-            "n_params": n_params,
-            "trainable_params": trainable,
-            "wall_seconds": time.time() - t_start,
-            "world_size": d.world_size,
-            "resumed_from_step": run.resumed_from,
-            "stopped": run.stop,
-        }
-        if finished:  # else interrupted: the resumable checkpoint is what the run leaves
-            weights, state = trainee.state(run, callbacks, cfg, d)
-            if d.is_main:
-                save_final(cfg, weights, state, raw_model, run.summary, log)
-                print0(f"saved {cfg.out_dir} | {run.summary['tokens_per_sec']:,.0f} tok/s | "
-                       f"{run.summary['wall_seconds']:.1f} s")
-        emit(callbacks, "on_train_end", run)
+            if run.stop:
+                print0(f"stopped at step {run.step}/{t.max_steps}: {run.stop}")
+            run.summary = summarize(cfg, t, run, d, speed.overall(), time.time() - t_start)
+            if finished:  # else interrupted: the resumable checkpoint is what the run leaves
+                weights, state = t.state(run, callbacks, cfg, d)
+                if d.is_main:
+                    save_final(cfg, weights, state, t.model, run.summary, log)
+                    print0(f"saved {cfg.out_dir} | {run.summary['tokens_per_sec']:,.0f} tok/s | "
+                           f"{run.summary['wall_seconds']:.1f} s")
+            emit(callbacks, "on_train_end", run)
     except BaseException as e:
         emit(callbacks, "on_error", run, e)
         raise
-    finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous_handler)
-    # Free the DDP wrapper (its reducer holds the process group) while the group is alive, then let every rank's
-    # gloo workers drain in a barrier, during which this thread does not hold the GIL: a gloo group destroyed while
-    # a worker still needs the GIL to free a finished operation's tensors deadlocks at exit (torch issue 56297).
-    del model
+    teardown(t, d)
+    return run.summary
+
+
+def summarize(cfg: TrainConfig, t: Trainee, run: RunState, d: Dist, tokens_per_sec: float, seconds: float) -> dict:
+    return {
+        "strategy": cfg.strategy,
+        "final_train_loss": run.train_loss,
+        "final_val_loss": run.val_loss if cfg.val_data else None,
+        "steps": run.step,
+        "max_steps": t.max_steps,
+        "tokens_seen": run.step * t.tokens_per_step if cfg.strategy == "seq" else None,
+        "tokens_per_sec": tokens_per_sec,
+        "n_params": t.n_params,
+        "trainable_params": t.trainable,
+        "wall_seconds": seconds,
+        "world_size": d.world_size,
+        "resumed_from_step": run.resumed_from,
+        "stopped": run.stop,
+    }
+
+
+def teardown(t: Trainee, d: Dist) -> None:
+    """Free the DDP wrapper (its reducer holds the process group) while the group is alive, then let every rank's
+    gloo workers drain in a barrier, during which this thread does not hold the GIL: a gloo group destroyed while a
+    worker still needs the GIL to free a finished operation's tensors deadlocks at exit (torch issue 56297)."""
+    t.wrapped = None
     if d.world_size > 1:
         dist.barrier()
     cleanup()
-    return run.summary
 
 
 def main(argv: list[str] | None = None) -> None:

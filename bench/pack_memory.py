@@ -98,7 +98,7 @@ def main() -> None:
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT))
-    from astrai_core.tokenizer import train_tokenizer
+    from astrai_core.bpe import train_tokenizer
 
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "tasks", "astrai_core"], capture_output=True,

@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 from astrai_core.checkpoint import load_model, save_checkpoint  # noqa: E402
 from astrai_core.generate import generate  # noqa: E402
 from astrai_core.model import Transformer  # noqa: E402
-from astrai_core.tokenizer import special_id, train_tokenizer  # noqa: E402
+from astrai_core.bpe import special_id, train_tokenizer  # noqa: E402
 from tasks.params import load_params  # noqa: E402
 
 WORDS = ("the king queen lord lady fool ghost speaks loves follows betrays crown horse night brother people "

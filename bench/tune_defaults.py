@@ -23,7 +23,7 @@ import numpy as np
 from astrai_core.checkpoint import load_model
 from astrai_core.data import PackedTokens
 from astrai_core.distributed import resolve_nproc, run_torchrun
-from astrai_core.evaluate import sequence_nll, summarize, unigram_nll
+from astrai_core.scoring import sequence_nll, summarize, unigram_nll
 from astrai_core.io import sha256_file, write_json
 from tasks.pack import pack
 from tasks.params import load_params, train_config

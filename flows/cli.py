@@ -48,10 +48,12 @@ def pipeline(
 
     overrides = dict(_parse_override(s) for s in set_)
     try:
-        params_of_run(Path(), str(params), overrides, profile)  # a bad key stops here, before Prefect starts
-        from flows.pipeline import pipeline as flow
+        from flows.pipeline import pipeline as flow, restore_user_params
 
-        result = flow(params_path=str(params), overrides=overrides or None, profile=profile)
+        if note := restore_user_params(Path()):  # a killed run's params.yaml is not the user's: theirs back first
+            typer.echo(f"{note} (left by an interrupted run)")
+        resolved = params_of_run(Path(), str(params), overrides, profile)  # a bad key stops here, before Prefect
+        result = flow(params_path=str(params), overrides=overrides or None, profile=profile, resolved=resolved)
     except AstraiError as e:
         _fail(str(e))
     _print_summary(result)

@@ -32,7 +32,7 @@ from prefect.states import Cancelled, State
 
 from astrai_core.proc import stream_process
 from tasks import stages as S
-from tasks.params import load_params, params_of_run
+from tasks.params import Params, RunParams, params_of_run
 from tasks.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, flatten, setup
 
 STAGE_ORDER = list(S.STAGES)
@@ -111,7 +111,7 @@ def restore_user_params(root: Path) -> str | None:
 
 @contextlib.contextmanager
 def run_params(root: Path, params_path: str, overrides: dict[str, Any] | None, log: Callable[[str], None] = print,
-               profile: str | None = None):
+               profile: str | None = None, resolved: RunParams | None = None):
     """params.yaml holds this run's params (another params file, a profile, overrides) only while the run lasts.
 
     DVC reads params from params.yaml alone, so the run's params must be there while its stages run, or
@@ -123,9 +123,10 @@ def run_params(root: Path, params_path: str, overrides: dict[str, Any] | None, l
     note = restore_user_params(root)
     if note:
         log(f"{note} (left by an interrupted run)")
-    text = params_of_run(root, params_path, overrides, profile)
+    resolved = resolved or params_of_run(root, params_path, overrides, profile)
+    text = resolved.text
     if text is None:
-        yield
+        yield resolved.params
         return
     target = root / "params.yaml"
     (root / PARAMS_BACKUP).parent.mkdir(exist_ok=True)
@@ -135,29 +136,30 @@ def run_params(root: Path, params_path: str, overrides: dict[str, Any] | None, l
     tmp.write_text(text)
     os.replace(tmp, target)
     try:
-        yield
+        yield resolved.params
     finally:
         log(restore_user_params(root) or "params.yaml: nothing to restore")
 
 
 @flow(name="astrai-pipeline", log_prints=True)
 def pipeline(params_path: str = "params.yaml", overrides: dict[str, Any] | None = None,
-             project_dir: str | None = None, profile: str | None = None) -> dict[str, Any]:
+             project_dir: str | None = None, profile: str | None = None,
+             resolved: RunParams | None = None) -> dict[str, Any]:
     """Corpus -> tokenizer -> pack -> pretrain -> chat_data -> sft -> dpo_reference -> dpo -> grpo -> evaluate ->
     register, one Prefect task per stage (a post-training stage disabled in params passes its input on).
 
     `overrides` maps dotted keys to values, e.g. {"pretrain.max_steps": 50}; they apply to this run only
     (see `run_params`): params.yaml is the user's file again when the run ends. `profile` names a file in
-    profiles/ merged over the params first (e.g. "quick": the whole chain in about a minute).
+    profiles/ merged over the params first (e.g. "quick": the whole chain in about a minute). `resolved`: the
+    params of these arguments, already parsed by the caller (`astrai pipeline` checks them before Prefect starts).
     """
     root = Path(project_dir or os.getcwd()).resolve()
-    with run_params(root, params_path, overrides, log=get_run_logger().info, profile=profile):
-        return _run_stages(root)
+    with run_params(root, params_path, overrides, get_run_logger().info, profile, resolved) as params:
+        return _run_stages(root, params)
 
 
-def _run_stages(root: Path) -> dict[str, Any]:
+def _run_stages(root: Path, params: Params) -> dict[str, Any]:
     logger = get_run_logger()
-    params = load_params(root / "params.yaml")
     setup(params, root)
 
     env = dict(os.environ)

@@ -38,7 +38,7 @@ from tokenizers import Tokenizer
 from astrai_core.chat import ChatFormat
 from astrai_core.engine import Engine, QueueFull, SamplingParams
 from astrai_core.errors import AstraiError
-from astrai_core.tokenizer import special_id
+from astrai_core.bpe import special_id
 
 MAX_BODY_BYTES = 1024 * 1024  # far more text than any context here holds; bigger bodies get 413
 GREEDY_BELOW = 1e-5  # temperatures this small sample greedily (dividing logits by them would overflow)

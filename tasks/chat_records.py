@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from astrai_core.errors import AstraiError
-from astrai_core.tokenizer import SPECIAL_TOKENS
+from astrai_core.bpe import SPECIAL_TOKENS
 
 KINDS = ("sft", "dpo", "grpo")
 ROLES = ("system", "user", "assistant")

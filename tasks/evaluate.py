@@ -6,12 +6,12 @@ conversations (assistant tokens), task accuracy on held-out GRPO-style questions
 overall and per task family when the records name one), pass@1 and pass@k of sampled replies to them, preference
 accuracy on held-out DPO pairs (chosen more likely than rejected), and the task accuracy on as many training
 prompts (not held out) to tell "learned nothing" from "did not transfer". Every accuracy has its 95% Wilson
-interval and its item count, pass@k the Wilson interval of its mean over the questions (astrai_core/evaluate.py).
+interval and its item count, pass@k the Wilson interval of its mean over the questions (astrai_core/scoring.py).
 
 Checks: each post-training stage against its starting model, the model before it in the chain (a disabled stage
 passes its model on, so it is skipped here too), on the same items. A stage must raise its target metric (TARGETS)
 beyond the interval: the 95% interval of the paired difference of per-item correctness (Newcombe's, see
-astrai_core.evaluate.paired_difference) lies above 0; and must not lower a metric it should keep beyond it (the
+astrai_core.scoring.paired_difference) lies above 0; and must not lower a metric it should keep beyond it (the
 interval lies below 0). The final model's test bits/char must be within 5% of the pretrained model's (no
 forgetting). A failed check is a flag, never hidden: a WARNING line in this stage's log (the flow's task log), a
 tag `astrai.flag.<stage>` on the evaluate stage's MLflow run (tasks/stages.py), and a mark in evaluation.md.
@@ -46,7 +46,7 @@ from astrai_core.checkpoint import load_model
 from astrai_core.config import ModelConfig
 from astrai_core.data import PackedTokens
 from astrai_core.errors import AstraiError
-from astrai_core.evaluate import (answer_questions, masked_token_loss, paired_difference, pass_at_k, preference_margins,
+from astrai_core.scoring import (answer_questions, masked_token_loss, paired_difference, pass_at_k, preference_margins,
                                   sequence_nll, summarize, unigram_nll, wilson_interval)
 from astrai_core.generate import generate_text
 from astrai_core.io import atomic_path, sha256_file, write_json
@@ -203,7 +203,7 @@ def _score_model(params: Params, root: Path, tokens: np.ndarray, n_chars: int, q
             right["preference_accuracy"] = margins > 0
             m["preference_margin"] = float(margins.mean())
         chat = load_chat(ckpt / "tokenizer.json")
-        max_new = params.grpo.max_new_tokens
+        max_new = params.grpo.objective.max_new_tokens
         if questions:
             replies = [r[0] for r in answer_questions(model, chat, questions, max_new)]
             right["task_accuracy"] = [exact_answer(c, q) for c, q in zip(replies, questions)]

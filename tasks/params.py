@@ -11,7 +11,7 @@ import io
 import json
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 from astrai_core.config import (DPOConfig, DPOSettings, GRPOConfig, ModelConfig, RunSettings, TrainConfig,
                                 TwoStageConfig)
 from astrai_core.errors import AstraiError
-from astrai_core.tokenizer import MIN_VOCAB_SIZE
+from astrai_core.bpe import MIN_VOCAB_SIZE
 from tasks.layout import CHAT, DPO_REFERENCE, MODEL_STAGES, PACKED, TOKENIZER, model_dir
 from tasks.metrics import METRICS
 
@@ -75,39 +75,42 @@ class PackParams(Strict):
     batch_characters: PositiveInt = 1_000_000
 
 
-class Launch(Strict):
-    """How a training stage is launched (torchrun), beside what its TrainConfig says."""
+class TrainingSection(RunSettings):
+    """A training section of params.yaml: the training core's RunSettings (how a run trains; one default per key,
+    in astrai_core/config.py), plus how the stage launches it under torchrun."""
 
     nproc: PositiveInt | Literal["auto"] = "auto"  # torchrun processes: auto = every GPU, else every CPU core
     max_restarts: int = Field(0, ge=0)  # torchrun restarts the ranks this many times after a failure (they resume)
 
+    def run_settings(self) -> RunSettings:
+        """The RunSettings part: what the stage's TrainConfig takes from this section as it is."""
+        return RunSettings(**{name: getattr(self, name) for name in RunSettings.model_fields})
 
-class PretrainParams(RunSettings, Launch):
-    """The core's RunSettings plus what only pretraining sets; the stage adds the paths (tasks/training.py)."""
+
+class PretrainParams(TrainingSection):
+    """Pretraining: also the context length and where the run starts; the stage adds the paths."""
 
     seq_len: PositiveInt = 256  # also the context of the post-training stages' packed rows
     two_stage: TwoStageConfig | None = None  # two-stage KL-regularized pretraining (astrai_core/config.py)
     init_from: str | None = None  # a checkpoint directory (e.g. `astrai import-hf`'s) whose weights start the run
 
 
-class StageParams(RunSettings, Launch):
-    """A post-training stage (sft, dpo, grpo): the core's RunSettings; it starts from the previous enabled
-    stage's model."""
+class StageParams(TrainingSection):
+    """A post-training stage (sft, dpo, grpo); it starts from the previous enabled stage's model."""
 
     enabled: bool = True  # false: the stage passes its input model on unchanged
 
 
-class DPOParams(DPOSettings, StageParams):
-    """`label_smoothing` here is DPO's (conservative DPO), not the token loss's."""
-
+class DPOParams(StageParams):
+    objective: DPOSettings = DPOSettings()  # DPO's own settings (its label_smoothing is conservative DPO's)
     # on_policy: the dpo_reference stage makes each pair's rejected reply the starting model's own wrong answer
     # (tasks/posttrain.py on_policy_pairs), for pairs whose chosen reply is the one right answer (the demo's);
     # static: chat_data's pairs as they are (your own JSONL of preferences).
     rejected: Literal["on_policy", "static"] = "on_policy"
 
 
-class GRPOParams(GRPOConfig, StageParams):
-    pass
+class GRPOParams(StageParams):
+    objective: GRPOConfig = GRPOConfig()  # GRPO's own settings: sampling, rewards, clipping, KL
 
 
 class EvaluateParams(Strict):
@@ -235,17 +238,15 @@ def dpo_pairs(params: Params, root: Path, split: str) -> Path:
 
 
 def train_config(params: Params, stage: str, root: Path) -> TrainConfig:
-    """The training core's config of `stage`: its section's RunSettings (the strategy's own settings go to the
-    strategy's config) plus the model and the paths under `root`."""
+    """The training core's config of `stage`: its section's RunSettings and strategy settings, the model, and the
+    paths under `root`."""
     section = getattr(params, stage)
-    strategy_cfg = {"dpo": DPOConfig, "grpo": GRPOConfig}.get(stage)
-    own = set(strategy_cfg.model_fields) if strategy_cfg else set()  # dpo.label_smoothing is DPO's, not the token loss's
-    cfg = {k: getattr(section, k) for k in RunSettings.model_fields if k not in own}
+    settings = section.run_settings().model_dump()
     tokenizer = root / TOKENIZER / "tokenizer.json"
     if section.compile:
-        cfg["compile_cache_dir"] = str(PROJECT_ROOT / ".cache" / "torchinductor")  # compiled kernels persist
+        settings["compile_cache_dir"] = str(PROJECT_ROOT / ".cache" / "torchinductor")  # compiled kernels persist
     if stage == "pretrain":
-        return TrainConfig(**cfg, model=params.model, seq_len=section.seq_len, two_stage=section.two_stage,
+        return TrainConfig(**settings, model=params.model, seq_len=section.seq_len, two_stage=section.two_stage,
                            init_from=section.init_from, train_data=str(root / PACKED / "train.h5"),
                            val_data=str(root / PACKED / "validation.h5"), tokenizer=str(tokenizer),
                            out_dir=str(model_dir(root, stage)))
@@ -253,13 +254,13 @@ def train_config(params: Params, stage: str, root: Path) -> TrainConfig:
         data = dict(train_data=str(root / CHAT / "sft_train.h5"), val_data=str(root / CHAT / "sft_test.h5"))
     elif stage == "dpo":
         data = dict(train_data=str(dpo_pairs(params, root, "train")),
-                    dpo=DPOConfig(**{k: getattr(section, k) for k in own - {"reference_logps"}},
+                    dpo=DPOConfig(**section.objective.model_dump(),
                                   reference_logps=str(root / DPO_REFERENCE / "train_logps.h5")))
     else:
         data = dict(train_data=str(root / CHAT / "grpo_train.jsonl"), val_data=str(root / CHAT / "grpo_test.jsonl"),
-                    grpo=GRPOConfig(**{k: getattr(section, k) for k in own}))
-    return TrainConfig(**cfg, **data, model=params.model, strategy=stage,
-                       seq_len=params.pretrain.seq_len, tokenizer=str(tokenizer), out_dir=str(model_dir(root, stage)),
+                    grpo=section.objective)
+    return TrainConfig(**settings, **data, model=params.model, strategy=stage, seq_len=params.pretrain.seq_len,
+                       tokenizer=str(tokenizer), out_dir=str(model_dir(root, stage)),
                        init_from=str(start_model(params, root, stage)))
 
 
@@ -353,16 +354,22 @@ def run_params_text(source: Path, overrides: dict[str, Any], profile: dict[str, 
     return out.getvalue()
 
 
-def params_of_run(root: Path, params_path: str, overrides: dict[str, Any] | None, profile: str | None) -> str | None:
-    """The validated text of a run's params, or None when the run uses params.yaml as it is. A bad file, profile
-    or override stops here with one line naming it, before any stage (or a Prefect server) starts."""
+class RunParams(NamedTuple):
+    """A run's params, parsed once: the validated Params, and the text params.yaml must hold while the run lasts
+    (None: params.yaml as it is)."""
+
+    params: Params
+    text: str | None
+
+
+def params_of_run(root: Path, params_path: str, overrides: dict[str, Any] | None, profile: str | None) -> RunParams:
+    """A run's params: `params_path` with a profile and overrides applied, parsed once. A bad file, profile or
+    override stops here with one line naming it, before any stage (or a Prefect server) starts."""
     target = root / "params.yaml"
     source = (root / params_path).resolve()
     changes = load_profile(root, profile) if profile else None
     if source == target.resolve() and not overrides and not changes:
-        load_params(target)
-        return None
+        return RunParams(load_params(target), None)
     load_raw(root / params_path)  # a missing file or bad YAML: one line naming it
     text = run_params_text(source, overrides or {}, changes)
-    parse_params(yaml.safe_load(text) or {}, str(root / params_path))  # exactly what the stages will read
-    return text
+    return RunParams(parse_params(yaml.safe_load(text) or {}, str(root / params_path)), text)  # what stages read

@@ -30,7 +30,7 @@ from astrai_core.checkpoint import load_model
 from astrai_core.data import PackedTokens, PackedWriter
 from astrai_core.dpo_reference import reference_logps, save_reference_logps
 from astrai_core.errors import AstraiError
-from astrai_core.evaluate import answer_questions
+from astrai_core.scoring import answer_questions
 from astrai_core.io import atomic_path, sha256_file, write_json
 from astrai_core.rewards import exact_answer
 from tasks.chat_data import build_chat_data
@@ -71,9 +71,9 @@ def pack_chat(params: Params, records_dir: Path, tokenizer_path: Path, out_dir: 
         path = records_dir / f"grpo_{split}.jsonl"
         for lineno, record in _records(path):
             n = len(chat.encode_prompt([{"role": "user", "content": record["prompt"]}]))
-            if n + params.grpo.max_new_tokens > params.model.max_seq_len:
+            if n + params.grpo.objective.max_new_tokens > params.model.max_seq_len:
                 _problem(on_bad, stats["problems"], f"{path}:{lineno}: prompt of {n} tokens + grpo.max_new_tokens "
-                         f"{params.grpo.max_new_tokens} is longer than the context ({params.model.max_seq_len})")
+                         f"{params.grpo.objective.max_new_tokens} is longer than the context ({params.model.max_seq_len})")
                 continue
             kept.append(json.dumps(record, ensure_ascii=False) + "\n")
         (out_dir / f"grpo_{split}.jsonl").write_text("".join(kept), encoding="utf-8")
@@ -236,7 +236,7 @@ def _write_on_policy_pairs(params: Params, root: Path, model, ref: Path, out_dir
             raise AstraiError(f"{source}: not found; run the chat_data stage")
         records = [r for _, r in _records(source)]
         on_line(f"dpo_reference: {ref.relative_to(root)} answers the {len(records)} {split} DPO prompts")
-        records, counts[split] = on_policy_pairs(model, chat, records, params.grpo.max_new_tokens,
+        records, counts[split] = on_policy_pairs(model, chat, records, params.grpo.objective.max_new_tokens,
                                                    params.chat_data.seed)
         path = out_dir / "records" / f"dpo_{split}.jsonl"
         path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")

@@ -18,7 +18,7 @@ from typing import Iterator
 from astrai_core.chat import DEFAULT_TEMPLATE, TEMPLATE_FILE, load_chat
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path
-from astrai_core.tokenizer import load_tokenizer, train_tokenizer
+from astrai_core.bpe import load_tokenizer, train_tokenizer
 from tasks.params import TokenizerParams
 
 

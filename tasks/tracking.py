@@ -2,7 +2,7 @@
 
 The Prefect flow opens a parent run and passes its id to every stage process as ASTRAI_PARENT_RUN_ID; each
 stage opens a child run under it. A stage run by plain `dvc repro` (no parent) opens a top-level run.
-The torchrun children learn the stage's run from MLFLOW_RUN_ID (see astrai_core.tracking).
+The torchrun children learn the stage's run from MLFLOW_RUN_ID (see astrai_core.metric_log).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Iterator
 import mlflow
 import yaml
 
-from astrai_core.tracking import mlflow_params as flatten  # the MLflow params of a config tree
+from astrai_core.metric_log import mlflow_params as flatten  # the MLflow params of a config tree
 from tasks.params import Params
 
 PARENT_RUN_ENV = "ASTRAI_PARENT_RUN_ID"

@@ -30,8 +30,8 @@ TINY_PARAMS = {
             "eval_batches": 1},
     "dpo": {"nproc": 2, "batch_size": 2, "max_steps": 4, "dtype": "fp32", "log_every": 2,
             "lora": {"rank": 4, "alpha": 8, "dropout": 0.0}},
-    "grpo": {"nproc": 2, "batch_size": 2, "group_size": 4, "max_new_tokens": 6, "max_steps": 4, "dtype": "fp32",
-             "log_every": 2},
+    "grpo": {"nproc": 2, "batch_size": 2, "objective": {"group_size": 4, "max_new_tokens": 6}, "max_steps": 4,
+             "dtype": "fp32", "log_every": 2},
 }
 
 
@@ -88,7 +88,7 @@ DATA_SAMPLE_TEXTS = {
 @pytest.fixture(scope="session")
 def data_tokenizer():
     """A small byte-level BPE trained on mixed-script text (well under a second)."""
-    from astrai_core.tokenizer import train_tokenizer
+    from astrai_core.bpe import train_tokenizer
 
     return train_tokenizer(list(DATA_SAMPLE_TEXTS.values()) * 20, vocab_size=320, min_frequency=2)
 

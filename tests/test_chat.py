@@ -6,7 +6,7 @@ import pytest
 
 from astrai_core.chat import DEFAULT_TEMPLATE, ChatFormat, load_chat
 from astrai_core.errors import AstraiError
-from astrai_core.tokenizer import train_tokenizer
+from astrai_core.bpe import train_tokenizer
 
 CONVERSATION = [
     {"role": "system", "content": "You know the plays."},

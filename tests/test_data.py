@@ -24,7 +24,7 @@ import tasks.corpus as corpus_mod
 from astrai_core.data import FORMAT_VERSION, PackedTokens, PackedWriter
 from astrai_core.errors import AstraiError
 from astrai_core.io import sha256_file
-from astrai_core.tokenizer import SPECIAL_TOKENS, load_tokenizer, piece_bounds, special_id, train_tokenizer
+from astrai_core.bpe import SPECIAL_TOKENS, load_tokenizer, piece_bounds, special_id, train_tokenizer
 from conftest import PROJECT_ROOT
 from tasks.corpus import assign_splits, build_corpus
 from tasks.pack import pack
@@ -43,6 +43,11 @@ ROUND_TRIP = [
     "",
     " ",
 ]
+
+
+def document(data: PackedTokens, i: int) -> np.ndarray:
+    """Document i of a packed file, as its offsets delimit it."""
+    return data.tokens[data.doc_offsets[i]: data.doc_offsets[i + 1]]
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -113,12 +118,8 @@ def test_packed_round_trip(tmp_path):
         assert (data.vocab_size, data.split, data.tokenizer_sha256) == (2048, "train", "a" * 64)
         assert data.source_manifest_sha256 == "m" * 64
         for i, d in enumerate(docs):
-            got = data.document(i)
-            assert got.dtype == np.int64 and got.tolist() == d
-        window = data.window(2, 5)
-        assert window.dtype == np.int64 and window.tolist() == [7, 1, 100, 101, 102]
-        with pytest.raises(IndexError):
-            data.window(100, 5)
+            assert document(data, i).tolist() == d
+        assert data.tokens[2:7].tolist() == [7, 1, 100, 101, 102]  # documents follow each other
     with h5py.File(path) as f:  # the on-disk layout other tools may read directly
         assert f.attrs["format_version"] == FORMAT_VERSION
         assert f["tokens"].compression is None
@@ -131,11 +132,11 @@ def test_packed_uses_uint32_above_65536(tmp_path):
         w.add_document([0, 65535, 65536, 69999])
     with PackedTokens(path) as data:
         assert data.tokens.dtype == np.uint32
-        assert data.document(0).tolist() == [0, 65535, 65536, 69999]
+        assert document(data, 0).tolist() == [0, 65535, 65536, 69999]
     with PackedWriter(tmp_path / "edge.h5", vocab_size=65536, split="train", **H) as w:
         w.add_document([65535])
     with PackedTokens(tmp_path / "edge.h5") as data:
-        assert data.tokens.dtype == np.uint16 and data.document(0).tolist() == [65535]
+        assert data.tokens.dtype == np.uint16 and document(data, 0).tolist() == [65535]
 
 
 def test_packed_writer_streams_in_chunks(tmp_path, monkeypatch):
@@ -152,7 +153,7 @@ def test_packed_writer_streams_in_chunks(tmp_path, monkeypatch):
             w.add_document(d)
     with PackedTokens(path) as data:
         assert np.array_equal(data.tokens[:], np.concatenate(docs))
-        assert [data.document(i).tolist() for i in range(200)] == [d.tolist() for d in docs]
+        assert [document(data, i).tolist() for i in range(200)] == [d.tolist() for d in docs]
 
 
 def test_packed_writer_removes_temp_file_on_error(tmp_path):
@@ -476,7 +477,7 @@ def test_pack_end_to_end(tmp_path, data_corpus_dir):
             assert data.n_tokens == stats[split]["tokens"]
             assert stats[split]["characters"] == sum(len(r["text"]) for r in rows)
             for i, row in enumerate(rows):
-                ids = data.document(i).tolist()
+                ids = document(data, i).tolist()
                 assert ids[-1] == eos and eos not in ids[:-1]
                 assert tok.decode(ids[:-1]) == row["text"]  # every document survives exactly
 
@@ -494,7 +495,7 @@ def test_pack_empty_split_and_special_text(tmp_path, data_tokenizer):
     with PackedTokens(tmp_path / "packed" / "validation.h5") as data:
         assert data.n_docs == 0 and data.n_tokens == 0 and data.doc_offsets.tolist() == [0]
     with PackedTokens(tmp_path / "packed" / "train.h5") as data:
-        ids = data.document(0).tolist()
+        ids = document(data, 0).tolist()
     # Literal special-token text in a document is ordinary text: the only eos is the one that ends the document.
     assert ids.count(1) == 1 and ids[-1] == 1
     assert data_tokenizer.decode(ids[:-1]) == "a <|end_of_text|> b"
@@ -575,7 +576,7 @@ def test_pack_bounds_memory_by_characters_not_documents(tmp_path, data_tokenizer
     data_tokenizer.encode_special_tokens = True
     with PackedTokens(tmp_path / "packed" / "train.h5") as data:
         for i, text in enumerate(docs):
-            assert data.document(i).tolist() == data_tokenizer.encode(text, add_special_tokens=False).ids + [1]
+            assert document(data, i).tolist() == data_tokenizer.encode(text, add_special_tokens=False).ids + [1]
 
 
 PACK_PEAK = """

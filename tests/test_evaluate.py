@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from astrai_core.evaluate import (Z95, paired_difference, pass_at_k, sequence_nll, summarize, unigram_nll,
+from astrai_core.scoring import (Z95, paired_difference, pass_at_k, sequence_nll, summarize, unigram_nll,
                                   wilson_interval)
 from tasks.evaluate import pass_metrics
 from tasks.evaluate import Check, evaluation_markdown, flag_tags, grpo_why, stage_checks
@@ -217,7 +217,7 @@ def tiny_chain(chat_setup, core_write_packed, tmp_path):
     from tasks.params import parse_params
 
     params = parse_params({"model": MODEL, "tokenizer": {"vocab_size": 320}, "pretrain": {"seq_len": 64},
-                           "grpo": {"max_new_tokens": 6, "enabled": False}, "dpo": {"enabled": False},
+                           "grpo": {"objective": {"max_new_tokens": 6}, "enabled": False}, "dpo": {"enabled": False},
                            "evaluate": {"batch_size": 4, "prompts": ["Who"], "max_new_tokens": 4, "task_examples": 24,
                                         "pass_samples": 4, "pass_k": 2}})
     return root, params

@@ -40,7 +40,7 @@ EXPORTS = {
 @pytest.fixture(scope="module")
 def tokenizer_path(tmp_path_factory):
     """An astrai tokenizer (with the special tokens) trained on mixed-script text."""
-    from astrai_core.tokenizer import train_tokenizer
+    from astrai_core.bpe import train_tokenizer
 
     texts = ["ROMEO.\nBut soft, what light through yonder window breaks?\n", "  spaces\tand tabs\n\n",
              "中文测试：你好，世界。", "Emoji 👍🏽 and café, naïve."]

@@ -35,10 +35,12 @@ def test_shipped_params_are_valid():
     ({"sft.optim": {"lr": 0.001, "min_lr": 0.01}}, "sft.optim: min_lr (0.01) exceeds lr (0.001)"),
     ({"pretrain.seq_len": 300}, "pretrain: seq_len (300) exceeds model.max_seq_len (256)"),
     ({"tokenizer.vocab_size": 5}, "tokenizer.vocab_size: Input should be greater than or equal to 263"),
-    ({"grpo.rewards": {"exact_answr": 1.0}}, "grpo.rewards: unknown reward 'exact_answr'"),
-    ({"grpo.rewards": {"no_such_module:fn": 1.0}}, "grpo.rewards: reward 'no_such_module:fn': cannot import"),
-    ({"dpo.label_smoothing": 0.7}, "dpo.label_smoothing: Input should be less than 0.5"),
-    ({"dpo.nll_coef": -1}, "dpo.nll_coef: Input should be greater than or equal to 0"),
+    ({"grpo.objective.rewards": {"exact_answr": 1.0}}, "grpo.objective.rewards: unknown reward 'exact_answr'"),
+    ({"grpo.objective.rewards": {"no_such_module:fn": 1.0}},
+     "grpo.objective.rewards: reward 'no_such_module:fn': cannot import"),
+    ({"dpo.objective.label_smoothing": 0.7}, "dpo.objective.label_smoothing: Input should be less than 0.5"),
+    ({"dpo.objective.nll_coef": -1}, "dpo.objective.nll_coef: Input should be greater than or equal to 0"),
+    ({"grpo.group_size": 4}, "grpo.group_size: unknown key"),  # GRPO's own settings are under objective
     ({"dpo.rejected": "random"}, "dpo.rejected: Input should be 'on_policy' or 'static'"),
     ({"chat_data.dpo": "my_pairs.jsonl"}, "dpo.rejected: on_policy needs pairs whose chosen reply is the one right "
                                           "answer (chat_data.dpo: demo); set dpo.rejected: static for my_pairs.jsonl"),
@@ -57,15 +59,19 @@ def test_yaml_syntax_error_names_the_line(tmp_path):
 
 
 def test_sections_resolve_into_the_core_configs():
-    """Each training section is the core's RunSettings: what it sets reaches the stage's TrainConfig, and what it
-    leaves out takes the core's one default. model.vocab_size left out is the tokenizer's."""
+    """Each training section is the core's RunSettings plus its method's `objective`: what it sets reaches the
+    stage's TrainConfig, and what it leaves out takes the core's one default. model.vocab_size left out is the
+    tokenizer's."""
     from astrai_core.config import RunSettings
     from tasks.params import dpo_pairs, train_config
 
-    p = load_params(ROOT / "params.yaml", {"sft.label_smoothing": 0.1, "dpo.label_smoothing": 0.2})
-    sft, dpo = train_config(p, "sft", ROOT), train_config(p, "dpo", ROOT)
+    p = load_params(ROOT / "params.yaml", {"sft.label_smoothing": 0.1, "dpo.objective.label_smoothing": 0.2,
+                                           "grpo.objective.kl_coef": 0.5, "grpo.max_steps": 9})
+    sft, dpo, grpo = train_config(p, "sft", ROOT), train_config(p, "dpo", ROOT), train_config(p, "grpo", ROOT)
     assert (sft.label_smoothing, sft.batch_size, sft.seq_len) == (0.1, p.sft.batch_size, p.pretrain.seq_len)
     assert (dpo.dpo.label_smoothing, dpo.label_smoothing) == (0.2, 0.0)  # DPO's own, not the token loss's
+    assert (dpo.dpo.beta, dpo.dpo.nll_coef) == (p.dpo.objective.beta, p.dpo.objective.nll_coef)
+    assert (grpo.grpo.kl_coef, grpo.max_steps, grpo.grpo.group_size) == (0.5, 9, p.grpo.objective.group_size)
     assert train_config(p, "grpo", ROOT).keep_checkpoints == RunSettings().keep_checkpoints
     assert train_config(p, "grpo", ROOT).init_from == str(ROOT / "data" / "dpo")
     skip = load_params(ROOT / "params.yaml", {"dpo.enabled": False})
@@ -86,7 +92,13 @@ def test_overrides_apply_and_digest_changes():
     p = load_params(ROOT / "params.yaml", {"pretrain.max_steps": 7, "pretrain.optim.lr": 0.001})
     assert (p.pretrain.max_steps, p.pretrain.optim.lr) == (7, 0.001)
     assert p.digest() != base.digest()
-    assert Params().digest() == Params().digest()
+    assert load_params(ROOT / "params.yaml", {"pretrain.max_steps": 7}).digest() != base.digest()
+    # The digest is of the resolved params: a default written out, or keys in another order, change nothing.
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    explicit = {**raw, "sft": {**raw["sft"], "keep_checkpoints": 2}}  # RunSettings' default
+    assert "keep_checkpoints" not in raw["sft"] and Params.model_validate(explicit).digest() == base.digest()
+    reordered = dict(reversed(list(raw.items())))
+    assert Params.model_validate(reordered).digest() == base.digest()
 
 
 def _cli(args, cwd, **env):

@@ -15,14 +15,14 @@ from astrai_core.chat import DEFAULT_TEMPLATE, load_chat
 from astrai_core.checkpoint import load_model, save_checkpoint
 from astrai_core.config import ModelConfig, TrainConfig
 from astrai_core.errors import AstraiError
-from astrai_core.evaluate import answer_questions, masked_token_loss
+from astrai_core.scoring import answer_questions, masked_token_loss
 from astrai_core.io import sha256_file
 from astrai_core.losses import IGNORE_INDEX
 from astrai_core.model import Transformer
 from astrai_core.rewards import REWARDS
 from astrai_core.data import Documents, PackedRows, PackedWriter
 from astrai_core.dpo_reference import reference_logps, save_reference_logps
-from astrai_core.tokenizer import train_tokenizer
+from astrai_core.bpe import train_tokenizer
 from astrai_core.train import default_callbacks, train
 from tasks.params import parse_params
 from tasks.posttrain import on_policy_pairs, pack_chat
@@ -67,7 +67,7 @@ def chat_setup(tmp_path_factory) -> dict:
             (records_dir / f"{kind}_{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (records_dir / "stats.json").write_text("{}")
     params = parse_params({"model": MODEL, "tokenizer": {"vocab_size": 320}, "pretrain": {"seq_len": 64},
-                           "grpo": {"max_new_tokens": 6}, "chat_data": {"sft_replay": 0.0}})
+                           "grpo": {"objective": {"max_new_tokens": 6}}, "chat_data": {"sft_replay": 0.0}})
     (root / "chat").mkdir()
     stats = pack_chat(params, records_dir, root / "tok" / "tokenizer.json", root / "chat")
     assert stats["sft_train"] == 96 and stats["grpo_train"] == 96, stats
@@ -106,7 +106,7 @@ def test_sft_replay_rows_are_pretraining_windows_at_the_asked_share(chat_setup, 
         w.add_document(stream)
     records_dir = chat_setup["root"] / "records"
     params = parse_params({"model": MODEL, "tokenizer": {"vocab_size": 320}, "pretrain": {"seq_len": 64},
-                           "grpo": {"max_new_tokens": 6}, "chat_data": {"sft_replay": 0.5}})
+                           "grpo": {"objective": {"max_new_tokens": 6}}, "chat_data": {"sft_replay": 0.5}})
     (tmp_path / "chat").mkdir()
     stats = pack_chat(params, records_dir, chat_setup["tokenizer"], tmp_path / "chat", replay_from=tmp_path / "train.h5")
     plain = Documents(str(chat_setup["chat"] / "sft_train.h5"), tok, 320)  # the same records without replay
@@ -118,7 +118,7 @@ def test_sft_replay_rows_are_pretraining_windows_at_the_asked_share(chat_setup, 
     assert replay_targets == n * 64  # whole rows (seq_len + 1 tokens), every token but the first a target
     assert chat_targets <= replay_targets < chat_targets + 64  # half of the loss tokens, to within one row
     for d in range(plain.n_docs, mixed.n_docs):
-        window = mixed.document(d)
+        window = mixed.tokens[mixed.doc_offsets[d]: mixed.doc_offsets[d + 1]]
         assert len(window) == 65 and window[0] % 64 == 0 and (np.diff(window) % 320 == 1).all()  # a window of it
     with pytest.raises(AstraiError, match="sft_replay > 0 needs the packed pretraining tokens"):
         pack_chat(params, records_dir, chat_setup["tokenizer"], tmp_path / "again")
@@ -133,7 +133,7 @@ def test_packed_rows_block_documents_and_learn_only_assistant_tokens(chat_setup)
     assert len(x) == 160
     for j, d in enumerate(rows.rows[0]):
         sel = doc == j
-        ids = data.document(d)
+        ids = data.tokens[data.doc_offsets[d]: data.doc_offsets[d + 1]]
         assert pos[sel].tolist() == list(range(sel.sum()))  # positions restart per conversation
         learned = [t for t in y[sel] if t != IGNORE_INDEX]
         # Exactly the assistant reply and its end-of-turn are targets; never the next conversation's first token.
@@ -265,6 +265,43 @@ def test_grpo_reward_errors_stop_or_skip(chat_setup, tmp_path, monkeypatch):
     assert not (tmp_path / "b").exists()
 
 
+def test_grpo_skips_and_counts_the_groups_whose_reward_failed(chat_setup, tmp_path, monkeypatch):
+    """on_reward_error: skip. A group in which any reward failed gets zero advantage (no gradient from it, even from
+    the completions that were scored), the failures are counted in grpo/reward_errors, and training goes on."""
+    import contextlib
+
+    from astrai_core.distributed import DataGroup
+    from astrai_core.strategies import GRPOStrategy
+
+    raised: set[int] = set()  # the records (objects) whose reward failed at least once
+
+    def flaky(completion, record):  # fails on some completions of every other prompt
+        if record["prompt"].count(" ") % 2 and len(completion) % 2:
+            raised.add(id(record))
+            raise ValueError("cannot score")
+        return completion.count("a") / 4 + len(completion) / 10
+
+    monkeypatch.setitem(REWARDS, "flaky", flaky)
+    cfg = make_cfg(chat_setup, tmp_path / "out", "grpo", max_steps=3, batch_size=8,
+                   grpo={"rewards": {"flaky": 1.0}, "on_reward_error": "skip", "group_size": 4, "temperature": 2.0})
+    strategy = GRPOStrategy(cfg, 0, 1, torch.device("cpu"), sha256_file(cfg.tokenizer), contextlib.nullcontext())
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    strategy.setup(model)
+    items = np.arange(strategy.per_step)
+    batches, stats = strategy.rollouts(0, model, items, DataGroup(0, 1))
+    failed = [id(strategy.records[int(i)][0]) in raised for i in items]
+    assert 0 < sum(failed) < len(failed), "the test needs both kinds of group"
+    adv = torch.cat([b["adv"] for b in batches]).view(-1, 4)
+    assert all((adv[g] == 0).all() for g, bad in enumerate(failed) if bad)
+    assert any((adv[g] != 0).any() for g, bad in enumerate(failed) if not bad)  # the others still learn
+    assert stats["grpo/reward_errors"] == (float(sum(failed)), float(len(failed)))
+    # The whole loop: it trains to the end and logs the share of failed groups.
+    assert train(cfg)["steps"] == 3
+    errors = [r["grpo/reward_errors"] for r in metrics(cfg) if "grpo/reward_errors" in r]
+    assert len(errors) == 3 and 0 < sum(errors) / 3 < 1, errors
+
+
 def test_grpo_resume_inside_a_rollout_batch_is_exact(chat_setup, tmp_path, monkeypatch):
     monkeypatch.setitem(REWARDS, "letters_a", lambda completion, record: completion.count("a") / 4)
     kw = dict(max_steps=6, grpo={"iterations": 2, "group_size": 4, "rewards": {"letters_a": 1.0}}, resume="auto",
@@ -273,7 +310,7 @@ def test_grpo_resume_inside_a_rollout_batch_is_exact(chat_setup, tmp_path, monke
     train(ref)
     assert max(r["grpo/clip_fraction"] for r in metrics(ref)) > 0  # a second step on old rollouts: ratios move
     cfg = make_cfg(chat_setup, tmp_path / "run" / "out", "grpo", **kw)
-    stopped = train(cfg, callbacks=default_callbacks(cfg) + [SigtermAt(step=2, micro=0)])
+    stopped = train(cfg, callbacks=default_callbacks() + [SigtermAt(step=2, micro=0)])
     assert stopped["steps"] == 3  # the next step reuses the rollouts sampled at step 3 (0-based 2)
     train(cfg)
     assert sha256_file(Path(cfg.out_dir) / "model.safetensors") == sha256_file(Path(ref.out_dir) / "model.safetensors")
@@ -308,7 +345,7 @@ def test_two_stage_resume_after_the_switch_is_exact(core_tiny_data, tmp_path, mo
     ref = _seq_cfg(core_tiny_data, tmp_path / "ref" / "out")
     train(ref)
     cfg = _seq_cfg(core_tiny_data, tmp_path / "run" / "out")
-    assert train(cfg, callbacks=default_callbacks(cfg) + [SigtermAt(step=6, micro=0)])["steps"] == 7
+    assert train(cfg, callbacks=default_callbacks() + [SigtermAt(step=6, micro=0)])["steps"] == 7
     train(cfg)
     assert sha256_file(Path(cfg.out_dir) / "model.safetensors") == sha256_file(Path(ref.out_dir) / "model.safetensors")
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
 from astrai_core.config import OptimConfig
-from astrai_core.schedules import SCHEDULES, lr_at
+from astrai_core.optim import SCHEDULES, lr_at
 
 
 def lrs(n: int, **kw) -> list[float]:
@@ -57,14 +59,18 @@ def test_warmup_stable_decay():
     assert lr[90] == pytest.approx((1e-3 + 1e-4) / 2) and lr[100] == pytest.approx(1e-4)
 
 
-def test_schedules_drive_lambda_lr():
-    """The loop's wiring: LambdaLR over lr_at gives optimizer step s the schedule's lr at s."""
-    optim = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=3, schedule="wsd")
-    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=optim.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, optim, 20) / optim.lr)
-    seen = []
-    for _ in range(20):
-        seen.append(sched.get_last_lr()[0])
-        opt.step()
-        sched.step()
-    assert seen == pytest.approx([lr_at(s, optim, 20) for s in range(20)])
+def test_the_training_loop_follows_the_schedule(tmp_path, core_tiny_data):
+    """The loop's wiring, not a LambdaLR built here: every logged train/lr of a real run is the schedule's lr at
+    that step (the lr the step's update used, step s logging optimizer step s - 1)."""
+    from astrai_core.config import TrainConfig
+    from astrai_core.train import train
+
+    optim = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=3, schedule="wsd", decay_fraction=0.5)
+    cfg = TrainConfig(model=dict(vocab_size=300, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32),
+                      optim=optim, train_data=str(core_tiny_data["train"]), tokenizer=str(core_tiny_data["tokenizer"]),
+                      out_dir=str(tmp_path / "out"), seq_len=32, batch_size=2, max_steps=12, log_every=1, device="cpu")
+    train(cfg, callbacks=[])
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == list(range(1, 13))
+    assert [m["train/lr"] for m in logged] == pytest.approx([lr_at(s, optim, 12) for s in range(12)])
+    assert len(set(round(m["train/lr"], 12) for m in logged)) > 5  # warmup, stable and decay all seen

@@ -34,7 +34,7 @@ from astrai_core.checkpoint import load_model, save_checkpoint
 from astrai_core.config import ModelConfig
 from astrai_core.generate import generate
 from astrai_core.model import Transformer
-from astrai_core.tokenizer import special_id, train_tokenizer
+from astrai_core.bpe import special_id, train_tokenizer
 from flows.cli import app
 from flows.server import TextStream
 

@@ -17,7 +17,7 @@ from astrai_core.config import TrainConfig
 from astrai_core.distributed import resolve_nproc, run_torchrun
 from astrai_core.errors import AstraiError
 from astrai_core.io import sha256_file
-from astrai_core.tracking import MetricLogger, flatten
+from astrai_core.metric_log import MetricLogger, flatten
 from astrai_core import strategies as strategies_module
 from astrai_core import train as train_module
 from astrai_core.data import WindowSampler, open_tokens, read_windows

@@ -6,7 +6,7 @@
     runner.py         the batch as tensors, the model run against the paged pool
     engine.py         Engine: submit / cancel / step, the loop thread, stats
 
-The public API (what astrai serve uses) is fixed in the project notes: Engine, EngineConfig, SamplingParams,
+The public API (what astrai serve uses): Engine, EngineConfig, SamplingParams,
 QueueFull.
 """
 

@@ -1,6 +1,7 @@
-"""Learning-rate schedules: lr of optimizer step `step` (0-based) for a run of `max_steps` steps.
+"""The optimizer and its learning-rate schedule: build_optimizer, and the schedules: lr of optimizer step `step`
+(0-based) for a run of `max_steps` steps.
 
-Each is a plain function (step, optim, max_steps) -> lr; SCHEDULES maps `optim.schedule` to it. All share the
+Each schedule is a plain function (step, optim, max_steps) -> lr; SCHEDULES maps `optim.schedule` to it. All share the
 same linear warmup from optim.lr / (warmup_steps + 1) to optim.lr at step warmup_steps, and after it never go
 below optim.min_lr. The loop drives them through torch's LambdaLR, whose state is just the step count.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import math
 from typing import Callable
+
+import torch
 
 from astrai_core.config import OptimConfig
 
@@ -66,3 +69,19 @@ SCHEDULES: dict[str, Callable[[int, OptimConfig, int], float]] = {
 def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
     """The configured schedule's learning rate at optimizer step `step`."""
     return SCHEDULES[optim.schedule](step, optim, max_steps)
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimConfig, device: torch.device, max_steps: int):
+    """(optimizer, scheduler): AdamW with weight decay on matrices (and the embedding) only, not on norm gains;
+    frozen weights (LoRA's base) are left out. The fused kernel exists on CUDA and CPU (one pass over each
+    parameter instead of several). LambdaLR scales optim.lr by the schedule's factor; it counts optimizer steps
+    from 0, as the schedules do."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    fused = optim.fused == "on" or (optim.fused == "auto" and device.type in ("cuda", "cpu"))
+    optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), fused=fused)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, optim, max_steps) / optim.lr)
+    return optimizer, scheduler

@@ -1,6 +1,6 @@
 """Held-out metrics: language modeling (loss, perplexity and bits per character, with a unigram baseline) and the
-chat models' (held-out SFT loss, preference accuracy, task accuracy, pass@k); `forward` and `token_loss_total` are
-also what training validates with. And their uncertainty: the 95% intervals (Wilson's for an accuracy or a mean
+chat models' (held-out SFT loss, preference accuracy, task accuracy, pass@k); `token_loss_total` is also what
+training validates with. And their uncertainty: the 95% intervals (Wilson's for an accuracy or a mean
 per-item score, Newcombe's paired interval for the difference of two models' accuracies on the same items), the one
 place they are computed.
 
@@ -129,12 +129,6 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
 
 # ---- chat-model metrics (post-training) ---------------------------------------------------------------------
 
-def forward(model: torch.nn.Module, batch: Batch, autocast=contextlib.nullcontext()) -> torch.Tensor:
-    """The model's logits of a batch: the one forward of training, validation and evaluation."""
-    with autocast:
-        return model(batch.x, positions=batch.positions, mask=batch.mask)
-
-
 @torch.no_grad()
 def token_loss_total(model: torch.nn.Module, batches: Iterable[Batch], autocast=contextlib.nullcontext()) -> torch.Tensor:
     """(summed next-token loss, target count) over `batches` as a float64 pair: validation (whose ranks then sum
@@ -143,7 +137,7 @@ def token_loss_total(model: torch.nn.Module, batches: Iterable[Batch], autocast=
     model.eval()
     total = None
     for batch in batches:
-        logits = forward(model, batch, autocast)
+        logits = batch.logits(model, autocast)
         y = batch.data["y"]
         pair = torch.stack([token_loss_sum(logits, y).double(), (y != IGNORE_INDEX).sum().double()])
         total = pair if total is None else total + pair
