@@ -127,7 +127,10 @@ def check_tensor_parallel(cfg: ModelConfig, tp_size: int, lora: bool = False) ->
 
 
 class OptimConfig(Strict):
-    """AdamW (weight decay on matrices only) and the learning-rate schedule (astrai_core/optim.py):
+    """The optimizer and the learning-rate schedule (astrai_core/optim.py). adamw: AdamW on every weight (decay on
+    matrices only). muon: Muon (orthogonalized momentum) on the decoder blocks' weight matrices, AdamW on the
+    embeddings, the head, norm gains and biases; its learning rate is scaled to match AdamW's update size
+    (torch's adjust_lr_fn "match_rms_adamw"), so `lr` carries over. Schedules:
     cosine = linear warmup then cosine decay to min_lr; sgdr = warmup then cosine warm restarts, the first cycle
     `restart_period` steps, each next one `restart_mult` times longer; wsd = warmup, constant lr, then a linear
     decay to min_lr over the last `decay_fraction` of the run."""
@@ -144,6 +147,10 @@ class OptimConfig(Strict):
     restart_mult: float = Field(2.0, ge=1.0)  # sgdr: each cycle is this many times longer than the one before
     decay_fraction: float = Field(0.2, gt=0.0, le=1.0)  # wsd: the share of steps spent decaying
     fused: Literal["auto", "on", "off"] = "auto"  # fused AdamW kernel; auto: on where the device has one
+    name: Literal["adamw", "muon"] = "adamw"
+    muon_lr: PositiveFloat | None = None  # muon: the hidden matrices' peak lr (None: lr); the schedule scales it too
+    muon_weight_decay: float | None = None  # muon: the hidden matrices' decoupled weight decay (None: weight_decay)
+    muon_momentum: float = Field(0.95, ge=0.0, lt=1.0)  # muon: Nesterov momentum of the hidden matrices
 
     @model_validator(mode="after")
     def _check_min_lr(self) -> "OptimConfig":
@@ -257,6 +264,13 @@ class RunSettings(Strict):
     checkpoint_format: Literal["full", "sharded"] = "full"
     # auto: continue from the newest valid checkpoint of the same run (a re-run after a crash goes on); never: fresh
     resume: Literal["auto", "never"] = "auto"
+
+    @model_validator(mode="after")
+    def _check_optimizer(self) -> "RunSettings":
+        if self.optim.name == "muon" and self.parallel != "ddp":
+            raise ValueError(f"optim.name 'muon' orthogonalizes whole weight matrices, which parallel "
+                             f"{self.parallel!r} splits across ranks: use parallel ddp (or optim.name adamw)")
+        return self
 
 
 class TrainConfig(RunSettings):

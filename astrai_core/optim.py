@@ -72,16 +72,58 @@ def lr_at(step: int, optim: OptimConfig, max_steps: int) -> float:
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimConfig, device: torch.device, max_steps: int):
-    """(optimizer, scheduler): AdamW with weight decay on matrices (and the embedding) only, not on norm gains;
-    frozen weights (LoRA's base) are left out. The fused kernel exists on CUDA and CPU (one pass over each
-    parameter instead of several). LambdaLR scales optim.lr by the schedule's factor; it counts optimizer steps
-    from 0, as the schedules do."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    """(optimizer, scheduler) over the trainable weights (LoRA's frozen base is left out). LambdaLR scales each
+    group's peak lr by the schedule's factor; it counts optimizer steps from 0, as the schedules do.
+
+    adamw: AdamW with weight decay on matrices (and the embedding) only, not on norm gains. The fused kernel
+    exists on CUDA and CPU (one pass over each parameter instead of several).
+    muon: torch.optim.Muon on the 2-D weights of the decoder blocks, AdamW as above on the rest (the embedding and
+    the head are not hidden matrices: Muon's update treats every output direction alike, which suits neither);
+    both step together as one Chain."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     fused = optim.fused == "on" or (optim.fused == "auto" and device.type in ("cuda", "cpu"))
-    optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), fused=fused)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, optim, max_steps) / optim.lr)
-    return optimizer, scheduler
+    hidden = [p for n, p in named if p.dim() == 2 and n.startswith("layers.")] if optim.name == "muon" else []
+    rest = [p for _, p in named if not any(p is h for h in hidden)]
+    groups = [
+        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": optim.weight_decay},
+        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    adamw = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), fused=fused)
+    factor = lambda step: lr_at(step, optim, max_steps) / optim.lr  # noqa: E731 - the schedule's share of the peak
+    if not hidden:
+        return adamw, torch.optim.lr_scheduler.LambdaLR(adamw, factor)
+    muon = torch.optim.Muon(hidden, lr=optim.muon_lr or optim.lr, momentum=optim.muon_momentum,
+                            weight_decay=optim.weight_decay if optim.muon_weight_decay is None else optim.muon_weight_decay,
+                            adjust_lr_fn="match_rms_adamw")
+    return (Chain(muon=muon, adamw=adamw),
+            Chain(muon=torch.optim.lr_scheduler.LambdaLR(muon, factor), adamw=torch.optim.lr_scheduler.LambdaLR(adamw, factor)))
+
+
+class Chain:
+    """Several optimizers (or their schedules) used as one: each call goes to every part; the state is theirs,
+    keyed by part name. get_last_lr is the first part's."""
+
+    def __init__(self, **parts) -> None:
+        self.parts = parts
+
+    def step(self) -> None:
+        for part in self.parts.values():
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts.values():
+            part.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for part in self.parts.values() for g in part.param_groups]
+
+    def get_last_lr(self) -> list[float]:
+        return next(iter(self.parts.values())).get_last_lr()
+
+    def state_dict(self) -> dict:
+        return {name: part.state_dict() for name, part in self.parts.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, part in self.parts.items():
+            part.load_state_dict(state[name])

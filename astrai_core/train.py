@@ -70,7 +70,7 @@ from astrai_core.errors import AstraiError, TrainingError
 from astrai_core.io import sha256_file
 from astrai_core.metric_log import MetricLogger
 from astrai_core.model import Transformer
-from astrai_core.optim import build_optimizer
+from astrai_core.optim import Chain, build_optimizer
 from astrai_core.parallel import (apply_fsdp, apply_tensor_parallel, build_mesh, full_optimizer_state_dict,
                                   full_state_dict, load_full_optimizer_state_dict, load_full_state_dict, load_sharded,
                                   save_sharded)
@@ -150,8 +150,8 @@ class Trainee:
 
     model: Transformer
     wrapped: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    optimizer: torch.optim.Optimizer | Chain  # Chain: Muon and AdamW together (optim.name muon)
+    scheduler: torch.optim.lr_scheduler.LRScheduler | Chain
     strategy: Strategy
     dp: DataGroup  # the data-parallel ranks (under TP: one per TP group)
     device: torch.device
@@ -218,7 +218,7 @@ class Trainee:
             load_full_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         else:
             self.model.load_state_dict(load_weights(ckpt, cfg.model.tie_embeddings))
-            if any(isinstance(k, str) for k in state["optimizer"]["state"]):  # written by a sharded model
+            if any(isinstance(k, str) for k in state["optimizer"].get("state", {})):  # written by a sharded model
                 load_full_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
             else:
                 self.optimizer.load_state_dict(state["optimizer"])

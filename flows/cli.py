@@ -44,15 +44,15 @@ def pipeline(
 ) -> None:
     """Run the whole pipeline as a Prefect flow in this process (a temporary Prefect server starts when
     PREFECT_API_URL is unset), then print where the results are."""
-    from tasks.params import params_of_run
+    from tasks.params import params_of_run, restore_user_params
 
     overrides = dict(_parse_override(s) for s in set_)
     try:
-        from flows.pipeline import pipeline as flow, restore_user_params
-
         if note := restore_user_params(Path()):  # a killed run's params.yaml is not the user's: theirs back first
             typer.echo(f"{note} (left by an interrupted run)")
         resolved = params_of_run(Path(), str(params), overrides, profile)  # a bad key stops here, before Prefect
+        from flows.pipeline import pipeline as flow
+
         result = flow(params_path=str(params), overrides=overrides or None, profile=profile, resolved=resolved)
     except AstraiError as e:
         _fail(str(e))

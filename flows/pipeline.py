@@ -12,7 +12,6 @@ Run locally: `astrai pipeline` (or `python -m flows.pipeline`). As a deployment:
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import re
@@ -21,7 +20,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import mlflow
 from prefect import flow, get_run_logger, task
@@ -32,7 +31,7 @@ from prefect.states import Cancelled, State
 
 from astrai_core.proc import stream_process
 from tasks import stages as S
-from tasks.params import Params, RunParams, params_of_run
+from tasks.params import Params, RunParams, run_params
 from tasks.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, flatten, setup
 
 STAGE_ORDER = list(S.STAGES)
@@ -86,59 +85,6 @@ def restore_last_good_outputs(stage: str, project_dir: str, env: dict[str, str])
         return f"{stage}: the last good outputs (dvc.lock) are back in place"
     why = ((out.stderr or out.stdout).strip().splitlines() or ["dvc checkout failed"])[-1]
     return f"{stage}: no earlier outputs restored ({why})"
-
-
-# Where a run keeps the user's params.yaml while its own params stand in for it (git-ignored).
-PARAMS_BACKUP = Path(".astrai") / "params.yaml.user"
-PARAMS_OF_RUN = Path(".astrai") / "params.yaml.run"
-
-
-def restore_user_params(root: Path) -> str | None:
-    """Put the user's params.yaml back if a run left its own there (it ended, or was killed before it could).
-    Returns a line saying what happened, or None when there was nothing to restore."""
-    target, backup, ours = root / "params.yaml", root / PARAMS_BACKUP, root / PARAMS_OF_RUN
-    if not backup.exists():
-        return None
-    if target.exists() and ours.exists() and target.read_bytes() != ours.read_bytes():
-        # Someone edited params.yaml while the run used it: their edit wins.
-        backup.unlink()
-        ours.unlink()
-        return "params.yaml was edited during the run: kept as it is"
-    os.replace(backup, target)
-    ours.unlink(missing_ok=True)
-    return "params.yaml restored to the user's file"
-
-
-@contextlib.contextmanager
-def run_params(root: Path, params_path: str, overrides: dict[str, Any] | None, log: Callable[[str], None] = print,
-               profile: str | None = None, resolved: RunParams | None = None):
-    """params.yaml holds this run's params (another params file, a profile, overrides) only while the run lasts.
-
-    DVC reads params from params.yaml alone, so the run's params must be there while its stages run, or
-    dvc.lock would record params the outputs were not made with. Afterwards (success, failure, cancel) the
-    user's file is back byte for byte; a run killed before it could restore it is undone at the next start.
-    dvc.lock keeps what the outputs were made with, so `dvc status` then names the overridden params as changed,
-    and the next run without overrides reruns those stages.
-    """
-    note = restore_user_params(root)
-    if note:
-        log(f"{note} (left by an interrupted run)")
-    resolved = resolved or params_of_run(root, params_path, overrides, profile)
-    text = resolved.text
-    if text is None:
-        yield resolved.params
-        return
-    target = root / "params.yaml"
-    (root / PARAMS_BACKUP).parent.mkdir(exist_ok=True)
-    shutil.copy2(target, root / PARAMS_BACKUP)
-    (root / PARAMS_OF_RUN).write_text(text)
-    tmp = target.with_suffix(".yaml.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, target)
-    try:
-        yield resolved.params
-    finally:
-        log(restore_user_params(root) or "params.yaml: nothing to restore")
 
 
 @flow(name="astrai-pipeline", log_prints=True)

@@ -6,15 +6,19 @@ dvc.yaml). Unknown keys and invalid values stop the run with a one-line message 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
+import os
+import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Callable, Literal, NamedTuple
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, PrivateAttr, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
 from astrai_core.config import (DPOConfig, DPOSettings, GRPOConfig, ModelConfig, RunSettings, TrainConfig,
                                 TwoStageConfig)
@@ -185,8 +189,13 @@ class Params(Strict):
                 raw = {**raw, "model": {**raw.get("model", {}), "vocab_size": tok["vocab_size"]}}
         return raw
 
+    # Each training stage's TrainConfig, built once when the params are read (its checks then run at parse time
+    # and an error names the section): what the stage launches. Paths under the project root: the folder of the
+    # params file (parse_params), else the working directory.
+    _train_configs: dict[str, TrainConfig] = PrivateAttr(default_factory=dict)
+
     @model_validator(mode="after")
-    def _check(self) -> "Params":
+    def _check(self, info: ValidationInfo) -> "Params":
         # A copied tokenizer's size is known only when the stage reads it: tasks.tokenizer.check_vocab_size.
         if self.tokenizer.source == "train" and self.model.vocab_size < self.tokenizer.vocab_size:
             raise ValueError(f"model.vocab_size ({self.model.vocab_size}) must be >= tokenizer.vocab_size "
@@ -194,11 +203,10 @@ class Params(Strict):
         if self.dpo.rejected == "on_policy" and self.chat_data.dpo != "demo":
             raise ValueError(f"dpo.rejected: on_policy needs pairs whose chosen reply is the one right answer "
                              f"(chat_data.dpo: demo); set dpo.rejected: static for {self.chat_data.dpo}")
-        # Every training stage's TrainConfig, built now with its real settings: its cross-field checks
-        # (astrai_core/config.py) run at parse time, and an error names the section.
+        root = Path((info.context or {}).get("root", ".")).resolve()
         for stage in MODEL_STAGES:
             try:
-                train_config(self, stage, Path("."))
+                self._train_configs[stage] = train_config(self, stage, root)
             except ValidationError as e:
                 err = e.errors()[0]
                 where = ".".join(str(p) for p in err["loc"])
@@ -213,6 +221,10 @@ class Params(Strict):
                 except ValueError as e:
                     raise ValueError(f"{stage}.nproc: {e}") from None
         return self
+
+    def train_config(self, stage: str) -> TrainConfig:
+        """The training core's config of training stage `stage`, as built when these params were read."""
+        return self._train_configs[stage]
 
     def digest(self) -> str:
         """sha256 of the resolved params (defaults filled in): the `params_hash` tag of a registered model."""
@@ -283,8 +295,9 @@ def validation_message(e: ValidationError) -> str:
 
 
 def parse_params(raw: dict, source: str = "params.yaml") -> Params:
+    """Validate a params mapping read from `source`, whose folder is the project root its paths are under."""
     try:
-        return Params.model_validate(raw)
+        return Params.model_validate(raw, context={"root": Path(source).resolve().parent})
     except ValidationError as e:
         raise AstraiError(f"{source}: {validation_message(e)}") from None
 
@@ -373,3 +386,56 @@ def params_of_run(root: Path, params_path: str, overrides: dict[str, Any] | None
     load_raw(root / params_path)  # a missing file or bad YAML: one line naming it
     text = run_params_text(source, overrides or {}, changes)
     return RunParams(parse_params(yaml.safe_load(text) or {}, str(root / params_path)), text)  # what stages read
+
+
+# Where a run keeps the user's params.yaml while its own params stand in for it (git-ignored).
+PARAMS_BACKUP = Path(".astrai") / "params.yaml.user"
+PARAMS_OF_RUN = Path(".astrai") / "params.yaml.run"
+
+
+def restore_user_params(root: Path) -> str | None:
+    """Put the user's params.yaml back if a run left its own there (it ended, or was killed before it could).
+    Returns a line saying what happened, or None when there was nothing to restore."""
+    target, backup, ours = root / "params.yaml", root / PARAMS_BACKUP, root / PARAMS_OF_RUN
+    if not backup.exists():
+        return None
+    if target.exists() and ours.exists() and target.read_bytes() != ours.read_bytes():
+        # Someone edited params.yaml while the run used it: their edit wins.
+        backup.unlink()
+        ours.unlink()
+        return "params.yaml was edited during the run: kept as it is"
+    os.replace(backup, target)
+    ours.unlink(missing_ok=True)
+    return "params.yaml restored to the user's file"
+
+
+@contextlib.contextmanager
+def run_params(root: Path, params_path: str, overrides: dict[str, Any] | None, log: Callable[[str], None] = print,
+               profile: str | None = None, resolved: RunParams | None = None):
+    """params.yaml holds this run's params (another params file, a profile, overrides) only while the run lasts.
+
+    DVC reads params from params.yaml alone, so the run's params must be there while its stages run, or
+    dvc.lock would record params the outputs were not made with. Afterwards (success, failure, cancel) the
+    user's file is back byte for byte; a run killed before it could restore it is undone at the next start.
+    dvc.lock keeps what the outputs were made with, so `dvc status` then names the overridden params as changed,
+    and the next run without overrides reruns those stages.
+    """
+    note = restore_user_params(root)
+    if note:
+        log(f"{note} (left by an interrupted run)")
+    resolved = resolved or params_of_run(root, params_path, overrides, profile)
+    text = resolved.text
+    if text is None:
+        yield resolved.params
+        return
+    target = root / "params.yaml"
+    (root / PARAMS_BACKUP).parent.mkdir(exist_ok=True)
+    shutil.copy2(target, root / PARAMS_BACKUP)
+    (root / PARAMS_OF_RUN).write_text(text)
+    tmp = target.with_suffix(".yaml.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, target)
+    try:
+        yield resolved.params
+    finally:
+        log(restore_user_params(root) or "params.yaml: nothing to restore")

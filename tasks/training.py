@@ -1,5 +1,6 @@
-"""The training stages pretrain -> sft -> dpo -> grpo: each is the training core under torchrun, configured by its
-params.yaml section (the core's RunSettings) plus the paths this module adds. Alone: `astrai stage NAME`.
+"""The training stages pretrain -> sft -> dpo -> grpo: each is the training core under torchrun, configured by the
+TrainConfig its params.yaml section became when the params were read (tasks/params.py train_config: the section's
+RunSettings and objective, the model, the paths). Alone: `astrai stage NAME`.
 
 Each post-training stage starts from the previous enabled stage's model; a disabled one (`enabled: false`) writes
 only skipped.json and the next stage starts from the model before it.
@@ -18,7 +19,7 @@ from astrai_core.distributed import launch, resolve_nproc
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, write_json
 from tasks.layout import MODEL_STAGES, TOKENIZER, model_dir
-from tasks.params import Params, train_config
+from tasks.params import Params
 
 
 def previous_model(root: Path, stage: str) -> Path:
@@ -54,6 +55,5 @@ def train_stage(params: Params, stage: str, root: Path, *, run_id: str | None = 
         write_skipped(model_dir(root, stage), f"{stage}.enabled is false")
         on_line(f"{stage}: disabled; the next stage starts from {previous_model(root, stage)}")
         return None
-    cfg = train_config(params, stage, root)
-    return launch(cfg, resolve_nproc(section.nproc, section.device), section.max_restarts, run_id=run_id,
+    return launch(params.train_config(stage), resolve_nproc(section.nproc, section.device), section.max_restarts, run_id=run_id,
                   on_line=on_line)

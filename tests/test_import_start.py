@@ -147,7 +147,7 @@ def pack(tok, path, sha: str) -> str:
 
 
 def test_imported_checkpoint_starts_pretraining_and_exports_back(tmp_path, monkeypatch):
-    from astrai_core.config import ModelConfig, TrainConfig
+    from astrai_core.config import ModelConfig
     from astrai_core.train import train
     from tasks.params import Params
     from tasks.params import train_config

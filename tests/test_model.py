@@ -198,9 +198,14 @@ def test_generate_greedy_and_sampling():
 
 
 def test_generate_text(core_tiny_data):
+    """The continuation alone (never the prompt), decoded from exactly the greedy ids; a final stop token is not
+    part of the text."""
     tok = core_tiny_data["tokenizer_obj"]
     model = tiny()
-    text = generate_text(model, tok, "the king", max_new_tokens=5)
-    assert isinstance(text, str)
-    ids = generate(model, tok.encode("the king").ids, 5)
-    assert text == tok.decode(ids)
+    prompt = tok.encode("the king", add_special_tokens=False).ids
+    ids = generate(model, prompt, 5)
+    assert len(ids) == 5 and generate_text(model, tok, "the king", max_new_tokens=5) == tok.decode(ids)
+    stop = ids[2]
+    first = ids.index(stop)  # generation ends at the first stop token, which the text then drops
+    assert generate_text(model, tok, "the king", max_new_tokens=5, stop_ids=[stop]) == tok.decode(ids[:first])
+    assert tok.decode(ids[:first]) != tok.decode(ids[:first + 1])  # (the stop token would show if it were kept)

@@ -11,7 +11,7 @@ import yaml
 
 from astrai_core.errors import AstraiError
 from conftest import PROJECT_ROOT
-from flows.pipeline import PARAMS_BACKUP, run_params
+from tasks.params import PARAMS_BACKUP, run_params
 from tasks.params import load_params
 
 

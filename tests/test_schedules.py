@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from astrai_core.config import OptimConfig
 from astrai_core.optim import SCHEDULES, lr_at

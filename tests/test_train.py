@@ -19,7 +19,6 @@ from astrai_core.errors import AstraiError
 from astrai_core.io import sha256_file
 from astrai_core.metric_log import MetricLogger, flatten
 from astrai_core import strategies as strategies_module
-from astrai_core import train as train_module
 from astrai_core.data import WindowSampler, open_tokens, read_windows
 from astrai_core.losses import IGNORE_INDEX, token_loss_sum
 from astrai_core.train import train
