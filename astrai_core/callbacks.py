@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,17 +79,20 @@ class Callback:
 
 
 class ProgressBar(Callback):
-    """A tqdm bar on rank 0 when stderr is a terminal; the logged metrics as one line per log step either way."""
+    """A tqdm bar on rank 0 when stderr is a terminal; the logged metrics as one line per log step either way,
+    ending with the time left at the rate measured since the run (or its resumption) began."""
 
     def on_train_begin(self, run: RunState) -> None:
         self.bar = tqdm(total=run.max_steps, initial=run.step, dynamic_ncols=True,
                         disable=not (run.is_main and sys.stderr.isatty()))
+        self.start_step, self.start_time = run.step, time.monotonic()
 
     def on_optimizer_step_end(self, run: RunState) -> None:
         self.bar.update(1)
         if run.metrics and run.is_main:
             msg = " | ".join([f"step {run.step}/{run.max_steps}"] + [
-                f"{k} {v:,.0f}" if k.endswith("per_sec") else f"{k} {v:.4g}" for k, v in run.metrics.items()])
+                f"{k} {v:,.0f}" if k.endswith("per_sec") else f"{k} {v:.4g}" for k, v in run.metrics.items()]
+                + [f"eta {eta(run.max_steps - run.step, run.step - self.start_step, time.monotonic() - self.start_time)}"])
             self.bar.write(msg) if not self.bar.disable else print(msg, flush=True)
 
     def on_train_end(self, run: RunState) -> None:
@@ -96,3 +100,11 @@ class ProgressBar(Callback):
 
     def on_error(self, run: RunState, exc: BaseException) -> None:
         self.bar.close()
+
+
+def eta(steps_left: int, steps_done: int, seconds: float) -> str:
+    """Time left at the measured rate, as 1h02m, 3m05s or 42s."""
+    left = round(steps_left * seconds / max(steps_done, 1))
+    hours, rest = divmod(left, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

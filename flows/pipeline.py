@@ -2,7 +2,8 @@
 
 Why each task runs `dvc repro --single-item STAGE` instead of calling the stage function in-process: DVC then
 records every run in dvc.lock itself, so after a Prefect run `dvc status` is clean and a later `dvc repro`
-reruns nothing; a stage whose deps and params did not change is skipped by DVC in the flow too; and the
+reruns nothing; a stage whose deps and params did not change is skipped by DVC in the flow too (reported
+"unchanged", or "restored" when DVC checked its outputs out of the cache instead of running it); and the
 flow and `dvc repro` run literally the same command (`astrai stage STAGE`). The stage's output, the
 training processes' included, is streamed line by line into the task's Prefect log.
 
@@ -19,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ from prefect.states import Cancelled, State
 from astrai_core.proc import stream_process
 from tasks import stages as S
 from tasks.params import Params, RunParams, run_params
-from tasks.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, flatten, setup
+from tasks.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, PROFILE_ENV, flatten, setup
 
 STAGE_ORDER = list(S.STAGES)
 
@@ -47,20 +49,32 @@ def dvc_command() -> list[str]:
 DVC_GIT_HINT = re.compile(r"To track the changes with git|To enable auto staging|git add |dvc config core.autostage")
 
 
+# What DVC said it did with a stage: ran its command, restored its outputs from the cache (the same deps and params
+# ran before: "Stage 'X' is cached - skipping run, checking out outputs"), or found them up to date.
+DVC_SAID = {"restored": "is cached - skipping run", "unchanged": "didn't change, skipping"}
+
+
+def stage_status(lines: list[str]) -> str:
+    """"ran", "restored" or "unchanged", from the lines `dvc repro --single-item STAGE` printed."""
+    for status, phrase in DVC_SAID.items():
+        if any(phrase in line for line in lines):
+            return status
+    return "ran"
+
+
 @task(task_run_name="{stage}", retries=0)
 def run_dvc_stage(stage: str, project_dir: str, env: dict[str, str]) -> str | State:
-    """Run one stage through DVC; returns "ran" or "skipped" (DVC found it up to date).
+    """Run one stage through DVC; returns its stage_status ("ran", "restored" or "unchanged").
 
     DVC deletes a stage's outputs before running it, so a stage that fails or is cancelled would leave none:
     the last good ones (those dvc.lock records) are checked out again from DVC's cache. A cancel ends this
     task CANCELLED (Prefect would call the termination signal a crash), and the flow then stops.
     """
     logger = get_run_logger()
-    skipped = False
+    lines: list[str] = []
 
     def on_line(line: str) -> None:
-        nonlocal skipped
-        skipped |= "didn't change, skipping" in line
+        lines.append(line)
         if line.strip() and not DVC_GIT_HINT.match(line.strip()):
             # A stage's "WARNING: ..." lines (e.g. evaluate's flags) at warning level: they stand out in the UI.
             (logger.warning if line.lstrip().startswith("WARNING") else logger.info)(line)
@@ -74,7 +88,10 @@ def run_dvc_stage(stage: str, project_dir: str, env: dict[str, str]) -> str | St
     except BaseException:
         logger.warning(restore_last_good_outputs(stage, project_dir, env))
         raise
-    return "skipped" if skipped else "ran"
+    status = stage_status(lines)
+    logger.info(f"stage {stage}: {status}" + {"restored": " (outputs checked out of DVC's cache, nothing ran)",
+                                              "unchanged": " (up to date, nothing ran)"}.get(status, ""))
+    return status
 
 
 def restore_last_good_outputs(stage: str, project_dir: str, env: dict[str, str]) -> str:
@@ -101,10 +118,10 @@ def pipeline(params_path: str = "params.yaml", overrides: dict[str, Any] | None 
     """
     root = Path(project_dir or os.getcwd()).resolve()
     with run_params(root, params_path, overrides, get_run_logger().info, profile, resolved) as params:
-        return _run_stages(root, params)
+        return _run_stages(root, params, profile)
 
 
-def _run_stages(root: Path, params: Params) -> dict[str, Any]:
+def _run_stages(root: Path, params: Params, profile: str | None) -> dict[str, Any]:
     logger = get_run_logger()
     setup(params, root)
 
@@ -113,12 +130,14 @@ def _run_stages(root: Path, params: Params) -> dict[str, Any]:
     env.setdefault("DVC_NO_ANALYTICS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")  # a stage's progress lines reach the task log as they are printed
     env[FLOW_RUN_ENV] = str(flow_run.get_id() or "none")
+    env[PROFILE_ENV] = profile or "default"  # the register stage names and tags the model by it
     with mlflow.start_run(run_name=f"pipeline {flow_run.get_name() or ''}".strip(),
                           tags={"astrai.stage": "pipeline", "prefect.flow_run_id": env[FLOW_RUN_ENV]}) as parent:
         mlflow.log_params(flatten(params.model_dump(mode="json")))
         env[PARENT_RUN_ENV] = parent.info.run_id
         status = {}
-        for stage in STAGE_ORDER:
+        for i, stage in enumerate(STAGE_ORDER, 1):
+            logger.info(f"stage {i} of {len(STAGE_ORDER)}: {stage}")
             state = run_dvc_stage(stage, str(root), env, return_state=True)
             if state.is_cancelled():
                 raise TerminationSignal(signal.SIGTERM)  # the flow run ends as the cancel asked, with no more stages
@@ -126,9 +145,14 @@ def _run_stages(root: Path, params: Params) -> dict[str, Any]:
             if stage == "evaluate":
                 _publish_evaluation(root)
         mlflow.log_dict(status, "stage_status.json")
-    up_to_date = set(status.values()) == {"skipped"}
+        for kind in ("restored", "unchanged"):  # the stages that have no child run here, and why
+            mlflow.set_tag(f"astrai.{kind}_stages", ",".join(s for s, v in status.items() if v == kind) or "none")
+    up_to_date = set(status.values()) == {"unchanged"}
     if up_to_date:  # nothing ran: no pipeline run in MLflow, and the results below are the last run's
         mlflow.MlflowClient().delete_run(parent.info.run_id)
+        artifacts = urllib.parse.urlparse(parent.info.artifact_uri)
+        if artifacts.scheme in ("", "file"):  # a local store keeps the run's folder (stage_status.json) otherwise
+            shutil.rmtree(Path(urllib.parse.unquote(artifacts.path)).parent, ignore_errors=True)
         logger.info("nothing ran: every stage is up to date (dvc status); the results are the last run's")
 
     result = {

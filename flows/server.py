@@ -31,9 +31,10 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
+import torch
 
 from astrai_core.chat import ChatFormat
 from astrai_core.engine import Engine, QueueFull, SamplingParams
@@ -74,6 +75,26 @@ def error_body(path: str, status: int, message: str, param: str | None = None) -
                       "code": code}}
 
 
+def lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string in a parsed JSON value that is not valid Unicode (JSON's "\\ud800"
+    escapes decode to lone surrogates, which no tokenizer can encode), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = lone_surrogate(key, path) or lone_surrogate(item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if found := lone_surrogate(item, f"{path}.{i}" if path else str(i)):
+                return found
+    return None
+
+
 def validation_message(e: ValidationError) -> tuple[str, str]:
     """(field, message) of the first problem pydantic found, e.g. ("messages.0.role", "Input should be ...")."""
     err = e.errors()[0]
@@ -94,7 +115,7 @@ class Body(BaseModel):
     top_k: int | None = Field(None, ge=-1)  # an extension in the OpenAI routes, as vLLM has it; 0 or -1: off
     # The range torch.Generator.manual_seed takes; in the Anthropic route an extension, as top_k is in OpenAI's.
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stream: bool = False
+    stream: StrictBool = False  # the OpenAI and Anthropic APIs take a JSON boolean, not "yes" or 1
 
     @field_validator("top_k")
     @classmethod
@@ -434,6 +455,8 @@ class EngineCollector:
             if key in s:
                 yield CounterMetricFamily(f"astrai_{name}", doc, value=s[key])
         yield GaugeMetricFamily("astrai_engine_alive", "1 while the engine loop runs", value=int(self.engine.alive))
+        yield GaugeMetricFamily("astrai_torch_threads", "torch intra-op threads of the engine",
+                                value=torch.get_num_threads())
 
 
 # --- the app -------------------------------------------------------------------------------------------------------
@@ -488,6 +511,8 @@ def create_app(engine: Engine, chat: ChatFormat, model_id: str, api_key: str | N
             raise ApiError(400, f"request body is not valid JSON ({str(e)[:200]})") from None
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object")
+        if field := lone_surrogate(data):
+            raise ApiError(400, f"{field}: not valid Unicode (a lone surrogate escape such as \\ud800)", param=field)
         try:
             body = model.model_validate(data)
         except ValidationError as e:

@@ -7,12 +7,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from tasks.metrics import METRICS
+from tasks.metrics import MAX_FORGETTING, METRICS
 
 # Training-log keys drawn per stage: its losses, and what it was optimizing or how it did on held-out prompts.
 LOSS_CURVES = {"train/loss": "train loss", "val/loss": "validation loss"}
 SCORE_CURVES = {"grpo/reward_mean": "GRPO train reward", "val/reward": "held-out reward",
                 "val/task_accuracy": "held-out task accuracy", "dpo/reward_accuracy": "DPO reward accuracy"}
+Y_LABELS = {"loss": "loss (nats per loss unit)", "score": "score (0 to 1)"}  # units: tokens, DPO pairs, ...
 DPI = 80  # small files: both are embedded in the Prefect artifact as data URIs
 
 
@@ -25,8 +26,26 @@ def _pyplot():
     return plt
 
 
+STYLES = ["-", "--", ":", "-."]  # one per line of a panel, so lines that overlap stay told apart
+MARKERS = ["o", "s", "^", "D"]
+
+
 def plot_chain(models: list[str], metrics: dict, path: Path) -> None:
-    """One panel per metric: its value for each model in chain order, error bars from `<stage>/<metric>_low/_high`."""
+    _save(chain_figure(models, metrics), path)
+
+
+def plot_curves(curves: dict[str, list[dict]], path: Path) -> None:
+    _save(curves_figure(curves), path)
+
+
+def _save(fig, path: Path) -> None:
+    fig.savefig(path, dpi=DPI)
+    _pyplot().close(fig)
+
+
+def chain_figure(models: list[str], metrics: dict):
+    """One panel per metric: its value for each model in chain order, error bars from `<stage>/<metric>_low/_high`;
+    bits/char against the unigram baseline and the forgetting limit (pretrain's + MAX_FORGETTING)."""
     plt = _pyplot()
     shown = [k for k in METRICS if any(f"{s}/{k}" in metrics for s in models)]
     cols = min(4, len(shown))
@@ -40,46 +59,55 @@ def plot_chain(models: list[str], metrics: dict, path: Path) -> None:
                       [metrics[f"{s}/{metric}_high"] - v for s, v in zip(have, values)]]
         else:
             errors = None
-        ax.errorbar(have, values, yerr=errors, fmt="o-", capsize=4)
+        ax.errorbar(have, values, yerr=errors, fmt="o-", capsize=4, label="model")
         label, better = METRICS[metric]
-        ax.set_title(f"{label.replace('pass@k', 'pass@' + str(metrics.get('pass_k', 'k')))}\n({better} is better)",
-                     fontsize=9)
+        label = label.replace("pass@k", "pass@" + str(metrics.get("pass_k", "k")))
+        if metric == "test_bits_per_char":
+            if "unigram_bits_per_char" in metrics:
+                ax.axhline(metrics["unigram_bits_per_char"], ls="--", color="gray", label="unigram baseline")
+            if "pretrain/test_bits_per_char" in metrics:
+                ax.axhline(metrics["pretrain/test_bits_per_char"] * (1 + MAX_FORGETTING), ls=":", color="red",
+                           label=f"forgetting limit (+{MAX_FORGETTING:.0%})")
+            ax.legend(fontsize=7)
+        ax.set_title(f"{label}\n({better} is better)", fontsize=9)
+        ax.set_ylabel(label, fontsize=8)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(shown):]:
-        ax.axis("off")
+        ax.remove()
     fig.suptitle("Held-out metrics across the chain (95% intervals)", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    return fig
 
 
-def plot_curves(curves: dict[str, list[dict]], path: Path) -> None:
-    """One row per stage: its losses by step, and beside them its rewards / held-out accuracy when it logged any."""
+def curves_figure(curves: dict[str, list[dict]]):
+    """A panel for each stage's losses and one for its scores (rewards, held-out accuracy) where it logged any, two
+    to a row; each line its own style."""
     plt = _pyplot()
-    stages = [s for s, rows in curves.items() if rows]
-    with_scores = any(k in r for s in stages for r in curves[s] for k in SCORE_CURVES)
-    cols = 2 if with_scores else 1
-    fig, axes = plt.subplots(max(1, len(stages)), cols, figsize=(5.5 * cols, 2.6 * max(1, len(stages))),
-                             squeeze=False)
-    for row, stage in zip(axes, stages):
-        for ax, names in zip(row, (LOSS_CURVES, SCORE_CURVES)):
-            for key, label in names.items():
-                points = [(r["step"], r[key]) for r in curves[stage] if key in r and r[key] is not None]
-                if points:
-                    ax.plot(*zip(*points), marker="." if len(points) < 30 else None, label=label)
-            if ax.has_data():
-                ax.set_title(stage, fontsize=9)
-                ax.set_xlabel("step", fontsize=8)
-                ax.tick_params(labelsize=8)
-                ax.legend(fontsize=7)
-                ax.grid(alpha=0.3)
-            else:
-                ax.axis("off")
-    if not stages:
-        axes[0][0].text(0.5, 0.5, "no training logs", ha="center", va="center")
-        axes[0][0].axis("off")
+    panels = []  # (stage, what, {key: label}) with data
+    for stage, rows in curves.items():
+        for what, names in (("loss", LOSS_CURVES), ("score", SCORE_CURVES)):
+            series = {k: v for k, v in names.items() if any(r.get(k) is not None for r in rows)}
+            if series:
+                panels.append((stage, what, series))
+    cols = 2 if len(panels) > 1 else 1
+    rows = max(1, math.ceil(len(panels) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 2.6 * rows), squeeze=False)
+    for ax, (stage, what, series) in zip(axes.flat, panels):
+        for i, (key, label) in enumerate(series.items()):
+            points = [(r["step"], r[key]) for r in curves[stage] if r.get(key) is not None]
+            ax.plot(*zip(*points), ls=STYLES[i % 4], marker=MARKERS[i % 4] if len(points) < 30 else None,
+                    markersize=4, label=label)
+        ax.set_title(f"{stage}: {what}", fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel(Y_LABELS[what], fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.remove()
+    if not panels:
+        fig.text(0.5, 0.5, "no training logs", ha="center", va="center")
     fig.suptitle("Training curves", fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    return fig

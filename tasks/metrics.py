@@ -17,3 +17,6 @@ METRICS: dict[str, tuple[str, str]] = {
 def better(metric: str, a: float, b: float) -> bool:
     """Whether value `a` of `metric` is strictly better than `b`."""
     return a < b if METRICS[metric][1] == "lower" else a > b
+
+
+MAX_FORGETTING = 0.05  # the final model's test bits/char may exceed the pretrained model's by at most this share

@@ -142,6 +142,9 @@ class EvaluateParams(Strict):
 
 
 class RegisterParams(Strict):
+    enabled: bool = True  # false: the chain's best model is chosen and reported, nothing is registered
+    # A run with a profile (astrai pipeline --profile NAME) registers as "<model_name>-NAME", never moving the
+    # aliases of model_name itself.
     model_name: str = "astrai"
     # Which model of the chain is registered: the best on this held-out metric (tasks/metrics.py; ties go to the
     # later stage), and the metric the new version must beat the champion's on to take alias `champion`.
@@ -286,8 +289,9 @@ def set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 
 def validation_message(e: ValidationError) -> str:
-    """A pydantic error as one line that names the key: `pretrain.optim.lr: Input should be greater than 0`."""
-    err = e.errors()[0]
+    """A pydantic error as one line that names the key: `pretrain.optim.lr: Input should be greater than 0`. An
+    unknown key comes first: a misspelt key also makes the key it was meant to be look missing."""
+    err = min(e.errors(), key=lambda err: err["type"] != "extra_forbidden")
     key = ".".join(str(p) for p in err["loc"])
     msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
     more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""

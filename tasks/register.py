@@ -4,7 +4,11 @@ register a version, move the aliases.
 The metric is `register.metric` in params (tasks/metrics.py says which way is better): the registered model is the
 best of the chain on it in the evaluation's metrics.json (a tie goes to the later stage), not blindly the last one.
 Every new version gets alias `candidate`. Alias `champion` moves to it only if its value of the same metric beats
-the current champion's (or there is no champion, or the champion was registered without that metric). Each version
+the current champion's (or there is no champion, or the champion was registered without that metric). Weights
+already registered (the same sha256 of model.safetensors under the same name) are not registered again: the stage
+reports that version and moves no alias. A flow run with a profile registers under "<model_name>-<profile>" (the
+quick profile's throwaway models never become `astrai@candidate`), and every version is tagged with its profile;
+`register.enabled: false` registers nothing. Each version
 is tagged with the metric it was chosen by, the stage that trained it and its held-out metrics. The model's
 artifacts are the checkpoint and its Hugging Face export (`hf`, see astrai_core/hf.py), so a version loads with
 transformers too. Alone: `astrai stage register`.
@@ -28,11 +32,11 @@ from mlflow.exceptions import MlflowException
 import astrai_core
 from astrai_core.errors import AstraiError
 from astrai_core.hf import export_hf
-from astrai_core.io import write_json
+from astrai_core.io import sha256_file, write_json
 from tasks.layout import MODEL_STAGES, model_dir
 from tasks.metrics import METRICS, better
 from tasks.params import Params
-from tasks.tracking import FLOW_RUN_ENV
+from tasks.tracking import FLOW_RUN_ENV, PROFILE_ENV
 
 PREDICT_PARAMS = {"max_new_tokens": 64, "temperature": 0.0, "top_k": 0, "seed": 0}
 
@@ -124,7 +128,9 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
     """Registers the best model of the chain under project_dir on `register.metric` in metrics_path (the evaluate
     stage's metrics.json). Must run inside an active MLflow run (the stage's). Writes out_dir/registration.json;
     returns it."""
-    name, metric = params.register.model_name, params.register.metric
+    profile = os.environ.get(PROFILE_ENV) or "default"
+    name = params.register.model_name if profile == "default" else f"{params.register.model_name}-{profile}"
+    metric = params.register.metric
     metrics = json.loads(metrics_path.read_text())
     stage = best_model(metrics, metric)
     value = float(metrics[f"{stage}/{metric}"])
@@ -132,7 +138,22 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
     print(f"register: {stage}'s model is the chain's best on {metric} ({value:.4f}; "
           + ", ".join(f"{s} {metrics[f'{s}/{metric}']:.4f}" for s in MODEL_STAGES if f"{s}/{metric}" in metrics)
           + ")", flush=True)
+    base = {"model_name": name, "profile": profile, "stage": stage, "metric": metric}
+    if not params.register.enabled:
+        return _report(out_dir, {**base, "registered": False, "version": None, "model_uri": None, "aliases": [],
+                                 "champion_version": None, "decision": "register.enabled is false: nothing registered"})
     client = mlflow.MlflowClient()
+    weights_sha256 = sha256_file(checkpoint_dir / "model.safetensors")
+    same = client.search_model_versions(f"name = '{name}' and tags.weights_sha256 = '{weights_sha256}'")
+    if same:
+        mv = min(same, key=lambda v: int(v.version))
+        decision = (f"version {mv.version} already holds these weights (sha256 {weights_sha256[:12]}): not "
+                    "registered again; the aliases stay where they are")
+        mlflow.set_tag("astrai.registration", decision)
+        champion = champion_value(client, name, metric)[0]
+        return _report(out_dir, {**base, "registered": False, "version": int(mv.version),
+                                 "model_uri": f"models:/{name}/{mv.version}", "aliases": sorted(mv.aliases),
+                                 "champion_version": int(champion) if champion else None, "decision": decision})
 
     # The Hugging Face export travels with the version as the model artifact "hf" (transformers loads it directly:
     # download_artifacts("models:/NAME@champion") has artifacts/hf). Options transformers lacks are registered
@@ -166,6 +187,8 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
         # its held-out metrics (evaluation of this model, not of the chain's last one)
         **{k: f"{metrics[f'{stage}/{k}']:.6f}" for k in METRICS if f"{stage}/{k}" in metrics},
         "hf_export": hf_export,
+        "weights_sha256": weights_sha256,  # a later registration of the same weights finds this version
+        "profile": profile,
         **dvc_hashes(project_dir),
     }
     for key, text in tags.items():
@@ -176,8 +199,13 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
     mlflow.set_tag("astrai.registration", decision)
     mlflow.log_text(decision + "\n", "registration_decision.txt")
 
-    result = {"model_name": name, "version": int(mv), "model_uri": f"models:/{name}/{mv}", "aliases": ["candidate"] + (["champion"] if promote else []),
-              "champion_version": int(mv) if promote else int(champion_value(client, name, metric)[0]),
-              "stage": stage, "metric": metric, "decision": decision, "tags": tags}
+    return _report(out_dir, {**base, "registered": True, "version": int(mv), "model_uri": f"models:/{name}/{mv}",
+                             "aliases": ["candidate"] + (["champion"] if promote else []),
+                             "champion_version": int(mv) if promote else int(champion_value(client, name, metric)[0]),
+                             "decision": decision, "tags": tags})
+
+
+def _report(out_dir: Path, result: dict) -> dict:
+    print(f"register: {result['decision']}", flush=True)
     write_json(out_dir / "registration.json", result)
     return result

@@ -87,3 +87,29 @@ def test_deployment_run_on_server_and_process_worker(tmp_path):
     client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])
     assert str(client.get_model_version_by_alias("astrai-deploy-test", "champion").version) == "1"
     assert worker.poll() is not None and server.poll() is not None
+
+
+def test_make_stop_ends_the_worker_and_the_server_it_started(tmp_path):
+    """`make server`, `make worker`, then `make stop`: nothing of either is left. An idle worker ignores SIGTERM
+    alone (the Makefile used to wait 30 s for it before sending SIGINT); stop sends SIGINT 2 s later, so the bound
+    below is about which signals it sends, not a speed measurement."""
+    from conftest import PROJECT_ROOT
+
+    port = free_port()
+    home = tmp_path / "prefect"
+    make = ["make", "-s", "-C", str(PROJECT_ROOT), f"PREFECT_HOME={home}", f"PREFECT_PORT={port}"]
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    run_ok(make + ["server"], PROJECT_ROOT, env)
+    run_ok(make + ["worker"], PROJECT_ROOT, env)
+    pids = [int((home / f"{name}.pid").read_text()) for name in ("worker", "server")]
+    deadline = time.time() + 60
+    while "started" not in (home / "worker.log").read_text() and time.time() < deadline:
+        time.sleep(0.5)
+    t0 = time.monotonic()
+    run_ok(make + ["stop"], PROJECT_ROOT, env)
+    assert time.monotonic() - t0 < 15
+    time.sleep(1)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not (home / "worker.pid").exists() and not (home / "server.pid").exists()

@@ -282,3 +282,27 @@ def test_the_prefect_artifact_embeds_the_plots_as_data_uris(tmp_path):
     assert prefix in out and "![missing](gone.png)" in out  # a missing file stays a plain link
     encoded = out.split(prefix)[1].split(")")[0]
     assert base64.b64decode(encoded) == png
+
+
+def test_plots_label_every_axis_draw_no_empty_panel_and_show_the_reference_lines():
+    from tasks.evaluation_plots import chain_figure, curves_figure
+
+    curves = {"pretrain": [{"step": s, "train/loss": 5 / s, "val/loss": 5.2 / s} for s in range(1, 6)],
+              "sft": [{"step": s, "train/loss": 2 / s} for s in range(1, 6)],
+              "grpo": [{"step": s, "grpo/reward_mean": 0.1 * s, "val/reward": 0.3, "val/task_accuracy": 0.3}
+                       for s in range(1, 6)]}
+    fig = curves_figure(curves)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["pretrain: loss", "sft: loss", "grpo: score"]  # grpo logged no loss here: no empty panel
+    for ax in fig.axes:
+        assert ax.get_ylabel() and ax.has_data()
+        styles = [line.get_linestyle() for line in ax.get_lines()]
+        assert len(set(styles)) == len(styles)  # the held-out reward is not hidden under the same-valued accuracy
+    metrics = {"pretrain/test_bits_per_char": 2.4, "sft/test_bits_per_char": 2.45, "unigram_bits_per_char": 3.9,
+               "pretrain/task_accuracy": 0.0, "sft/task_accuracy": 0.4}
+    fig = chain_figure(["pretrain", "sft"], metrics)
+    bpc = next(ax for ax in fig.axes if "bits" in ax.get_title())
+    ys = sorted(line.get_ydata()[0] for line in bpc.get_lines() if line.get_label() != "model"
+                and not line.get_label().startswith("_"))
+    assert ys == pytest.approx([2.4 * 1.05, 3.9])  # the forgetting limit and the unigram baseline
+    assert all(ax.get_ylabel() for ax in fig.axes) and len(fig.axes) == 2

@@ -117,6 +117,15 @@ def test_cli_typo_in_params_is_one_line_and_nonzero(tmp_path):
     assert not (tmp_path / "data").exists()
 
 
+def test_a_misspelt_train_config_key_is_named_not_what_it_hides(tmp_path):
+    """`astrai train --config` with `modle:` for `model:`: the unknown key is what the one line names (the fields it
+    leaves missing are not the mistake)."""
+    (tmp_path / "cfg.yaml").write_text("modle: {dim: 32}\n")
+    out = _cli(["train", "--config", "cfg.yaml"], tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == "astrai: error: cfg.yaml: modle: unknown key (and 3 more)"
+
+
 def test_cli_pipeline_checks_params_before_prefect_starts(tmp_path):
     """A bad override stops `astrai pipeline` with the key named, before a Prefect server is started."""
     (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())

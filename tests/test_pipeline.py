@@ -79,6 +79,11 @@ def test_one_task_run_per_stage_with_training_logs(flow_result):
     assert all(tr.state.is_completed() for tr in flow_result["task_runs"])
     # The torchrun ranks' progress lines reach Prefect's logs through the task.
     assert any("step" in m and "loss" in m for m in flow_result["logs"]), flow_result["logs"][-20:]
+    # Where the run is: a counter before each stage, the time left on each training progress line, each status.
+    assert [m for m in flow_result["logs"] if m.startswith("stage ") and " of " in m] == [
+        f"stage {i} of {len(STAGES)}: {s}" for i, s in enumerate(STAGES, 1)]
+    assert any(m.startswith("step ") and "| eta " in m for m in flow_result["logs"])
+    assert "stage pretrain: ran" in flow_result["logs"]
 
 
 def test_model_registered_with_alias_and_lineage_tags(flow_result):
@@ -157,7 +162,17 @@ def test_every_model_evaluated_side_by_side_and_the_best_one_registered(flow_res
 
 def test_dvc_is_up_to_date_after_the_flow_and_second_run_skips_everything(flow_result):
     repo, env = flow_result["repo"], flow_result["env"]
-    assert set(flow_result["second"]["stages"].values()) == {"skipped"}
+    assert set(flow_result["second"]["stages"].values()) == {"unchanged"}
+    second = flow_result["second"]
+    assert second["up_to_date"] and second["mlflow_parent_run_id"] is None
+    # The deleted parent run (nothing ran) leaves no folder behind in the local artifact store.
+    import mlflow
+    from mlflow.entities import ViewType
+
+    client = mlflow.MlflowClient(flow_result["result"]["mlflow_tracking_uri"])
+    exp = client.get_experiment_by_name(flow_result["result"]["mlflow_experiment"])
+    deleted = client.search_runs([exp.experiment_id], run_view_type=ViewType.DELETED_ONLY)
+    assert deleted and all(not Path(r.info.artifact_uri.removeprefix("file://")).parent.exists() for r in deleted)
     assert "up to date" in run([str(BIN / "dvc"), "status"], repo, env)
     out = run([str(BIN / "dvc"), "repro"], repo, env)
     assert "Running stage" not in out, out

@@ -64,6 +64,15 @@ def test_register_picks_the_best_model_and_compares_the_champion_on_the_same_met
         weights = mlflow.artifacts.download_artifacts("models:/m/1", dst_path=str(tmp_path / "dl"))
         assert sha256_file(f"{weights}/artifacts/sft/model.safetensors") == \
             sha256_file(model_dir(tmp_path, "sft") / "model.safetensors")
+        # The same weights again (a rerun of the same chain): no new version, no alias moved.
+        again = register_with("task_accuracy", pretrain__task_accuracy=0.1, sft__task_accuracy=0.3,
+                              pretrain__test_bits_per_char=2.0, sft__test_bits_per_char=2.5)
+        assert (again["registered"], again["version"], again["champion_version"]) == (False, 1, 1)
+        assert again["decision"].startswith("version 1 already holds these weights")
+        assert [str(v.version) for v in client.search_model_versions("name = 'm'")] == ["1"]
+        assert v1.tags["weights_sha256"] == sha256_file(model_dir(tmp_path, "sft") / "model.safetensors")
+        torch.manual_seed(7)  # sft trained again: new weights, a new version
+        save_checkpoint(model_dir(tmp_path, "sft"), Transformer(cfg), cfg, core_tiny_data["tokenizer"])
         # A better bits/char does not make a champion when the metric is task accuracy and it is worse.
         second = register_with("task_accuracy", pretrain__task_accuracy=0.1, sft__task_accuracy=0.25,
                                pretrain__test_bits_per_char=1.5, sft__test_bits_per_char=1.9)
@@ -75,5 +84,22 @@ def test_register_picks_the_best_model_and_compares_the_champion_on_the_same_met
         assert (third["stage"], third["aliases"]) == ("pretrain", ["candidate", "champion"])
         assert "test_bits_per_char 2.0000 beats version 1's 2.5000" in third["decision"]
         assert str(client.get_model_version_by_alias("m", "champion").version) == "3"
+        # A profile's run registers under a name of its own, tagged with the profile: m's aliases stay put.
+        monkeypatch.setenv("ASTRAI_PROFILE", "quick")
+        torch.manual_seed(8)
+        save_checkpoint(model_dir(tmp_path, "pretrain"), Transformer(cfg), cfg, core_tiny_data["tokenizer"])
+        quick = register_with("test_bits_per_char", pretrain__test_bits_per_char=1.0, sft__test_bits_per_char=2.2)
+        assert (quick["model_name"], quick["version"], quick["aliases"]) == ("m-quick", 1, ["candidate", "champion"])
+        assert client.get_model_version("m-quick", "1").tags["profile"] == "quick"
+        assert str(client.get_model_version_by_alias("m", "champion").version) == "3"
+        assert str(client.get_model_version_by_alias("m", "candidate").version) == "3"
+        assert client.get_model_version("m", "3").tags["profile"] == "default"
+        # register.enabled: false registers nothing.
+        evaluation.write_text(json.dumps({"pretrain/task_accuracy": 0.9, "final_model": "pretrain"}))
+        with mlflow.start_run(experiment_id=exp):
+            off = register(Params(register={"model_name": "m", "enabled": False}), evaluation, tmp_path / "out",
+                           tmp_path)
+        assert (off["registered"], off["model_uri"]) == (False, None)
+        assert len(client.search_model_versions("name = 'm'")) == 3
     finally:
         mlflow.set_tracking_uri(previous)

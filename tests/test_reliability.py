@@ -190,7 +190,7 @@ def test_metrics_compare_across_commits_and_plots_render(tmp_path):
     import json
 
     from conftest import VENV_BIN, make_project, run_ok
-    from tasks.evaluate import training_curves, write_plot_data
+    from tasks.evaluate import headline, training_curves, write_plot_data
     from tasks.evaluation_plots import plot_chain, plot_curves
 
     repo = tmp_path / "project"
@@ -206,6 +206,7 @@ def test_metrics_compare_across_commits_and_plots_render(tmp_path):
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
         (out / "metrics.json").write_text(json.dumps(metrics))
+        (out / "headline.json").write_text(json.dumps(headline(metrics)))
         for name in ("samples.md", "evaluation.md", "items.json", "checks.json"):
             (out / name).write_text("{}")
         curves = training_curves(repo, ["pretrain"])
@@ -217,12 +218,18 @@ def test_metrics_compare_across_commits_and_plots_render(tmp_path):
             run_ok(["git", "add", "dvc.lock"], repo, env)
             run_ok(["git", "commit", "-qm", "first evaluation"], repo, env)
     diff = json.loads(run_ok([VENV_BIN / "dvc", "metrics", "diff", "--json"], repo, env))
-    change = diff["data/evaluate/metrics.json"]["test_bits_per_char"]
+    assert set(diff) == {"data/evaluate/headline.json"}, diff  # the headline only: a table that fits a screen
+    change = diff["data/evaluate/headline.json"]["test_bits_per_char"]
     assert change["old"] == 3.0 and change["new"] == 1.5, diff
+    shown = json.loads(run_ok([VENV_BIN / "dvc", "metrics", "show", "--json"], repo, env))
+    assert len(json.dumps(shown)) < 1000, shown
     plots = json.loads(run_ok([VENV_BIN / "dvc", "plots", "show", "--json"], repo, env))
     assert not plots.get("errors"), plots["errors"]
-    assert {"data/evaluate/curves/pretrain.json", "data/evaluate/chain.json", "data/evaluate/chain.png",
-            "data/evaluate/curves.png"} <= set(plots["data"]), plots["data"].keys()
+    assert {"data/evaluate/chain.png", "data/evaluate/curves.png"} <= set(plots["data"]), plots["data"].keys()
+    # The page renders offline: the PNGs are on it, and nothing is fetched from the network.
+    run_ok([VENV_BIN / "dvc", "plots", "show", "-o", str(tmp_path / "plots")], repo, env)
+    page = (tmp_path / "plots" / "index.html").read_text()
+    assert page.count("<img") == 2 and "https://" not in page and "http://" not in page, page[:2000]
 
 
 # --- the quick profile ----------------------------------------------------------------------------------------------
@@ -270,7 +277,8 @@ def test_the_quick_profile_runs_the_whole_chain(tmp_path):
     log = out.stdout + out.stderr  # the long stages say what they are doing
     assert "evaluate: 4 models" in log and "evaluate: grpo: bits/char on" in log, log[-3000:]
     assert "dpo_reference: scoring the DPO pairs of data/dpo_reference/dpo_train.h5 with data/sft" in log
-    assert json.loads((repo / "data/register/registration.json").read_text())["version"] == 1
+    registration = json.loads((repo / "data/register/registration.json").read_text())
+    assert (registration["model_name"], registration["profile"], registration["version"]) == ("astrai-quick", "quick", 1)
     assert (repo / "params.yaml").read_bytes() == (PROJECT_ROOT / "params.yaml").read_bytes()
     assert "git add dvc.lock" not in log  # DVC's advice is not repeated in every task's log
     samples = (repo / "data/evaluate/samples.md").read_text()

@@ -336,3 +336,13 @@ def test_dtype_auto_is_bf16_only_where_the_device_has_it_natively(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     assert uses_bf16("auto", cpu)
+
+
+def test_progress_lines_end_with_the_time_left(core_tiny_data, tmp_path, monkeypatch, capsys):
+    from astrai_core.callbacks import eta
+
+    assert (eta(30, 10, 20.0), eta(0, 5, 9.0), eta(1000, 10, 50.0), eta(10, 0, 0.0)) == ("1m00s", "0s", "1h23m", "0s")
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    train(make_cfg(core_tiny_data, tmp_path / "out", max_steps=10, log_every=5, eval_every=0))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2 and lines[0].split(" | ")[-1].startswith("eta ") and lines[-1].endswith("| eta 0s"), lines
