@@ -3,7 +3,7 @@
 Needs Debian's `slurm-wlm` and `munge` and root (slurmd runs jobs as their user). The one node is named
 `localhost` (slurmd -N), so the first node of every job, where torchrun's c10d rendezvous meets, is a loopback
 address. No cgroups: proctrack/linuxproc and task/none. Alone: `python tests/slurm_cluster.py DIR` starts one and
-prints its SLURM_CONF; Ctrl-C stops it.
+prints its SLURM_CONF; Ctrl-C (or SIGTERM) stops it.
 """
 
 from __future__ import annotations
@@ -140,7 +140,8 @@ class Cluster:
 
 if __name__ == "__main__":
     cluster = Cluster(Path(sys.argv[1]).resolve()).start()
-    print(f"export SLURM_CONF={cluster.conf}")
+    print(f"export SLURM_CONF={cluster.conf}", flush=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops it too, as Ctrl-C does
     try:
         signal.pause()
     except KeyboardInterrupt:
