@@ -190,6 +190,35 @@ class ClusterParams(Strict):
         return Path(self.shared_dir).resolve() if self.shared_dir else root / ".astrai" / "slurm"
 
 
+def check_cluster(params: Params, root: Path) -> None:
+    """launcher: slurm's settings (tasks/slurm.py runs the jobs), checked when the params are read; ValueError
+    naming the key."""
+    from astrai_core.config import check_ranks
+
+    cluster = params.cluster
+    if shutil.which("sbatch") is None:
+        raise ValueError("cluster.launcher: slurm needs Slurm's sbatch on PATH (run on the cluster's login node)")
+    shared = cluster.shared_path(root)
+    try:
+        shared.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cluster.shared_dir: cannot create {shared}: {e.strerror}") from None
+    if not os.access(shared, os.W_OK | os.X_OK):
+        raise ValueError(f"cluster.shared_dir: {shared} is not writable")
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or params.tracking.uri
+    if not (uri or "").startswith(("http://", "https://")):
+        raise ValueError(f"tracking.uri: launcher slurm needs an MLflow server every node reaches (tracking.uri: "
+                         f"http://HOST:PORT, see `make mlflow-server`); {uri or 'the default sqlite store'} is a file "
+                         "on this machine that ranks on other nodes cannot write")
+    for stage in MODEL_STAGES:
+        section = getattr(params, stage)
+        if section.parallel in ("tp", "fsdp+tp"):
+            try:
+                check_ranks(section.parallel, section.tp_size, cluster.nodes * cluster.ranks_per_node(section.nproc))
+            except ValueError as e:
+                raise ValueError(f"{stage}.tp_size: {e} (cluster.nodes x {stage}.nproc ranks)") from None
+
+
 # `register` is a stage name; pydantic warns that it shadows ABCMeta.register, which nothing here uses.
 warnings.filterwarnings("ignore", message='Field name "register" in "Params" shadows')
 
@@ -254,10 +283,8 @@ class Params(Strict):
 
     @model_validator(mode="after")
     def _cluster_fits(self, info: ValidationInfo) -> "Params":
-        """launcher: slurm is checked here, before any job is submitted (tasks/slurm.py check_cluster)."""
+        """launcher: slurm is checked here, before any job is submitted."""
         if self.cluster.launcher == "slurm":
-            from tasks.slurm import check_cluster
-
             check_cluster(self, Path((info.context or {}).get("root", ".")).resolve())
         return self
 

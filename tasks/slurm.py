@@ -25,47 +25,18 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from astrai_core.config import TrainConfig, check_ranks
+from astrai_core.config import TrainConfig
 from astrai_core.distributed import rank_error
 from astrai_core.errors import TrainingError
 from astrai_core.io import write_json
-from tasks.layout import MODEL_STAGES
-
-if TYPE_CHECKING:
-    from tasks.params import ClusterParams, Params
+from tasks.params import ClusterParams
 
 POLL_SECONDS = 1.0
 # Job states after which nothing of the job runs any more (squeue/scontrol JobState).
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE"}
-
-
-def check_cluster(params: Params, root: Path) -> None:
-    """launcher: slurm's settings, checked when the params are read; ValueError naming the key."""
-    cluster = params.cluster
-    if shutil.which("sbatch") is None:
-        raise ValueError("cluster.launcher: slurm needs Slurm's sbatch on PATH (run on the cluster's login node)")
-    shared = cluster.shared_path(root)
-    try:
-        shared.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"cluster.shared_dir: cannot create {shared}: {e.strerror}") from None
-    if not os.access(shared, os.W_OK | os.X_OK):
-        raise ValueError(f"cluster.shared_dir: {shared} is not writable")
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or params.tracking.uri
-    if not (uri or "").startswith(("http://", "https://")):
-        raise ValueError(f"tracking.uri: launcher slurm needs an MLflow server every node reaches (tracking.uri: "
-                         f"http://HOST:PORT, see `make mlflow-server`); {uri or 'the default sqlite store'} is a file "
-                         "on this machine that ranks on other nodes cannot write")
-    for stage in MODEL_STAGES:
-        section = getattr(params, stage)
-        if section.parallel in ("tp", "fsdp+tp"):
-            try:
-                check_ranks(section.parallel, section.tp_size, cluster.nodes * cluster.ranks_per_node(section.nproc))
-            except ValueError as e:
-                raise ValueError(f"{stage}.tp_size: {e} (cluster.nodes x {stage}.nproc ranks)") from None
 
 
 def batch_script(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_restarts: int, config_path: Path,
