@@ -15,7 +15,7 @@ PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 POOL ?= astrai-local
 
-.PHONY: setup demo test pipeline repro serve server worker deploy run-deployment stop mlflow-ui bench clean
+.PHONY: setup demo test pipeline repro serve server worker deploy run-deployment stop mlflow-ui mlflow-server bench clean
 
 # uv installs the lock in about a quarter of pip's time (1 min against 3.7 on 2 cores). It reads no pip.conf, so it
 # gets pip's configured find-links (where a machine keeps local wheels, e.g. a CPU build of torch).
@@ -82,6 +82,17 @@ stop:  ## stop the worker (SIGTERM, then SIGINT) and the server started above
 mlflow-ui: setup  ## the MLflow UI on http://127.0.0.1:$(MLFLOW_PORT)
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow server --host 127.0.0.1 --port $(MLFLOW_PORT) --workers 1 \
 	  --backend-store-uri sqlite:///$(CURDIR)/mlflow/mlflow.db --default-artifact-root $(CURDIR)/mlflow/artifacts
+
+# The team's tracking server, for `cluster.launcher: slurm` (ranks on compute nodes log to it over HTTP): a database
+# backend and an artifact root on storage every node reaches, e.g. `make mlflow-server
+# MLFLOW_BACKEND=postgresql://user@db/mlflow MLFLOW_ARTIFACTS=s3://bucket/mlflow MLFLOW_HOST=0.0.0.0`; then
+# `tracking.uri: http://<this host>:$(MLFLOW_PORT)` in params.yaml. Defaults: the project's sqlite and folder.
+MLFLOW_HOST ?= 127.0.0.1
+MLFLOW_BACKEND ?= sqlite:///$(CURDIR)/mlflow/mlflow.db
+MLFLOW_ARTIFACTS ?= $(CURDIR)/mlflow/artifacts
+mlflow-server: setup  ## MLflow tracking server for the cluster: MLFLOW_BACKEND, MLFLOW_ARTIFACTS, MLFLOW_HOST
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow server --host $(MLFLOW_HOST) --port $(MLFLOW_PORT) \
+	  --workers 1 --backend-store-uri $(MLFLOW_BACKEND) --artifacts-destination $(MLFLOW_ARTIFACTS)
 
 bench: setup
 	$(BIN)/python bench/throughput.py

@@ -45,6 +45,11 @@ ERROR_PREFIX = "error: "
 _ERROR_LINE = re.compile(r"^(\[[^\]]*\]:)?error: ")  # torchrun may prefix a rank's lines with "[rank]:"
 
 
+def rank_error(line: str) -> str | None:
+    """The error a rank printed on this output line (the stage's error when the rank fails), else None."""
+    return line.split(ERROR_PREFIX, 1)[1] if _ERROR_LINE.match(line) else None
+
+
 @dataclass(frozen=True)
 class Dist:
     rank: int
@@ -199,8 +204,8 @@ def run_torchrun(
     errors: list[str] = []
 
     def watch(line: str) -> None:
-        if _ERROR_LINE.match(line):
-            errors.append(line.split(ERROR_PREFIX, 1)[1])
+        if (error := rank_error(line)) is not None:
+            errors.append(error)
         on_line(line)
 
     try:

@@ -164,6 +164,64 @@ class TrackingParams(Strict):
     experiment: str = "astrai"
 
 
+class ClusterParams(Strict):
+    """Where the training stages run: `local` (torchrun on this machine) or `slurm` (one sbatch job per stage,
+    srun starting one torchrun agent per node; tasks/slurm.py). The slurm keys apply to launcher: slurm only."""
+
+    launcher: Literal["local", "slurm"] = "local"
+    nodes: PositiveInt = 1
+    gpus_per_node: int = Field(0, ge=0)  # 0: CPU ranks; else --gpus-per-node and one rank per GPU (nproc: auto)
+    cpus_per_task: PositiveInt = 1  # cores of each node's task (the torchrun agent and its ranks)
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None  # Slurm's --time (e.g. "04:00:00"); None: the partition's limit
+    sbatch: list[str] = []  # more sbatch options as written on its command line, e.g. ["--qos=high"]
+    # SIGTERM this many seconds before the time limit (or on preemption): the ranks checkpoint, `resume: auto`
+    # continues from there on the next run of the stage.
+    signal_seconds: PositiveInt = 120
+    # Every node reads and writes it: job scripts, the train configs and the job logs. The project directory
+    # (data/, checkpoints) must be on shared storage too. None: .astrai/slurm in the project.
+    shared_dir: str | None = None
+
+    def ranks_per_node(self, nproc: int | Literal["auto"]) -> int:
+        """A training section's nproc on one node: auto = one rank per GPU, else per CPU of the task."""
+        if nproc != "auto":
+            return int(nproc)
+        return self.gpus_per_node or self.cpus_per_task
+
+    def shared_path(self, root: Path) -> Path:
+        return Path(self.shared_dir).resolve() if self.shared_dir else root / ".astrai" / "slurm"
+
+
+def check_cluster(params: Params, root: Path) -> None:
+    """launcher: slurm's settings (tasks/slurm.py runs the jobs), checked when the params are read; ValueError
+    naming the key."""
+    from astrai_core.config import check_ranks
+
+    cluster = params.cluster
+    if shutil.which("sbatch") is None:
+        raise ValueError("cluster.launcher: slurm needs Slurm's sbatch on PATH (run on the cluster's login node)")
+    shared = cluster.shared_path(root)
+    try:
+        shared.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cluster.shared_dir: cannot create {shared}: {e.strerror}") from None
+    if not os.access(shared, os.W_OK | os.X_OK):
+        raise ValueError(f"cluster.shared_dir: {shared} is not writable")
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or params.tracking.uri
+    if not (uri or "").startswith(("http://", "https://")):
+        raise ValueError(f"tracking.uri: launcher slurm needs an MLflow server every node reaches (tracking.uri: "
+                         f"http://HOST:PORT, see `make mlflow-server`); {uri or 'the default sqlite store'} is a file "
+                         "on this machine that ranks on other nodes cannot write")
+    for stage in MODEL_STAGES:
+        section = getattr(params, stage)
+        if section.parallel in ("tp", "fsdp+tp"):
+            try:
+                check_ranks(section.parallel, section.tp_size, cluster.nodes * cluster.ranks_per_node(section.nproc))
+            except ValueError as e:
+                raise ValueError(f"{stage}.tp_size: {e} (cluster.nodes x {stage}.nproc ranks)") from None
+
+
 # `register` is a stage name; pydantic warns that it shadows ABCMeta.register, which nothing here uses.
 warnings.filterwarnings("ignore", message='Field name "register" in "Params" shadows')
 
@@ -181,6 +239,7 @@ class Params(Strict):
     evaluate: EvaluateParams = EvaluateParams()
     register: RegisterParams = RegisterParams()
     tracking: TrackingParams = TrackingParams()
+    cluster: ClusterParams = ClusterParams()
 
     @model_validator(mode="before")
     @classmethod
@@ -223,6 +282,13 @@ class Params(Strict):
                     check_ranks(section.parallel, section.tp_size, section.nproc)
                 except ValueError as e:
                     raise ValueError(f"{stage}.nproc: {e}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _cluster_fits(self, info: ValidationInfo) -> "Params":
+        """launcher: slurm is checked here, before any job is submitted."""
+        if self.cluster.launcher == "slurm":
+            check_cluster(self, Path((info.context or {}).get("root", ".")).resolve())
         return self
 
     def train_config(self, stage: str) -> TrainConfig:

@@ -55,5 +55,10 @@ def train_stage(params: Params, stage: str, root: Path, *, run_id: str | None = 
         write_skipped(model_dir(root, stage), f"{stage}.enabled is false")
         on_line(f"{stage}: disabled; the next stage starts from {previous_model(root, stage)}")
         return None
+    if params.cluster.launcher == "slurm":
+        from tasks.slurm import launch_slurm
+
+        return launch_slurm(params.train_config(stage), params.cluster, params.cluster.ranks_per_node(section.nproc),
+                            section.max_restarts, root, run_id=run_id, on_line=on_line)
     return launch(params.train_config(stage), resolve_nproc(section.nproc, section.device), section.max_restarts, run_id=run_id,
                   on_line=on_line)
