@@ -96,12 +96,13 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Transforme
             "self_attn.v_proj": ColwiseParallel(),
             "self_attn.o_proj": RowwiseParallel(),
             "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-            "mlp.gate_proj": ColwiseParallel(),
             "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(),
             "input_layernorm": replicated,
             "post_attention_layernorm": replicated,
         }
+        if block.mlp.gate_proj is not None:  # SwiGLU (relu2 has no gate)
+            plan["mlp.gate_proj"] = ColwiseParallel()
         if attn.gate_proj is not None:  # the gate multiplies the attention output channel by channel: split alike
             plan["self_attn.gate_proj"] = ColwiseParallel()
         if attn.q_norm is not None:
