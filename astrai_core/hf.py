@@ -62,7 +62,7 @@ def hf_model_type(cfg: ModelConfig) -> str:
     # final_logit_softcapping, but also sandwich norms, a scaled embedding and (1 + w) norm gains.
     for option in ("logit_softcap", "value_embeds", "x0_scalars"):
         if getattr(cfg, option):
-            raise refuse(f"model.{option} (no transformers architecture has it on a Llama-style decoder)")
+            raise refuse(f"model.{option} is set")
     if cfg.mlp == "relu2":  # Arcee is Llama with a non-gated relu^2 MLP (zero_init_out is only an init: exports)
         if cfg.attention == "mla" or cfg.n_experts or cfg.qk_norm or cfg.qkv_bias:
             raise refuse("model.mlp 'relu2' with mla, experts, qk_norm or qkv_bias (relu2 exists in transformers "

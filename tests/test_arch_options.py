@@ -136,3 +136,22 @@ def test_default_model_is_bit_for_bit_the_one_before_the_options(tmp_path):
         assert all(torch.equal(v, new.state_dict()[k]) for k, v in old.state_dict().items())
         x = ids()
         assert torch.equal(old(x), new(x)), kw
+
+
+def test_training_loop_with_every_option_and_muon_learns_and_its_checkpoint_loads(core_tiny_data, tmp_path,
+                                                                                     monkeypatch):
+    """The real training core (train(), as the pretrain stage runs it) with every option on and Muon: it learns,
+    the final checkpoint loads (strictly: every tensor the options add is in it) and its learnt scalars moved."""
+    from astrai_core.checkpoint import load_model
+    from astrai_core.train import train
+    from test_resume import MODEL, make_cfg
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    options = OPTIONS["all"]
+    cfg = make_cfg(core_tiny_data, tmp_path / "out", model={**MODEL, **options}, checkpoint_every=0,
+                   optim=dict(name="muon", lr=3e-3, min_lr=3e-4, warmup_steps=3))
+    summary = train(cfg)
+    assert summary["final_val_loss"] < torch.log(torch.tensor(300.0)).item() - 0.8, summary
+    model, _, model_cfg = load_model(cfg.out_dir)
+    assert {k: getattr(model_cfg, k) for k in options} == options
+    assert model.layers[0].x0_lambda.item() != 0.0 and model.layers[0].self_attn.value_gate.item() != 0.0
