@@ -129,10 +129,9 @@ def check_tensor_parallel(cfg: ModelConfig, tp_size: int, lora: bool = False) ->
     if cfg.n_experts:
         raise ValueError(f"model.n_experts ({cfg.n_experts}) is not supported with tensor parallelism (experts need "
                          "expert parallelism): set n_experts to 0, or use parallel ddp/fsdp")
-    for field in ("value_embeds", "x0_scalars"):  # their extra tensors are not split: keep the check simple
-        if getattr(cfg, field):
-            raise ValueError(f"model.{field} is not supported with tensor parallelism: set it to false, or use "
-                             "parallel ddp/fsdp")
+    if cfg.value_embeds:  # its table would have to be split by kv heads like v_proj
+        raise ValueError("model.value_embeds is not supported with tensor parallelism: set it to false, or use "
+                         "parallel ddp/fsdp")
     if lora:
         raise ValueError("lora is not supported with tensor parallelism (adapters are small: use parallel ddp)")
     for field in ("n_heads", "n_kv_heads"):
