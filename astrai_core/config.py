@@ -49,6 +49,12 @@ class ModelConfig(Strict):
     moe_top_k: PositiveInt = 2  # routed experts per token
     moe_ffn_dim: PositiveInt | None = None  # hidden width of one expert; None: the dense hidden width
     moe_aux_loss_coef: float = 0.01  # weight of the load-balancing loss (Transformer.aux_loss)
+    # Speedrun options (modded-nanogpt / nanochat), each off by default: the default model is unchanged
+    mlp: Literal["swiglu", "relu2"] = "swiglu"  # relu2: down(relu(up(x))^2), no gate
+    logit_softcap: PositiveFloat | None = None  # logits -> cap * tanh(logits / cap)
+    zero_init_out: bool = False  # o_proj and down_proj start at zero: each block starts as the identity
+    value_embeds: bool = False  # a second token embedding added to every layer's values, gated per layer
+    x0_scalars: bool = False  # each block's input is lambda_r * x + lambda_0 * x0 (x0: the embedding), learnt
 
     @model_validator(mode="after")
     def _check_heads(self) -> "ModelConfig":
@@ -75,6 +81,10 @@ class ModelConfig(Strict):
             raise ValueError(f"moe_top_k ({self.moe_top_k}) exceeds n_experts ({self.n_experts})")
         if self.n_shared_experts and not self.n_experts:
             raise ValueError("n_shared_experts needs routed experts: set n_experts > 0 (or n_shared_experts to 0)")
+        if self.mlp == "relu2" and self.n_experts:
+            raise ValueError("mlp 'relu2' is not supported with experts (they are SwiGLU): set n_experts to 0")
+        if self.value_embeds and self.attention == "mla":
+            raise ValueError("value_embeds needs attention 'gqa' (mla has no per-head values to add to)")
         return self
 
     @property
@@ -119,6 +129,9 @@ def check_tensor_parallel(cfg: ModelConfig, tp_size: int, lora: bool = False) ->
     if cfg.n_experts:
         raise ValueError(f"model.n_experts ({cfg.n_experts}) is not supported with tensor parallelism (experts need "
                          "expert parallelism): set n_experts to 0, or use parallel ddp/fsdp")
+    if cfg.value_embeds:  # its table would have to be split by kv heads like v_proj
+        raise ValueError("model.value_embeds is not supported with tensor parallelism: set it to false, or use "
+                         "parallel ddp/fsdp")
     if lora:
         raise ValueError("lora is not supported with tensor parallelism (adapters are small: use parallel ddp)")
     for field in ("n_heads", "n_kv_heads"):

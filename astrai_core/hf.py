@@ -10,9 +10,11 @@ Which architecture a ModelConfig becomes (hf_model_type); anything else is refus
     qk_norm                                                    -> qwen3
     qk_norm + n_experts (no shared experts)                    -> qwen3_moe   (norm_topk_prob false)
     attention mla (dense, or n_experts with n_shared_experts)  -> deepseek_v2 (q_lora_rank null, greedy top-k)
+    mlp relu2 (otherwise plain; zero_init_out is only an init) -> arcee
     attn_gate, MoE with plain attention or with shared experts but no mla, ...  -> refused with the reason
+    logit_softcap, value_embeds, x0_scalars                    -> refused, naming the option
 
-Import reads llama, mistral, qwen2, qwen3 (and qwen3_moe / deepseek_v2 as written above) straight from
+Import reads llama, mistral, arcee, qwen2, qwen3 (and qwen3_moe / deepseek_v2 as written above) straight from
 config.json and *.safetensors: no `transformers` needed at run time; the tests use it as the reference.
 The stages need astrai's special tokens (astrai_core/bpe.py): import adds the ones the HF tokenizer lacks
 (reusing any it has, e.g. Llama-3's <|begin_of_text|>), growing the vocabulary if needed (see _init_new_rows);
@@ -42,7 +44,7 @@ from astrai_core.io import atomic_path
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "deepseek_v2": "DeepseekV2ForCausalLM"}
+                 "deepseek_v2": "DeepseekV2ForCausalLM", "arcee": "ArceeForCausalLM"}
 
 # Used when the checkpoint carries no chat_template.jinja: the astrai special tokens as turn markers.
 CHAT_TEMPLATE = DEFAULT_TEMPLATE
@@ -56,6 +58,16 @@ def hf_model_type(cfg: ModelConfig) -> str:
         return AstraiError(f"cannot export to Hugging Face: {why}; no transformers architecture computes the same "
                            "function, so nothing was written")
 
+    # The speedrun options (model.py) with no transformers counterpart. logit_softcap: Gemma 2/3 have
+    # final_logit_softcapping, but also sandwich norms, a scaled embedding and (1 + w) norm gains.
+    for option in ("logit_softcap", "value_embeds", "x0_scalars"):
+        if getattr(cfg, option):
+            raise refuse(f"model.{option} is set")
+    if cfg.mlp == "relu2":  # Arcee is Llama with a non-gated relu^2 MLP (zero_init_out is only an init: exports)
+        if cfg.attention == "mla" or cfg.n_experts or cfg.qk_norm or cfg.qkv_bias:
+            raise refuse("model.mlp 'relu2' with mla, experts, qk_norm or qkv_bias (relu2 exists in transformers "
+                         "as Arcee, a plain Llama otherwise)")
+        return "arcee"
     if cfg.attn_gate:
         raise refuse("attn_gate (gated attention) exists in transformers only inside Qwen3-Next, whose norms and "
                      "linear-attention layers differ from this model")
@@ -96,7 +108,7 @@ def hf_config(cfg: ModelConfig, special_ids: dict[str, int | None]) -> dict:
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.hidden_dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "hidden_act": "silu", "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
+        "hidden_act": "relu2" if cfg.mlp == "relu2" else "silu", "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
         "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "use_cache": True,
         "rope_theta": rope["rope_theta"], "rope_parameters": rope,
         "rope_scaling": {"rope_type": "linear", "factor": cfg.rope_factor} if rope["rope_type"] == "linear" else None,
@@ -132,11 +144,12 @@ def astrai_config(hf: dict, path: Path) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
         raise _refuse_import(path, f"model_type {model_type!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise _refuse_import(path, f"hidden_act {hf['hidden_act']!r} (only silu / SwiGLU)")
+    act = "relu2" if model_type == "arcee" else "silu"
+    if hf.get("hidden_act", act) != act:
+        raise _refuse_import(path, f"hidden_act {hf['hidden_act']!r} (only {act} for {model_type})")
     if hf.get("mlp_bias"):
         raise _refuse_import(path, "mlp_bias true (the MLP here has no biases)")
-    if model_type in ("llama", "mistral") and hf.get("attention_bias"):
+    if model_type in ("llama", "mistral", "arcee") and hf.get("attention_bias"):
         raise _refuse_import(path, "attention_bias true (a bias on o_proj too; only q/k/v biases as in Qwen2 are supported)")
     if model_type in ("qwen3", "qwen3_moe") and hf.get("attention_bias"):
         raise _refuse_import(path, "attention_bias true with qk-norm (bias on o_proj is not supported)")
@@ -167,6 +180,8 @@ def astrai_config(hf: dict, path: Path) -> ModelConfig:
     head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
     if model_type != "deepseek_v2" and head_dim * n_heads != hf["hidden_size"]:
         kw["attn_head_dim"] = head_dim
+    if model_type == "arcee":
+        kw["mlp"] = "relu2"
     if model_type == "qwen2":
         kw["qkv_bias"] = True  # Qwen2 always has q/k/v biases (and none on o_proj)
     if model_type in ("qwen3", "qwen3_moe"):

@@ -9,6 +9,10 @@ The defaults are plain Llama. ModelConfig options add, each a few lines below:
     attn_gate     sigmoid gate on the attention output     rope_scaling linear or NTK-aware (rope_tables)
     attention=mla DeepSeek-V2 multi-head latent attention (LatentAttention)
     n_experts     DeepSeekMoE: shared + top-k routed experts with a load-balancing loss (MoE)
+and the speedrun options of modded-nanogpt / nanochat (hf.py refuses to export all but zero_init_out):
+    mlp=relu2     down(relu(up(x))^2), no gate             logit_softcap  cap * tanh(logits / cap)
+    zero_init_out o_proj and down_proj start at zero       value_embeds   a second embedding added to the values
+    x0_scalars    block input lambda_r * x + lambda_0 * x0 (x0 = the token embedding), learnt per block
 
 Parameter names follow Hugging Face's LlamaForCausalLM / Qwen3 / DeepSeek-V2 (`model.` prefix dropped), and RoPE
 uses the same rotate-half convention, so astrai_core/hf.py maps a state dict onto an HF checkpoint by renaming.
@@ -167,13 +171,20 @@ class Attention(nn.Module):
         # Gated attention (Qiu et al. 2025): y * sigmoid(W x) per channel lets a head output nothing, which removes
         # the attention sink and the loss spikes that come with it.
         self.gate_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False) if cfg.attn_gate else None
+        # Value embeddings (modded-nanogpt): v += value_gate * value_embed(token). Starts at 0, so the model
+        # starts as without them; the gate learns how much of the token's own vector to pass to every head.
+        self.value_gate = nn.Parameter(torch.zeros(())) if cfg.value_embeds else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+                layer: int = 0, mask: torch.Tensor | None = None, ve: torch.Tensor | None = None) -> torch.Tensor:
+        """ve: (B, T, n_kv_heads * head_dim) value embeddings of the tokens, with value_embeds."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x)
+        if ve is not None:  # before the cache: cached values include it, so decoding needs no token ids
+            v = v + self.value_gate * ve
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, nh, T, hd)
@@ -229,15 +240,17 @@ class LatentAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); relu2: down(relu(up(x))^2), no gate (modded-nanogpt, Primer)."""
 
-    def __init__(self, dim: int, hidden_dim: int) -> None:
+    def __init__(self, dim: int, hidden_dim: int, relu2: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.gate_proj = None if relu2 else nn.Linear(dim, hidden_dim, bias=False)
         self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj is None:
+            return self.down_proj(F.relu(self.up_proj(x)).square())
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -302,11 +315,20 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.self_attn = LatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg.dim, cfg.hidden_dim)
+        self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg.dim, cfg.hidden_dim, relu2=cfg.mlp == "relu2")
+        # x0 scalars (modded-nanogpt): the block reads lambda_r * x + lambda_0 * x0, so every layer can reach the
+        # token embedding directly. Starting at (1, 0), the model starts as without them.
+        self.resid_lambda = nn.Parameter(torch.ones(())) if cfg.x0_scalars else None
+        self.x0_lambda = nn.Parameter(torch.zeros(())) if cfg.x0_scalars else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask)
+                layer: int = 0, mask: torch.Tensor | None = None, *, x0: torch.Tensor | None = None,
+                ve: torch.Tensor | None = None) -> torch.Tensor:
+        """x0: the token embeddings (x0_scalars); ve: the value embeddings (value_embeds)."""
+        if self.resid_lambda is not None:
+            x = self.resid_lambda * x + self.x0_lambda * x0
+        value = {} if ve is None else {"ve": ve}  # only Attention takes it (ModelConfig refuses it with mla)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, **value)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -320,6 +342,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one tensor: (vocab, dim) serves both ends
+        self.value_embed: nn.Embedding | None = None  # value_embeds: made last, below
         # Non-persistent: derived from the config, so they stay out of the state dict and the checkpoint.
         cos, sin = rope_tables(cfg.rope_head_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -333,6 +356,11 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                 nn.init.normal_(p, mean=0.0, std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
+                if cfg.zero_init_out:  # after the draw above, so the other weights get today's random numbers
+                    nn.init.zeros_(p)
+        if cfg.value_embeds:  # drawn after every other weight, so those get the default model's random numbers
+            self.value_embed = nn.Embedding(cfg.vocab_size, cfg.n_kv_heads * cfg.head_dim)
+            nn.init.normal_(self.value_embed.weight, mean=0.0, std=cfg.init_std)
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -358,13 +386,18 @@ class Transformer(nn.Module):
         else:  # one table row per token, broadcast over heads: (B, 1, T, rope dim)
             cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         x = self.embed_tokens(idx)  # (B, T, dim); the residual stream stays fp32 under autocast
+        x0 = x if self.cfg.x0_scalars else None
+        ve = self.value_embed(idx) if self.value_embed is not None else None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache, i, mask)
+            x = layer(x, cos, sin, cache, i, mask, x0=x0, ve=ve)
         if cache is not None:
             cache.length += T
         moe = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
         self.aux_loss = sum(m.aux_loss for m in moe) if moe else torch.zeros((), device=x.device)
-        return self.lm_head(self.norm(x))
+        logits = self.lm_head(self.norm(x))
+        if self.cfg.logit_softcap is not None:  # Gemma 2 / modded-nanogpt: bounds logits smoothly to (-cap, cap)
+            logits = self.cfg.logit_softcap * torch.tanh(logits / self.cfg.logit_softcap)
+        return logits
 
     def expert_token_counts(self) -> torch.Tensor | None:
         """(n_layers, n_experts) tokens routed to each expert in the last forward, or None without experts.

@@ -11,13 +11,15 @@ The plan, per decoder block (each TP rank holds 1/tp of the heads and of the MLP
                 the per-rank head counts the attention's view() uses are set to n_heads / tp and n_kv_heads / tp;
                 o_proj row-parallel: the partial outputs are summed by one all-reduce. QK-norm's weights (one
                 head_dim vector shared by the heads) are replicated, applied to this rank's heads.
-    mlp         gate/up column-parallel, down row-parallel: again one all-reduce forward, one backward.
+    mlp         gate/up column-parallel (relu2: up only), down row-parallel: one all-reduce forward, one backward.
     the rest    (embed_tokens, lm_head, every RMSNorm) replicated: each TP rank holds all of it and computes the
                 same numbers. The default model ties lm_head to embed_tokens and has a small vocabulary (2048):
                 sharding the vocabulary would split that one tensor two ways (rows of the embedding, columns of the
                 logits) and need a vocabulary-parallel loss, for little memory. The replicated weights are still
                 DTensors (Replicate), so that every parameter lives on the same mesh: torch's gradient-norm
                 (train.total_grad_norm), clipping, fused AdamW and state-dict functions then treat the model as one.
+                x0_scalars' 0-dim gains stay plain tensors: their gradients are whole on every rank, as they come
+                from the replicated residual stream (tested in tests/test_tensor_parallel.py).
 
 Because the activations between blocks are replicated (no sequence parallelism), the model's math is untouched:
 the loss is computed on full logits exactly as on one rank. Every rank of one TP group must therefore be fed the
@@ -96,12 +98,13 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> Transforme
             "self_attn.v_proj": ColwiseParallel(),
             "self_attn.o_proj": RowwiseParallel(),
             "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-            "mlp.gate_proj": ColwiseParallel(),
             "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(),
             "input_layernorm": replicated,
             "post_attention_layernorm": replicated,
         }
+        if block.mlp.gate_proj is not None:  # SwiGLU (relu2 has no gate)
+            plan["mlp.gate_proj"] = ColwiseParallel()
         if attn.gate_proj is not None:  # the gate multiplies the attention output channel by channel: split alike
             plan["self_attn.gate_proj"] = ColwiseParallel()
         if attn.q_norm is not None:

@@ -25,6 +25,9 @@ VARIANTS = {
     "gated_bias_mha": {"attn_gate": True, "qkv_bias": True, "n_kv_heads": 4},
     "mla": {"attention": "mla", "mla_kv_rank": 16, "mla_rope_dim": 8},
     "moe": {"n_experts": 4, "n_shared_experts": 1, "moe_top_k": 2},
+    "relu2_softcap": {"mlp": "relu2", "logit_softcap": 3.0},
+    "value_embeds": {"value_embeds": True},
+    "x0_scalars": {"x0_scalars": True},
 }
 SHAPE = {"vocab_size": 97, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64}
 
@@ -40,7 +43,12 @@ def one_thread():
 
 
 def model_for(name: str = "default") -> Transformer:
-    return sharp_random_model(**{**SHAPE, **VARIANTS[name]})
+    model = sharp_random_model(**{**SHAPE, **VARIANTS[name]})
+    with torch.no_grad():  # value_embeds' and x0_scalars' gates start at 0, where they would change nothing
+        for p in model.parameters():
+            if p.dim() == 0:
+                p.fill_(0.7)
+    return model
 
 
 def prompts_for(n: int, seed: int = 0, longest: int = 40) -> list[list[int]]:

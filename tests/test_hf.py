@@ -34,6 +34,8 @@ EXPORTS = {
     "qwen3_moe": (dict(qk_norm=True, n_experts=4, moe_top_k=2, moe_ffn_dim=32), "Qwen3MoeForCausalLM"),
     "deepseek_v2_mla": (MLA, "DeepseekV2ForCausalLM"),
     "deepseek_v2_mla_moe": (dict(**MLA, n_experts=4, n_shared_experts=1, moe_ffn_dim=32), "DeepseekV2ForCausalLM"),
+    "arcee_relu2": (dict(mlp="relu2", tie_embeddings=False), "ArceeForCausalLM"),
+    "llama_zero_init_out": (dict(zero_init_out=True), "LlamaForCausalLM"),  # only an init: a plain Llama
 }
 
 
@@ -120,6 +122,10 @@ def test_exported_tokenizer_encodes_decodes_identically(tmp_path, tokenizer_path
     (dict(n_experts=4), "qk_norm"),
     (dict(qk_norm=True, qkv_bias=True), "qkv_bias"),
     (dict(**MLA, n_experts=4), "n_shared_experts"),
+    (dict(logit_softcap=30.0), "model.logit_softcap"),
+    (dict(value_embeds=True), "model.value_embeds"),
+    (dict(x0_scalars=True), "model.x0_scalars"),
+    (dict(mlp="relu2", qk_norm=True), "model.mlp 'relu2' with"),
 ])
 def test_options_without_an_hf_architecture_are_refused(tmp_path, tokenizer_path, overrides, reason):
     model = random_astrai(**overrides)
@@ -138,6 +144,7 @@ IMPORTS = {
     "llama_linear_rope": lambda: transformers.LlamaConfig(
         **HF_SHAPE, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
     "mistral": lambda: transformers.MistralConfig(**{**HF_SHAPE, "max_position_embeddings": 128}, sliding_window=64),
+    "arcee": lambda: transformers.ArceeConfig(**HF_SHAPE, tie_word_embeddings=True),
     "qwen2": lambda: transformers.Qwen2Config(**HF_SHAPE, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**HF_SHAPE, head_dim=16, tie_word_embeddings=True),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**HF_SHAPE, head_dim=8, num_experts=4, num_experts_per_tok=2,

@@ -19,7 +19,9 @@ DENSE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 MLA = dict(attention="mla", mla_kv_rank=16, mla_rope_dim=8)
 MLA_TARGETS = ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "down_proj"]
 # (model options, targets): tied and untied embeddings, qkv biases with the attention gate, latent attention
-VARIANTS = [({}, DENSE), (dict(tie_embeddings=False, qkv_bias=True, attn_gate=True), DENSE), (MLA, MLA_TARGETS)]
+SPEEDRUN = dict(mlp="relu2", logit_softcap=5.0, value_embeds=True, x0_scalars=True)  # relu2: no gate_proj
+VARIANTS = [({}, DENSE), (dict(tie_embeddings=False, qkv_bias=True, attn_gate=True), DENSE), (MLA, MLA_TARGETS),
+            (SPEEDRUN, [t for t in DENSE if t != "gate_proj"])]
 LORA = dict(rank=4, alpha=8.0, dropout=0.0)
 
 

@@ -45,6 +45,9 @@ SUPPORTED = {
     "qk_norm": dict(qk_norm=True),
     "attn_gate": dict(attn_gate=True),
     "rope_ntk": dict(rope_scaling="ntk", rope_factor=4.0),
+    "relu2_softcap": dict(mlp="relu2", logit_softcap=3.0),
+    "zero_init_out": dict(zero_init_out=True),
+    "x0_scalars": dict(x0_scalars=True),
 }
 STEPS, ROWS, SEQ = 3, 4, 16
 CLIP = 0.5  # below the first steps' gradient norms (about 1-2), so clipping acts on every step
@@ -276,6 +279,7 @@ def test_fsdp_tp_2x2_trains_like_one_rank_and_resumes_across(tmp_path):
     (dict(n_heads=6, n_kv_heads=6, dim=48), 4, r"model\.n_heads \(6\) is not divisible by tp_size \(4\)"),
     (dict(attention="mla", mla_kv_rank=16, mla_rope_dim=8), 2, r"model\.attention 'mla' is not supported"),
     (dict(n_experts=4, moe_ffn_dim=32), 2, r"model\.n_experts \(4\) is not supported"),
+    (dict(value_embeds=True), 2, r"model\.value_embeds is not supported with tensor parallelism"),
 ])
 def test_refuses_what_it_cannot_split(options, tp_size, message):
     with pytest.raises(ValueError, match=message):
