@@ -275,7 +275,8 @@ class Params(Strict):
                 raise ValueError(f"{stage}{'.' + where if where else ''}: "
                                  f"{err['msg'].removeprefix('Value error, ')}") from None
             section = getattr(self, stage)
-            if section.parallel in ("tp", "fsdp+tp") and section.nproc != "auto":  # auto: checked by the ranks
+            # auto: checked by the ranks; launcher slurm: nodes x nproc, by check_cluster
+            if section.parallel in ("tp", "fsdp+tp") and section.nproc != "auto" and self.cluster.launcher == "local":
                 from astrai_core.config import check_ranks
 
                 try:
