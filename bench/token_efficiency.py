@@ -47,12 +47,18 @@ CONFIGS = {
     "base": {},
     "muon": {"pretrain.optim.name": "muon"},
     "muon_lr2x": {"pretrain.optim.name": "muon", "pretrain.optim.muon_lr": 6e-3},
+    "muon_lr4x": {"pretrain.optim.name": "muon", "pretrain.optim.muon_lr": 1.2e-2},
     "qk_norm": {"model.qk_norm": True},
     "untied": {"model.tie_embeddings": False},
     "wide192": {"model.dim": 192, "model.n_heads": 6, "model.n_kv_heads": 2},
     "deep6": {"model.n_layers": 6},
     "batch8": {"pretrain.batch_size": 8},
     "compile": {"pretrain.compile": True},  # its first step's compile shows in wall_s, not in train_seconds
+    "relu2": {"model.mlp": "relu2"},
+    "softcap": {"model.logit_softcap": 15.0},
+    "zero_init_out": {"model.zero_init_out": True},
+    "value_embeds": {"model.value_embeds": True},
+    "x0_scalars": {"model.x0_scalars": True},
 }
 
 
