@@ -195,9 +195,9 @@ def _use_tracking_store() -> None:
     mlflow.set_tracking_uri(tracking_uri(params, Path.cwd()))
 
 
-def _download_registered(uri: str, dst: Path) -> tuple[Path, str]:
+def _download_registered(uri: str, dst: Path) -> tuple[Path, str, list[str]]:
     """The checkpoint directory of registered model `uri` (models:/NAME@ALIAS or models:/NAME/VERSION), downloaded
-    under dst, and the served model id NAME/VERSION."""
+    under dst, the served model id NAME/VERSION, and the ids it is also served as: NAME, and NAME@ALIAS."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per file in the server's log
     import mlflow
     from mlflow.exceptions import MlflowException
@@ -218,7 +218,7 @@ def _download_registered(uri: str, dst: Path) -> tuple[Path, str]:
     artifacts = Model.load(local).flavors.get("python_function", {}).get("artifacts", {})
     if "checkpoint" not in artifacts:
         _fail(f"{uri}: the model version has no checkpoint artifact (not registered by `astrai stage register`?)")
-    return Path(local) / artifacts["checkpoint"]["path"], f"{name}/{mv.version}"
+    return Path(local) / artifacts["checkpoint"]["path"], f"{name}/{mv.version}", [name] + ([ref] if sep == "@" else [])
 
 
 @app.command()
@@ -274,8 +274,9 @@ def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAM
     n_threads, why = _serve_threads(threads)
     torch.set_num_threads(n_threads)
     with tempfile.TemporaryDirectory(prefix="astrai-serve-") as tmp:  # a registry download, gone once loaded
+        aliases: list[str] = []
         if model.startswith("models:/"):
-            checkpoint, model_id = _download_registered(model, Path(tmp))
+            checkpoint, model_id, aliases = _download_registered(model, Path(tmp))
         elif Path(model).is_dir():
             checkpoint, model_id = Path(model), Path(model).resolve().name
         else:
@@ -293,9 +294,9 @@ def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAM
         engine = Engine(m, config)
     except ValueError as e:
         _fail(str(e))
-    application = create_app(engine, chat, model_id, api_key=api_key)
+    application = create_app(engine, chat, model_id, api_key=api_key, aliases=aliases)
     c = engine.config
-    typer.echo(f"astrai: serving {model_id} on http://{host}:{port}/v1 ({device}, {n_threads} torch thread(s): "
+    typer.echo(f"astrai: serving {', '.join([model_id, *aliases])} on http://{host}:{port}/v1 ({device}, {n_threads} torch thread(s): "
                f"{why}; batch cap {c.max_batch_size}, {engine.stats()['kv_blocks_total']} KV blocks of "
                f"{c.block_size} tokens, queue {c.max_waiting})", err=True)
     engine.start()

@@ -462,8 +462,11 @@ class EngineCollector:
 # --- the app -------------------------------------------------------------------------------------------------------
 
 def create_app(engine: Engine, chat: ChatFormat, model_id: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The server for one model. `engine` must be started by the caller (and stopped after the server)."""
+               max_body_bytes: int = MAX_BODY_BYTES, aliases: Sequence[str] = ()) -> FastAPI:
+    """The server for one model. `engine` must be started by the caller (and stopped after the server). Requests
+    may name it `model_id` or any of `aliases` (a registered model's name, NAME@ALIAS: ids a client keeps when the
+    champion moves); responses name `model_id`."""
+    served = (model_id, *[a for a in aliases if a != model_id])
     tokenizer = chat.tokenizer
     context = engine.context_length
     created = int(time.time())
@@ -518,8 +521,9 @@ def create_app(engine: Engine, chat: ChatFormat, model_id: str, api_key: str | N
         except ValidationError as e:
             field, message = validation_message(e)
             raise ApiError(400, message, param=field) from None
-        if body.model != model_id:
-            raise ApiError(404, f"model {body.model!r} not found; this server serves {model_id!r}", param="model")
+        if body.model not in served:
+            raise ApiError(404, f"model {body.model!r} not found; this server serves {', '.join(served)}",
+                           param="model")
         return body
 
     def submit(prompt_ids: list[int], body: Body, max_tokens: int | None, stops: list[str], stop_ids: tuple[int, ...],
@@ -562,17 +566,17 @@ def create_app(engine: Engine, chat: ChatFormat, model_id: str, api_key: str | N
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
-    model_card = {"id": model_id, "object": "model", "created": created, "owned_by": "astrai"}
+    cards = {name: {"id": name, "object": "model", "created": created, "owned_by": "astrai"} for name in served}
 
     @app.get("/v1/models", dependencies=[Depends(check_key)])
     async def list_models() -> dict:
-        return {"object": "list", "data": [model_card]}
+        return {"object": "list", "data": list(cards.values())}
 
     @app.get("/v1/models/{name:path}", dependencies=[Depends(check_key)])
     async def get_model(name: str) -> dict:
-        if name != model_id:
-            raise ApiError(404, f"model {name!r} not found; this server serves {model_id!r}", param="model")
-        return model_card
+        if name not in cards:
+            raise ApiError(404, f"model {name!r} not found; this server serves {', '.join(served)}", param="model")
+        return cards[name]
 
     def openai_usage(prompt_tokens: int, finish: Finish) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": finish.completion_tokens,

@@ -581,9 +581,13 @@ def test_serve_from_mlflow_registry(served, tmp_path, monkeypatch):
                               {"MLFLOW_TRACKING_URI": uri})
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
-        assert [m.id for m in client.models.list().data] == ["served/1"]
-        r = client.chat.completions.create(model="served/1", messages=USER, max_tokens=40, temperature=0)
-        assert r.choices[0].message.content == _offline_chat(served, USER, 40)[0]
+        # A client configured once with the name or the alias keeps working when the champion moves.
+        assert [m.id for m in client.models.list().data] == ["served/1", "served", "served@champion"]
+        for name in ("served/1", "served", "served@champion"):
+            r = client.chat.completions.create(model=name, messages=USER, max_tokens=40, temperature=0)
+            assert r.choices[0].message.content == _offline_chat(served, USER, 40)[0] and r.model == "served/1"
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="served@candidate", messages=USER, max_tokens=4)
     finally:
         _stop_server(proc)
     # Load errors: one line, exit 2 (in this process: a CLI run stops before it would serve).
