@@ -367,6 +367,9 @@ def import_hf(hf_dir: Path = typer.Argument(..., help="A Hugging Face model dire
 
 
 def main() -> None:
+    # A stage's progress lines (and a Slurm job's, which it relays) reach a pipe, a tee or a log as they happen,
+    # not in 8 KiB blocks: Ctrl-C and the eta then refer to what the reader has seen.
+    sys.stdout.reconfigure(line_buffering=True)
     try:
         app()
     except AstraiError as e:
