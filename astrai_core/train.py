@@ -660,9 +660,11 @@ def main(argv: list[str] | None = None) -> None:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"{ERROR_PREFIX}{message if isinstance(e, AstraiError) else f'{type(e).__name__}: {message}'}",
               file=sys.stderr, flush=True)
-        sys.exit(2)
-    finally:
-        cleanup()
+        # A failing rank leaves at once, its process group as it is: destroying a gloo group that DDP's reducer or
+        # an unfinished collective still holds can hang the rank forever (torch issue 56297; in CI both ranks of a
+        # non-finite step hung there and torchrun waited on them). torchrun stops the other ranks when one exits.
+        sys.stdout.flush()
+        os._exit(2)
 
 
 if __name__ == "__main__":

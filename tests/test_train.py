@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -193,6 +194,39 @@ def test_astrai_train_reports_a_rank_error_as_one_line(core_tiny_data, tmp_path,
         rf"astrai: error: {tmp_path / 'missing.h5'}: packed token file not found"
     assert __import__("re").match(expected, out.stderr.strip()), out.stderr
     assert not (tmp_path / "out").exists()
+
+
+HANGING_TEARDOWN_WRAPPER = '''
+import time
+import torch.distributed
+torch.distributed.destroy_process_group = lambda *a, **k: time.sleep(3600)  # the gloo deadlock of torch issue 56297
+import astrai_core.train
+astrai_core.train.main()
+'''
+
+
+@pytest.mark.integration
+def test_a_failing_rank_exits_without_tearing_down_its_group(core_tiny_data, tmp_path):
+    """Both ranks fail at the same non-finite step; tearing the gloo group down there can hang a rank for good
+    (it did in CI), so a failing rank must leave without it. Here a teardown that never returns stands for the
+    deadlock: the ranks still exit with the error line."""
+    import subprocess
+    import sys
+
+    cfg = make_cfg(core_tiny_data, tmp_path / "out", optim=dict(lr=1e6, min_lr=0, warmup_steps=0, grad_clip=0),
+                   max_steps=50, val_data=None)
+    (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
+    (tmp_path / "rank.py").write_text(HANGING_TEARDOWN_WRAPPER)
+    root = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              str(tmp_path / "rank.py"), "--config", str(tmp_path / "cfg.json")],
+                             capture_output=True, text=True, timeout=90, start_new_session=True,
+                             env={**__import__("os").environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    except subprocess.TimeoutExpired:
+        pytest.fail("a failing rank hung in the process group's teardown")
+    assert out.returncode != 0
+    assert re.search(r"^error: step \d+: non-finite loss", out.stderr, re.M), out.stderr
 
 
 @pytest.mark.integration
