@@ -256,7 +256,7 @@ def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAM
     from astrai_core.chat import load_chat
     from astrai_core.checkpoint import load_model
     from astrai_core.engine import Engine, EngineConfig
-    from flows.server import create_app
+    from serving.app import create_app
 
     api_key = api_key or None  # an empty ASTRAI_API_KEY means no key
     try:

@@ -29,7 +29,6 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
-from tokenizers import pre_tokenizers
 from typer.testing import CliRunner
 
 from astrai_core.chat import load_chat
@@ -39,7 +38,6 @@ from astrai_core.generate import generate
 from astrai_core.model import Transformer
 from astrai_core.bpe import special_id, train_tokenizer
 from flows.cli import app
-from flows.server import TextStream
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key"
@@ -172,35 +170,6 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 USER = [{"role": "user", "content": "the king loves the night"}]
-
-
-# --- TextStream: what may be given out while streaming -----------------------------------------------------------
-
-def test_text_stream_holds_back_a_possible_stop_string(served):
-    tok = served["tokenizer"]
-    ids = tok.encode("the king loves café 中文 and the night", add_special_tokens=False).ids
-    stream = TextStream(tok, ["the ni", "zzz"])
-    pieces = [stream.add([i]) for i in ids]
-    assert "".join(pieces) == "the king loves café 中文 and " and stream.stop_sequence == "the ni"
-    # A suffix that could still become a stop string is held back, then released when it does not.
-    stream = TextStream(tok, ["king!"])
-    assert stream.add(tok.encode("the king", add_special_tokens=False).ids) == "the "
-    assert stream.add(tok.encode(" loves", add_special_tokens=False).ids) == "king loves"
-    assert stream.add([], final=True) == "" and stream.stop_sequence is None
-    # At the end, held-back text that never became a stop string goes out.
-    stream = TextStream(tok, ["king!"])
-    assert stream.add(tok.encode("the king", add_special_tokens=False).ids, final=True) == "the king"
-
-
-def test_text_stream_never_emits_a_broken_character(served):
-    tok = served["tokenizer"]
-    # The byte-level alphabet has a token per byte: feed 中 (3 UTF-8 bytes) one byte at a time.
-    (mapped, _), = pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str("中")
-    byte_ids = [tok.token_to_id(ch) for ch in mapped]
-    assert len(byte_ids) == 3 and tok.decode(byte_ids) == "中"
-    stream = TextStream(tok, [])
-    assert [stream.add([t]) for t in byte_ids + byte_ids[:1]] == ["", "", "中", ""]
-    assert stream.add([], final=True) == "\ufffd"  # an incomplete character at the very end is flushed as such
 
 
 # --- the server --------------------------------------------------------------------------------------------------
@@ -501,7 +470,7 @@ def _server_with_failing_engine(served, steps: int):
     import uvicorn
 
     from astrai_core.engine import Engine, EngineConfig
-    from flows.server import create_app
+    from serving.app import create_app
 
     engine = Engine(served["model"], EngineConfig(kv_blocks=32))
     step, done = engine.step, [0]

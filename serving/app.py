@@ -1,0 +1,66 @@
+"""create_app: the server for one model, assembled from the protocol routers.
+
+    app = create_app(engine, chat, model_id="astrai/3", api_key=None)    # engine: astrai_core.engine.Engine
+    uvicorn.run(app, host="127.0.0.1", port=8000)                          # `astrai serve` does this
+
+Routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (OpenAI), POST /v1/messages (Anthropic),
+GET /health (503 once the engine loop has died), GET /metrics (Prometheus text).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+
+from astrai_core.chat import ChatFormat
+from astrai_core.engine import Engine
+from serving import anthropic, openai
+from serving.auth import require_key
+from serving.errors import EXCEPTION_HANDLERS
+from serving.generation import MAX_BODY_BYTES, ServedModel
+
+router = APIRouter()  # the routes of the server itself, not of one protocol
+
+
+def create_app(engine: Engine, chat: ChatFormat, model_id: str, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES, aliases: Sequence[str] = ()) -> FastAPI:
+    """The server for one model. `engine` must be started by the caller (and stopped after the server). Requests
+    may name it `model_id` or any of `aliases` (a registered model's name, NAME@ALIAS: ids a client keeps when the
+    champion moves); responses name `model_id`. With `api_key`, every /v1/ route needs it."""
+    app = FastAPI(title="astrai serve", docs_url=None, redoc_url=None, openapi_url=None,
+                  exception_handlers=EXCEPTION_HANDLERS)
+    app.state.served = ServedModel(engine, chat, model_id, aliases, max_body_bytes)
+    app.state.api_key = api_key
+    app.include_router(router)
+    app.include_router(openai.router)
+    app.include_router(anthropic.router)
+    return app
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    served: ServedModel = request.app.state.served
+    if served.engine.alive:
+        return JSONResponse({"status": "ok", "model": served.model_id})
+    return JSONResponse({"status": "engine stopped", "model": served.model_id}, status_code=503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.served.registry), media_type=CONTENT_TYPE_PLAIN_0_0_4)
+
+
+@router.get("/v1/models", dependencies=[Depends(require_key)])
+async def list_models(request: Request) -> dict:
+    served: ServedModel = request.app.state.served
+    return {"object": "list", "data": [served.model_card(name) for name in served.names]}
+
+
+@router.get("/v1/models/{name:path}", dependencies=[Depends(require_key)])
+async def get_model(request: Request, name: str) -> dict:
+    served: ServedModel = request.app.state.served
+    served.check_model(name)
+    return served.model_card(name)

@@ -1,0 +1,1 @@
+"""Request bodies, one module per protocol (openai.py, anthropic.py) over the fields they share (base.py)."""

@@ -1,0 +1,86 @@
+"""OpenAI request bodies: POST /v1/chat/completions (ChatBody) and POST /v1/completions (CompletionBody)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from serving.protocol.base import Body, refuse, text_content
+
+MAX_STOPS = 4  # as OpenAI documents
+
+
+def _stops(value: str | list[str] | None) -> list[str]:
+    stops = [value] if isinstance(value, str) else (value or [])
+    if len(stops) > MAX_STOPS or not all(stops):
+        raise ValueError(f"at most {MAX_STOPS} non-empty strings")
+    return stops
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class OpenAIBody(Body):
+    temperature: float = Field(1.0, ge=0, le=2)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens in chat; wins if both
+    stop: list[str] = []
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    logprobs: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+
+    _stop = field_validator("stop", mode="before")(_stops)
+    _n = field_validator("n")(refuse("n other than 1 (one choice per request)", 1))
+    _logprobs = field_validator("logprobs")(refuse("logprobs", False))
+    _penalties = field_validator("presence_penalty", "frequency_penalty")(refuse("penalties other than 0", 0, 0.0))
+    _logit_bias = field_validator("logit_bias")(refuse("logit_bias", {}))
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
+    content: str
+
+    _content = field_validator("content", mode="before")(text_content)
+
+
+class ChatBody(OpenAIBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    response_format: Any = None
+
+    _tools = field_validator("tools", "functions", "tool_choice")(refuse("tool calling (this model has no tools)", [], "none"))
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if value is not None and value != {"type": "text"}:
+            raise ValueError("not supported: only {'type': 'text'}")
+        return value
+
+
+class CompletionBody(OpenAIBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    _echo = field_validator("echo", "suffix")(refuse("echo and suffix", False, ""))
+    _best_of = field_validator("best_of")(refuse("best_of other than 1", 1))
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+            if len(value) != 1:
+                raise ValueError("one prompt per request (a list of several prompts is not supported)")
+            value = value[0]
+        if not value:
+            raise ValueError("empty prompt")
+        return value

@@ -1,0 +1,139 @@
+"""The parts of serving/ that need no app and no model: TextStream, the error shapes, the key check, the engine
+events' way to the event loop (EventRelay) and into text pieces (run_generation). The HTTP behaviour of the whole
+is tested in test_serve_api.py, against a real `astrai serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram
+from tokenizers import pre_tokenizers
+
+from serving.auth import check_key
+from serving.errors import ApiError, error_body, lone_surrogate
+from serving.streaming import EventRelay, Finish, run_generation
+from serving.text_stream import TextStream
+
+
+# --- TextStream: what may be given out while streaming -----------------------------------------------------------
+
+def test_text_stream_holds_back_a_possible_stop_string(data_tokenizer):
+    tok = data_tokenizer
+    ids = tok.encode("the king loves café 中文 and the night", add_special_tokens=False).ids
+    stream = TextStream(tok, ["the ni", "zzz"])
+    pieces = [stream.add([i]) for i in ids]
+    assert "".join(pieces) == "the king loves café 中文 and " and stream.stop_sequence == "the ni"
+    # A suffix that could still become a stop string is held back, then released when it does not.
+    stream = TextStream(tok, ["king!"])
+    assert stream.add(tok.encode("the king", add_special_tokens=False).ids) == "the "
+    assert stream.add(tok.encode(" loves", add_special_tokens=False).ids) == "king loves"
+    assert stream.add([], final=True) == "" and stream.stop_sequence is None
+    # At the end, held-back text that never became a stop string goes out.
+    stream = TextStream(tok, ["king!"])
+    assert stream.add(tok.encode("the king", add_special_tokens=False).ids, final=True) == "the king"
+
+
+def test_text_stream_never_emits_a_broken_character(data_tokenizer):
+    tok = data_tokenizer
+    # The byte-level alphabet has a token per byte: feed 中 (3 UTF-8 bytes) one byte at a time.
+    (mapped, _), = pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str("中")
+    byte_ids = [tok.token_to_id(ch) for ch in mapped]
+    assert len(byte_ids) == 3 and tok.decode(byte_ids) == "中"
+    stream = TextStream(tok, [])
+    assert [stream.add([t]) for t in byte_ids + byte_ids[:1]] == ["", "", "中", ""]
+    assert stream.add([], final=True) == "\ufffd"  # an incomplete character at the very end is flushed as such
+
+
+# --- errors and the key ---------------------------------------------------------------------------------------------
+
+def test_error_body_takes_the_shape_of_the_routes_protocol():
+    assert error_body("/v1/chat/completions", 404, "no such model", param="model") == {"error": {
+        "message": "no such model", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+    assert error_body("/v1/messages", 404, "no such model", param="model") == {
+        "type": "error", "error": {"type": "not_found_error", "message": "no such model"}}
+    # Statuses without a type of their own: the protocol's generic server error.
+    assert error_body("/v1/completions", 499, "gone")["error"]["type"] == "server_error"
+    assert error_body("/v1/messages", 499, "gone")["error"]["type"] == "api_error"
+
+
+def test_lone_surrogate_names_the_path_of_the_first_bad_string():
+    assert lone_surrogate({"model": "m", "messages": [{"role": "user", "content": "ok"}]}) is None
+    assert lone_surrogate({"messages": [{"content": "ok"}, {"content": "a\ud800"}]}) == "messages.1.content"
+    assert lone_surrogate({"metadata": {"\udfff": 1}}) == "metadata"  # a bad key: the object holding it
+    assert lone_surrogate("\ud800") == "body"
+
+
+def test_check_key_takes_either_header_and_nothing_else():
+    check_key({}, None)  # no key set: open
+    check_key({"authorization": "bearer k-1"}, "k-1")  # the scheme's case does not matter
+    check_key({"x-api-key": "k-1"}, "k-1")
+    for headers in ({}, {"authorization": "Bearer k-2"}, {"authorization": "k-1"}, {"x-api-key": ""}):
+        with pytest.raises(ApiError) as e:
+            check_key(headers, "k-1")
+        assert e.value.status == 401, headers
+
+
+# --- engine events to the event loop, and to text -----------------------------------------------------------------
+
+def test_event_relay_wakes_the_loop_once_for_all_pending_events():
+    async def run() -> tuple[int, list, list]:
+        loop = asyncio.get_running_loop()
+        wakeups, schedule = [], loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *args: wakeups.append(args) or schedule(*args)
+        relay, a, b = EventRelay(), asyncio.Queue(), asyncio.Queue()
+        engine = threading.Thread(target=lambda: [relay.put(loop, q, i) for i in range(50) for q in (a, b)])
+        engine.start()
+        engine.join()  # the loop is blocked meanwhile: all 100 events wait for one wake-up
+        for _ in range(100):
+            if a.qsize() == b.qsize() == 50:
+                break
+            await asyncio.sleep(0)
+        return len(wakeups), [a.get_nowait() for _ in range(a.qsize())], [b.get_nowait() for _ in range(b.qsize())]
+
+    wakeups, got_a, got_b = asyncio.run(run())
+    assert wakeups == 1 and got_a == got_b == list(range(50))
+
+
+class ScriptedSubmission:
+    """Stands in for streaming.Submission: replays (token ids, finish) events as the engine would send them."""
+
+    def __init__(self, events: list[tuple[list[int], str | None]]) -> None:
+        self.events, self.done, self.cancelled = list(events), False, False
+
+    async def next_event(self) -> tuple[list[int], str | None]:
+        return self.events.pop(0)
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.done, self.cancelled = True, True
+
+
+def _generate(tok, events, stops=()) -> tuple[list, ScriptedSubmission, float]:
+    sub = ScriptedSubmission(events)
+    registry = CollectorRegistry()
+    ttft = Histogram("ttft_seconds", "", registry=registry)
+
+    async def run() -> list:
+        return [item async for item in run_generation(sub, TextStream(tok, stops), ttft, 0.0)]
+
+    try:
+        return asyncio.run(run()), sub, registry.get_sample_value("ttft_seconds_count")
+    except ApiError as e:
+        return [e], sub, registry.get_sample_value("ttft_seconds_count")
+
+
+def test_run_generation_counts_the_stop_token_and_cancels_on_a_stop_string(data_tokenizer):
+    tok = data_tokenizer
+    ids = tok.encode("the king loves the night", add_special_tokens=False).ids
+    # The engine ends the turn: its stop token is not passed on, but counts as generated.
+    items, sub, firsts = _generate(tok, [([i], None) for i in ids] + [([], "stop")])
+    assert "".join(items[:-1]) == "the king loves the night" and items[-1] == Finish("stop", None, len(ids) + 1)
+    assert not sub.cancelled and firsts == 1
+    # A stop string ends the reply while the engine still runs it: the request is cancelled.
+    items, sub, _ = _generate(tok, [([i], None) for i in ids] + [([], "length")], stops=["loves"])
+    assert "".join(items[:-1]) == "the king " and items[-1].stop_sequence == "loves" and sub.cancelled
+    # An engine failure is a 500 for the route to render, and it counts no first token.
+    (error,), _, firsts = _generate(tok, [([], "error")])
+    assert isinstance(error, ApiError) and error.status == 500 and firsts == 0
