@@ -244,9 +244,9 @@ def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAM
                                       "minus one, kept for the HTTP event loop (at least 1; OMP_NUM_THREADS wins "
                                       "when set), or a number.")) -> None:
     """Serve a model over HTTP with OpenAI- and Anthropic-compatible routes (/v1/chat/completions,
-    /v1/completions, /v1/messages, /v1/models), /health and /metrics, on the continuous-batching engine. Engine
-    options left out take the engine's defaults (astrai_core/engine/engine.py EngineConfig); the start-up line
-    says what they came to."""
+    /v1/completions, /v1/messages, /v1/models), /health, /metrics and a chat page at /, on the continuous-batching
+    engine. Engine options left out take the engine's defaults (astrai_core/engine/engine.py EngineConfig); the
+    start-up line says what they came to."""
     import ipaddress
     import tempfile
 

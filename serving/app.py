@@ -4,15 +4,18 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)                          # `astrai serve` does this
 
 Routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (OpenAI), POST /v1/messages (Anthropic),
-GET /health (503 once the engine loop has died), GET /metrics (Prometheus text).
+GET /health (503 once the engine loop has died), GET /metrics (Prometheus text), GET / (a chat page over
+/v1/chat/completions: static/index.html; open, as its API calls carry the key).
 """
 
 from __future__ import annotations
 
+import functools
+from importlib import resources
 from typing import Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from astrai_core.chat import ChatFormat
@@ -23,6 +26,10 @@ from serving.errors import EXCEPTION_HANDLERS
 from serving.generation import MAX_BODY_BYTES, ServedModel
 
 router = APIRouter()  # the routes of the server itself, not of one protocol
+# The page loads nothing from elsewhere, and the browser is told so: it may talk to this server only.
+PAGE_HEADERS = {"Cache-Control": "no-cache",
+                "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                                           "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'"}
 
 
 def create_app(engine: Engine, chat: ChatFormat, model_id: str, api_key: str | None = None,
@@ -38,6 +45,17 @@ def create_app(engine: Engine, chat: ChatFormat, model_id: str, api_key: str | N
     app.include_router(openai.router)
     app.include_router(anthropic.router)
     return app
+
+
+@router.get("/")
+async def chat_page() -> HTMLResponse:
+    return HTMLResponse(page(), headers=PAGE_HEADERS)
+
+
+@functools.cache
+def page() -> str:
+    """The chat page, read once from the package (importlib.resources: also from a non-editable install)."""
+    return resources.files("serving").joinpath("static/index.html").read_text(encoding="utf-8")
 
 
 @router.get("/health")

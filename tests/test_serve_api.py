@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -185,6 +186,18 @@ def test_models_health_and_metrics(server, oai):
                  "astrai_generation_tokens_total", "astrai_time_to_first_token_seconds_count", "astrai_kv_cache_bytes"):
         assert name in m, name
     assert m["astrai_kv_blocks_used"] + m["astrai_kv_blocks_free"] == 64
+
+
+def test_chat_page_at_root_needs_no_key_and_loads_nothing_from_elsewhere(server):
+    r = httpx.get(f"{server}/", timeout=10)  # no key: the page is public, its API calls carry the key
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    page = r.text
+    assert "<title>astrai chat</title>" in page and '"v1/chat/completions"' in page and '"v1/models"' in page
+    # Offline machines and clusters: no script, style or other resource from elsewhere (and the browser is told so).
+    refs = re.findall(r"""(?:src|href)\s*=\s*["']?([^"'\s>]*)""", page)
+    assert refs and all(not re.match(r"(https?:)?//", ref, re.I) for ref in refs), refs
+    assert not re.search(r"""@import|url\(\s*["']?(https?:)?//""", page, re.I)
+    assert "default-src 'none'" in r.headers["content-security-policy"]
 
 
 def test_chat_greedy_equals_offline_generate_with_usage(served, oai):
