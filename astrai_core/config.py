@@ -207,11 +207,17 @@ class GRPOConfig(Strict):
     temperature: PositiveFloat = 1.0
     top_k: PositiveInt | None = None
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    clip_eps: PositiveFloat = 0.2
+    clip_eps: PositiveFloat = 0.2  # the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]
     kl_coef: float = Field(0.04, ge=0.0)  # weight of the k3 KL to the reference (the starting model, frozen)
     iterations: PositiveInt = 1  # optimizer steps on each batch of rollouts (> 1 makes the ratio clipping bite)
     rewards: dict[str, float] = {"exact_answer": 1.0}  # reward name (astrai_core/rewards.py) -> weight
     on_reward_error: Literal["skip", "stop"] = "stop"  # a reward that raises or is not finite: drop the group, or stop
+    # DAPO and Dr. GRPO options, each off by default (not yet measured on the demo): the defaults train as before.
+    clip_eps_high: PositiveFloat | None = None  # DAPO clip-higher: the upper clip bound's eps (None: clip_eps)
+    scale_rewards: bool = True  # advantages (r - mean) / std per group; false: r - mean (Dr. GRPO)
+    # DAPO dynamic sampling: each step samples oversample x the prompts and trains on batch_size groups per
+    # micro-step and rank, those whose rewards differ first (in sampling order), equal-reward ones filling up
+    oversample: PositiveInt = 1
 
     @field_validator("rewards")
     @classmethod
@@ -224,6 +230,18 @@ class GRPOConfig(Strict):
             except AstraiError as e:
                 raise ValueError(str(e)) from None
         return rewards
+
+    @model_validator(mode="after")
+    def _check_clip(self) -> "GRPOConfig":
+        if self.clip_eps_high is None:
+            return self
+        if self.clip_eps_high < self.clip_eps:
+            raise ValueError(f"clip_eps_high ({self.clip_eps_high}) is below clip_eps ({self.clip_eps}): it raises "
+                             "the upper clip bound (DAPO clip-higher); set it >= clip_eps, or null for symmetric")
+        if self.iterations == 1:
+            raise ValueError(f"clip_eps_high ({self.clip_eps_high}) has no effect with iterations 1 (the rollouts "
+                             "come from the current policy: every ratio is 1); set iterations > 1 or clip_eps_high null")
+        return self
 
 
 class TwoStageConfig(Strict):

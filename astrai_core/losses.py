@@ -103,11 +103,14 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     return loss, rewards_chosen, rewards_rejected
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, scale: bool = True) -> torch.Tensor:
     """GRPO advantages (r - mean) / (std + eps) within each group of `group_size` consecutive completions of one
-    prompt (sample std, as DeepSeekMath). A group whose rewards are all equal gets zero advantage: no signal."""
+    prompt (sample std, as DeepSeekMath). A group whose rewards are all equal gets zero advantage: no signal.
+    scale=False leaves out the division, r - mean (Dr. GRPO, Liu et al. 2025: dividing by the std weighs the
+    groups whose rewards barely differ, too easy or too hard prompts, the most)."""
     r = rewards.view(-1, group_size)
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).flatten()
+    centred = r - r.mean(1, keepdim=True)
+    return (centred / (r.std(1, keepdim=True) + eps) if scale else centred).flatten()
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -118,20 +121,25 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def grpo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor, advantages: torch.Tensor,
-                    mask: torch.Tensor, clip_eps: float, kl_coef: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    mask: torch.Tensor, clip_eps: float, kl_coef: float,
+                    clip_eps_high: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Summed GRPO loss over completion tokens (mask 1) and metric sums.
 
-    Per token: -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + kl_coef * k3(policy, reference), with
-    ratio = p_policy / p_old (old: the policy that sampled the completion) and A the completion's advantage.
+    Per token: -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A) + kl_coef * k3(policy, reference), with
+    ratio = p_policy / p_old (old: the policy that sampled the completion), A the completion's advantage and
+    eps_high = clip_eps_high, or clip_eps when None (symmetric). A higher upper bound is DAPO's clip-higher (Yu et
+    al. 2025): an unlikely token with a positive advantage may grow further before its gradient stops.
     logp, old_logp, ref_logp, mask: (N, T); advantages: (N,). The caller divides by the step's completion tokens
-    (token-level normalization, as DAPO: long completions weigh by their length, not per sequence)."""
+    (token-level normalization, as DAPO: long completions weigh by their length, not per sequence). clip_fraction
+    counts the tokens whose ratio lies outside [1 - eps, 1 + eps_high]."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     mask = mask.float()
     adv = advantages.unsqueeze(1)
     ratio = torch.exp(logp - old_logp)
-    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
+    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + high) * adv)
     kl = k3_kl(logp, ref_logp)
     loss = ((-surrogate + kl_coef * kl) * mask).sum()
-    clipped = ((ratio - 1).abs() > clip_eps).float()
+    clipped = ((ratio - 1 > high) | (ratio - 1 < -clip_eps)).float()
     return loss, {"kl": (kl.detach() * mask).sum(), "clip_fraction": (clipped * mask).sum()}
 
 

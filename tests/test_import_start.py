@@ -221,5 +221,14 @@ def test_params_yaml_defaults_keep_todays_behaviour():
 
     from tasks.params import load_params
 
-    params = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
+    import yaml
+
+    from astrai_core.config import GRPOConfig
+
+    path = Path(__file__).resolve().parents[1] / "params.yaml"
+    params = load_params(path)
     assert params.tokenizer.source == "train" and params.pretrain.init_from is None
+    # GRPO's DAPO / Dr. GRPO options are written out (dvc params diff shows a change) and off: the core's defaults.
+    options = ("clip_eps_high", "scale_rewards", "oversample")
+    written = yaml.safe_load(path.read_text())["grpo"]["objective"]
+    assert [written[k] for k in options] == [getattr(GRPOConfig(), k) for k in options] == [None, True, 1]

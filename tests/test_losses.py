@@ -84,6 +84,68 @@ def test_grpo_token_loss_clips_the_ratio_and_adds_kl():
     assert loss.item() == pytest.approx(-1.2 + 0.5 * (r - math.log(r) - 1))
 
 
+def test_grpo_clip_higher_clips_at_the_high_bound_and_not_before():
+    """DAPO clip-higher: with a positive advantage the gradient stops beyond 1 + clip_eps_high, not at
+    1 + clip_eps; the low bound stays 1 - clip_eps; clip_fraction counts against the asymmetric bounds."""
+    old = torch.log(torch.tensor([[0.2]]))
+    mask = torch.tensor([[1]])
+
+    def grad(ratio: float, adv: float, high: float | None) -> tuple[float, float]:
+        logp = (old + math.log(ratio)).requires_grad_(True)
+        loss, m = grpo_token_loss(logp, old, logp.detach(), torch.tensor([adv]), mask, clip_eps=0.2, kl_coef=0.0,
+                                  clip_eps_high=high)
+        loss.backward()
+        return logp.grad.item(), m["clip_fraction"].item()
+
+    assert grad(1.25, 1.0, 0.28) == pytest.approx((-1.25, 0.0))  # between 1 + 0.2 and 1 + 0.28: still learns
+    assert grad(1.25, 1.0, None) == (0.0, 1.0)  # symmetric: clipped at 1.2
+    assert grad(1.3, 1.0, 0.28) == (0.0, 1.0)  # beyond 1 + 0.28: clipped
+    assert grad(0.75, -1.0, 0.28) == (0.0, 1.0)  # the low bound is still 1 - clip_eps
+    assert grad(0.85, -1.0, 0.28) == pytest.approx((0.85, 0.0))
+    logp = old + math.log(1.3)
+    loss, _ = grpo_token_loss(logp, old, logp, torch.tensor([1.0]), mask, clip_eps=0.2, kl_coef=0.0, clip_eps_high=0.28)
+    assert loss.item() == pytest.approx(-1.28)  # min(1.3 * 1, 1.28 * 1)
+
+
+def test_group_advantages_without_scaling_are_reward_minus_group_mean():
+    """Dr. GRPO: scale=False leaves out the division by the group's std, exactly r - mean."""
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.25, 3.0, 3.0, 3.0, 3.0])
+    adv = group_advantages(rewards, group_size=4, scale=False)
+    assert adv.tolist() == [0.5625, -0.4375, 0.0625, -0.1875, 0.0, 0.0, 0.0, 0.0]
+    assert not torch.equal(group_advantages(rewards, group_size=4), adv)  # the default still divides
+
+
+def test_grpo_defaults_are_todays_formula_bit_for_bit():
+    """The DAPO / Dr. GRPO options left at their defaults compute exactly what the objective computed before they
+    existed: the same loss, gradient, metrics and advantages, to the bit."""
+    g = torch.Generator().manual_seed(0)
+    logp = (torch.randn(12, 16, generator=g) * 0.3 - 2).requires_grad_(True)
+    old = logp.detach() + torch.randn(12, 16, generator=g) * 0.3  # ratios well beyond both clip bounds
+    ref = logp.detach() + torch.randn(12, 16, generator=g) * 0.1
+    mask = torch.rand(12, 16, generator=g) > 0.3
+    rewards = torch.rand(12, generator=g).round()
+
+    r = rewards.view(-1, 3)  # before: (r - mean) / (std + eps)
+    expected_adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).flatten()
+    adv = group_advantages(rewards, group_size=3)
+    assert torch.equal(adv, expected_adv)
+
+    ratio = torch.exp(logp - old)  # before: symmetric clipping, clip_fraction |ratio - 1| > eps
+    a = expected_adv.unsqueeze(1)
+    surrogate = torch.minimum(ratio * a, torch.clamp(ratio, 1 - 0.2, 1 + 0.2) * a)
+    expected = ((-surrogate + 0.04 * k3_kl(logp, ref)) * mask.float()).sum()
+    expected_clipped = ((((ratio - 1).abs() > 0.2).float()) * mask.float()).sum()
+    (expected_grad,) = torch.autograd.grad(expected, logp)
+    loss, m = grpo_token_loss(logp, old, ref, adv, mask, clip_eps=0.2, kl_coef=0.04)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert 0 < expected_clipped < mask.sum()
+    assert torch.equal(loss, expected) and torch.equal(grad, expected_grad)
+    assert torch.equal(m["clip_fraction"], expected_clipped)
+    # The data can tell: another upper bound, or unscaled advantages, give another loss.
+    assert not torch.equal(grpo_token_loss(logp, old, ref, adv, mask, 0.2, 0.04, clip_eps_high=0.28)[0], expected)
+    assert not torch.equal(group_advantages(rewards, group_size=3, scale=False), expected_adv)
+
+
 def test_full_kl_by_hand_and_its_gradient_pulls_toward_the_reference():
     logits = torch.log(torch.tensor([[[0.5, 0.5]]])).requires_grad_(True)
     ref = torch.log(torch.tensor([[[0.25, 0.75]]]))

@@ -41,6 +41,11 @@ def test_shipped_params_are_valid():
     ({"dpo.objective.label_smoothing": 0.7}, "dpo.objective.label_smoothing: Input should be less than 0.5"),
     ({"dpo.objective.nll_coef": -1}, "dpo.objective.nll_coef: Input should be greater than or equal to 0"),
     ({"grpo.group_size": 4}, "grpo.group_size: unknown key"),  # GRPO's own settings are under objective
+    ({"grpo.objective.clip_eps_high": 0}, "grpo.objective.clip_eps_high: Input should be greater than 0"),
+    ({"grpo.objective.clip_eps_high": 0.1}, "grpo.objective: clip_eps_high (0.1) is below clip_eps (0.2)"),
+    ({"grpo.objective.clip_eps_high": 0.28, "grpo.objective.iterations": 1},
+     "grpo.objective: clip_eps_high (0.28) has no effect with iterations 1"),
+    ({"grpo.objective.oversample": 0}, "grpo.objective.oversample: Input should be greater than 0"),
     ({"dpo.rejected": "random"}, "dpo.rejected: Input should be 'on_policy' or 'static'"),
     ({"chat_data.dpo": "my_pairs.jsonl"}, "dpo.rejected: on_policy needs pairs whose chosen reply is the one right "
                                           "answer (chat_data.dpo: demo); set dpo.rejected: static for my_pairs.jsonl"),
@@ -66,12 +71,14 @@ def test_sections_resolve_into_the_core_configs():
     from tasks.params import dpo_pairs, train_config
 
     p = load_params(ROOT / "params.yaml", {"sft.label_smoothing": 0.1, "dpo.objective.label_smoothing": 0.2,
-                                           "grpo.objective.kl_coef": 0.5, "grpo.max_steps": 9})
+                                           "grpo.objective.kl_coef": 0.5, "grpo.max_steps": 9,
+                                           "grpo.objective.oversample": 2, "grpo.objective.clip_eps_high": 0.28})
     sft, dpo, grpo = train_config(p, "sft", ROOT), train_config(p, "dpo", ROOT), train_config(p, "grpo", ROOT)
     assert (sft.label_smoothing, sft.batch_size, sft.seq_len) == (0.1, p.sft.batch_size, p.pretrain.seq_len)
     assert (dpo.dpo.label_smoothing, dpo.label_smoothing) == (0.2, 0.0)  # DPO's own, not the token loss's
     assert (dpo.dpo.beta, dpo.dpo.nll_coef) == (p.dpo.objective.beta, p.dpo.objective.nll_coef)
     assert (grpo.grpo.kl_coef, grpo.max_steps, grpo.grpo.group_size) == (0.5, 9, p.grpo.objective.group_size)
+    assert (grpo.grpo.oversample, grpo.grpo.clip_eps_high, grpo.grpo.scale_rewards) == (2, 0.28, True)
     assert train_config(p, "grpo", ROOT).keep_checkpoints == RunSettings().keep_checkpoints
     assert train_config(p, "grpo", ROOT).init_from == str(ROOT / "data" / "dpo")
     skip = load_params(ROOT / "params.yaml", {"dpo.enabled": False})

@@ -4,6 +4,7 @@ tiny data (the pipeline test runs them under torchrun as stages)."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -17,10 +18,10 @@ from astrai_core.config import ModelConfig, TrainConfig
 from astrai_core.errors import AstraiError
 from astrai_core.scoring import answer_questions, masked_token_loss
 from astrai_core.io import sha256_file
-from astrai_core.losses import IGNORE_INDEX
+from astrai_core.losses import IGNORE_INDEX, token_logps
 from astrai_core.model import Transformer
 from astrai_core.rewards import REWARDS
-from astrai_core.data import Documents, PackedRows, PackedWriter
+from astrai_core.data import Batch, Documents, PackedRows, PackedWriter
 from astrai_core.dpo_reference import reference_logps, save_reference_logps
 from astrai_core.bpe import train_tokenizer
 from astrai_core.train import default_callbacks, train
@@ -314,6 +315,97 @@ def test_grpo_resume_inside_a_rollout_batch_is_exact(chat_setup, tmp_path, monke
     assert stopped["steps"] == 3  # the next step reuses the rollouts sampled at step 3 (0-based 2)
     train(cfg)
     assert sha256_file(Path(cfg.out_dir) / "model.safetensors") == sha256_file(Path(ref.out_dir) / "model.safetensors")
+
+
+def test_keep_groups_prefers_a_signal_in_sampling_order():
+    from astrai_core.strategies import keep_groups
+
+    signal = np.array([False, True, False, True, True, False])
+    assert keep_groups(signal, 2).tolist() == [1, 3]  # the first two with a signal
+    assert keep_groups(signal, 4).tolist() == [0, 1, 3, 4]  # three with a signal, then the first without
+    assert keep_groups(signal, 6).tolist() == list(range(6))  # everything, in sampling order
+    assert keep_groups(np.zeros(4, dtype=bool), 2).tolist() == [0, 1]
+
+
+def test_grpo_dynamic_sampling_keeps_groups_with_spread_first_on_every_rank(chat_setup, tmp_path, monkeypatch):
+    """oversample 3, 2 ranks x 2 micro-steps x 2 prompts: each rank generates 12 groups and trains on 4, those whose
+    rewards differ first in sampling order, equal-reward ones filling up; the sampler takes 3 x 8 prompts a step
+    whatever the rewards; every rank gets 2 micro-batches of 2 x group_size rows. scale_rewards false: the
+    advantages are r - mean; clip_eps_high reaches the loss."""
+    import contextlib
+
+    from astrai_core.distributed import DataGroup
+    from astrai_core.strategies import GRPOStrategy
+
+    G, calls = 4, [0]
+    signal_prompts: set[str] = set()
+
+    def reward(completion, record):  # 1, 0, 1, 0 within a group of a signal prompt; 0.5 for every other one
+        calls[0] += 1
+        return float(calls[0] % 2) if record["prompt"] in signal_prompts else 0.5
+
+    monkeypatch.setitem(REWARDS, "scripted", reward)
+    cfg = make_cfg(chat_setup, tmp_path / "out", "grpo", batch_size=2, grad_accum=2,
+                   grpo={"rewards": {"scripted": 1.0}, "group_size": G, "oversample": 3, "scale_rewards": False,
+                         "iterations": 2, "clip_eps_high": 0.28})
+    make = lambda rank: GRPOStrategy(cfg, rank, 2, torch.device("cpu"), sha256_file(cfg.tokenizer),
+                                     contextlib.nullcontext())
+    ranks = [make(0), make(1)]
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    items = ranks[0].sampler.indices(0, 3 * 8)
+    candidates = [np.concatenate(s.my_slices(items, 6)) for s in ranks]  # each rank's 12 prompts in sampling order
+    assert len(set(np.concatenate(candidates).tolist())) == 24
+    prompt = lambda s, i: s.records[int(i)][0]["prompt"]
+    # Rank 0: 5 prompts with spread, the first 4 kept; rank 1: only 2, filled up with the first 2 without.
+    with_spread = {0: [1, 4, 5, 10, 11], 1: [3, 7]}
+    expected = {0: [1, 4, 5, 10], 1: [0, 1, 3, 7]}
+    for r, s in enumerate(ranks):
+        signal_prompts |= {prompt(s, candidates[r][j]) for j in with_spread[r]}
+    for r, s in enumerate(ranks):
+        s.setup(model)
+        stats = s.prepare(0, model, DataGroup(r, 1))  # no process group: this rank's statistics
+        assert s.sampler.consumed == 3 * 8  # oversample x the step's prompts, fixed
+        batches = s.micro_batches(0)
+        assert [tuple(b.x.shape[:1]) for b in batches] == [(2 * G,), (2 * G,)]
+        kept = [candidates[r][j] for j in expected[r]]
+        for k, i in enumerate(kept):  # the rows of each kept group start with its prompt, in sampling order
+            x, p = batches[k // 2].x, s.records[int(i)][1]
+            assert all(x[(k % 2) * G + g, : len(p)].tolist() == p for g in range(G))
+        adv = torch.cat([b.data["adv"] for b in batches]).view(-1, G)
+        for k, j in enumerate(expected[r]):  # r - mean, unscaled: +-0.5 with spread, 0 without
+            assert adv[k].tolist() == ([0.5, -0.5, 0.5, -0.5] if j in with_spread[r] else [0.0] * G)
+        spread_kept = sum(j in with_spread[r] for j in expected[r])
+        assert stats["grpo/zero_spread_fraction"] == (12.0 - len(with_spread[r]), 12.0)  # of those sampled
+        assert stats["grpo/kept_zero_spread_fraction"] == (4.0 - spread_kept, 4.0)  # of those trained on
+        s.prepare(1, model, DataGroup(r, 1))  # iterations 2: the same rollouts, nothing sampled
+        assert s.sampler.consumed == 3 * 8
+        s.prepare(2, model, DataGroup(r, 1))
+        assert s.sampler.consumed == 2 * 3 * 8
+    # clip_eps_high reaches the loss: a ratio of 1.25 with a positive advantage is not clipped.
+    y = torch.tensor([[5]])
+    logits = torch.zeros(1, 1, 320)
+    data = {"y": y, "mask": y != IGNORE_INDEX, "adv": torch.tensor([1.0]), "ref_logp": torch.zeros(1, 1),
+            "old_logp": token_logps(logits, y) - math.log(1.25)}
+    assert ranks[0].loss(logits, Batch(logits, data, 1, 1))[1]["grpo/clip_fraction"].item() == 0.0
+
+
+def test_grpo_with_every_option_on_is_deterministic_and_resumes_exactly(chat_setup, tmp_path, monkeypatch):
+    monkeypatch.setitem(REWARDS, "letters_a", lambda completion, record: float(completion.count("a") > 0))
+    kw = dict(max_steps=4, resume="auto", optim=dict(lr=1e-2, min_lr=1e-2, warmup_steps=0),
+              grpo={"iterations": 2, "group_size": 4, "rewards": {"letters_a": 1.0}, "oversample": 2,
+                    "clip_eps_high": 0.28, "scale_rewards": False})
+    runs = [make_cfg(chat_setup, tmp_path / name / "out", "grpo", **kw) for name in ("a", "b", "resumed")]
+    train(runs[0])
+    train(runs[1])
+    assert train(runs[2], callbacks=default_callbacks() + [SigtermAt(step=2, micro=0)])["steps"] == 3
+    train(runs[2])
+    hashes = [sha256_file(Path(c.out_dir) / "model.safetensors") for c in runs]
+    assert hashes[0] == hashes[1] == hashes[2] != sha256_file(chat_setup["base"] / "model.safetensors")
+    m = [r for r in metrics(runs[0]) if "grpo/kept_zero_spread_fraction" in r]
+    assert len(m) == 2  # logged on the steps that sampled
+    assert all(r["grpo/kept_zero_spread_fraction"] <= r["grpo/zero_spread_fraction"] for r in m)
+    assert any(r["grpo/kept_zero_spread_fraction"] < r["grpo/zero_spread_fraction"] for r in m), m
 
 
 # ---- two-stage KL-regularized pretraining ----------------------------------------------------------------------
