@@ -61,11 +61,13 @@ CONFIGS = {
     "x0_scalars": {"model.x0_scalars": True},
     # The combination: the one-at-a-time changes that beat base on both seeds (bench/token_efficiency_report.json,
     # 2026-11-25) and still export exactly (relu2 exports as Arcee, but not beside qk_norm), then the same with
-    # Muon's lr doubled again, since 4x was the edge of the sweep.
+    # Muon's lr doubled again, since 4x was the edge of the sweep, or the batch halved again.
     "combo": {"pretrain.optim.name": "muon", "pretrain.optim.muon_lr": 1.2e-2, "pretrain.batch_size": 8,
               "model.mlp": "relu2"},
     "combo_lr8x": {"pretrain.optim.name": "muon", "pretrain.optim.muon_lr": 2.4e-2, "pretrain.batch_size": 8,
                    "model.mlp": "relu2"},
+    "combo_b4": {"pretrain.optim.name": "muon", "pretrain.optim.muon_lr": 1.2e-2, "pretrain.batch_size": 4,
+                 "model.mlp": "relu2"},  # and the batch halved again: more, smaller steps
 }
 
 
