@@ -179,7 +179,7 @@ class LoRAConfig(Strict):
     rank: PositiveInt = 8
     alpha: PositiveFloat = 16.0
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    targets: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    targets: list[str] | None = None  # module names (q_proj, v_proj, ...); None: every nn.Linear the blocks have
 
 
 class DPOSettings(Strict):

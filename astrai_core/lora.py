@@ -65,9 +65,10 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}"
 
 
-def apply_lora(model: nn.Module, targets: Sequence[str], rank: int, alpha: float, dropout: float) -> list[str]:
-    """Wrap every nn.Linear whose attribute name is in `targets` (e.g. q_proj, v_proj) in a LoRALinear, freeze
-    every other parameter, and return the wrapped modules' names. AstraiError if a target matches nothing."""
+def apply_lora(model: nn.Module, targets: Sequence[str] | None, rank: int, alpha: float, dropout: float) -> list[str]:
+    """Wrap every nn.Linear whose attribute name is in `targets` (e.g. q_proj, v_proj; None: every one but the
+    head, whatever projections the architecture has) in a LoRALinear, freeze every other parameter, and return
+    the wrapped modules' names. AstraiError if a target matches nothing."""
     assert not any(isinstance(m, LoRALinear) for m in model.modules()), "LoRA is already applied to this model"
     if rank < 1:
         raise AstraiError(f"LoRA rank must be >= 1 (got {rank})")
@@ -75,8 +76,8 @@ def apply_lora(model: nn.Module, targets: Sequence[str], rank: int, alpha: float
                if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] not in NEVER_WRAPPED}
     available = sorted({name.rsplit(".", 1)[-1] for name in linears})
     stacked = sorted({n for m in model.modules() if isinstance(m, Experts) for n, _ in m.named_parameters()})
-    chosen = [name for name in linears if name.rsplit(".", 1)[-1] in targets]
-    for target in targets:
+    chosen = [name for name in linears if targets is None or name.rsplit(".", 1)[-1] in targets]
+    for target in targets or ():
         if not any(name.rsplit(".", 1)[-1] == target for name in chosen):
             why = (f"; the MoE experts' {target} is a stacked parameter, not an nn.Linear, and cannot be wrapped"
                    if target in stacked else "")
@@ -94,15 +95,16 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if k.endswith((".lora_A", ".lora_B"))}
 
 
-def save_adapters(model: nn.Module, out_dir: str | os.PathLike, *, targets: Sequence[str], rank: int, alpha: float,
-                  dropout: float) -> Path:
+def save_adapters(model: nn.Module, out_dir: str | os.PathLike, *, targets: Sequence[str] | None, rank: int,
+                  alpha: float, dropout: float) -> Path:
     """Write `out_dir` with adapter_model.safetensors and adapter_config.json; built beside it and renamed into
     place, so no half-written adapter ever appears. Returns the directory."""
     modules = [name for name, m in model.named_modules() if isinstance(m, LoRALinear)]
     assert modules, "no LoRA adapters in this model: call apply_lora first"
     assert all(m.rank == rank and m.alpha == alpha for m in model.modules() if isinstance(m, LoRALinear))
     state = {k: v.detach().cpu().contiguous() for k, v in lora_state_dict(model).items()}
-    config = {"targets": list(targets), "rank": rank, "alpha": alpha, "dropout": dropout, "modules": modules}
+    targets = sorted({name.rsplit(".", 1)[-1] for name in modules}) if targets is None else list(targets)
+    config = {"targets": targets, "rank": rank, "alpha": alpha, "dropout": dropout, "modules": modules}
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
         save_file(state, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})

@@ -92,6 +92,16 @@ def test_training_lowers_loss_and_leaves_base_weights_bitwise_equal():
     assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
+@pytest.mark.parametrize("kw,targets", [*VARIANTS[:2], (MLA, [*MLA_TARGETS, "gate_proj", "up_proj"]), VARIANTS[3]])
+def test_no_targets_wraps_every_projection_the_architecture_has(kw, targets, tmp_path):
+    """lora.targets: null (the default) adapts whatever projections the blocks have: relu2's MLP has no gate_proj,
+    and the same params must work with either MLP (the demo's DPO stage uses the default)."""
+    named, default = tiny(**kw), tiny(**kw)
+    assert apply_lora(default, None, **LORA) == apply_lora(named, targets, **LORA)
+    config = json.loads((save_adapters(default, tmp_path / "a", targets=None, **LORA) / "adapter_config.json").read_text())
+    assert config["targets"] == sorted(targets)
+
+
 @pytest.mark.parametrize("kw,targets", VARIANTS)
 def test_merge_equals_wrapped_model_and_gives_plain_keys(kw, targets):
     model = tiny(**kw)
