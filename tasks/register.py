@@ -146,7 +146,8 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
     weights_sha256 = sha256_file(checkpoint_dir / "model.safetensors")
     same = client.search_model_versions(f"name = '{name}' and tags.weights_sha256 = '{weights_sha256}'")
     if same:
-        mv = min(same, key=lambda v: int(v.version))
+        # search_model_versions leaves aliases empty: the version itself has them
+        mv = client.get_model_version(name, min(same, key=lambda v: int(v.version)).version)
         decision = (f"version {mv.version} already holds these weights (sha256 {weights_sha256[:12]}): not "
                     "registered again; the aliases stay where they are")
         mlflow.set_tag("astrai.registration", decision)

@@ -68,6 +68,7 @@ def test_register_picks_the_best_model_and_compares_the_champion_on_the_same_met
         again = register_with("task_accuracy", pretrain__task_accuracy=0.1, sft__task_accuracy=0.3,
                               pretrain__test_bits_per_char=2.0, sft__test_bits_per_char=2.5)
         assert (again["registered"], again["version"], again["champion_version"]) == (False, 1, 1)
+        assert again["aliases"] == ["candidate", "champion"]  # what the summary prints: the aliases version 1 has
         assert again["decision"].startswith("version 1 already holds these weights")
         assert [str(v.version) for v in client.search_model_versions("name = 'm'")] == ["1"]
         assert v1.tags["weights_sha256"] == sha256_file(model_dir(tmp_path, "sft") / "model.safetensors")
