@@ -246,7 +246,7 @@ def test_a_profile_is_merged_over_the_params_and_an_unknown_one_is_named(params_
     assert params.pretrain.max_steps == 40 and params.sft.max_steps == 3  # --set wins over the profile
     assert params.pretrain.dtype == "auto" and params.grpo.objective.rewards == {"exact_answer": 1.0}
     assert params.grpo.objective.group_size == 4  # the profile's, merged into params.yaml's objective
-    assert "# ~2M tokens: ~6 min on 2 AVX2 CPU cores" in text  # params.yaml's comments stay
+    assert "# torchrun processes: auto = every GPU, else every CPU core" in text  # params.yaml's comments stay
     with pytest.raises(AstraiError, match="no such profile; profiles: quick"):
         load_profile(params_root, "fast")
 

@@ -81,7 +81,10 @@ def project(cluster, mlflow_server, tmp_path_factory):
     env = make_project(repo, root / "remote", "astrai-slurm-test")
     env.update(cluster.env)
     env.update({"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(repo), "MLFLOW_TRACKING_URI": mlflow_server})
-    set_params(repo, {"pretrain": {"max_steps": STEPS, "checkpoint_every": 10, "log_every": 5, "eval_every": 60}})
+    # Batch 16 (not the tiny 4): steps slow enough that the cancel test's Ctrl-C at step 20 lands while the job trains
+    # (the job's log reaches the stage about a second late; at batch 4 the last 100 steps could finish in that time).
+    set_params(repo, {"pretrain": {"max_steps": STEPS, "batch_size": 16, "checkpoint_every": 10, "log_every": 5,
+                                   "eval_every": 60}})
     run_ok([VENV_BIN / "dvc", "repro", "pack"], repo, env)
     return repo, env
 
