@@ -63,6 +63,7 @@ class ServedModel:
         self.context = engine.context_length
         self.eos = (special_id(self.tokenizer, "eos"),)  # a plain-text completion ends at end-of-text
         self.relay = EventRelay()
+        engine.after_step.append(self.relay.flush)
         self.registry, self.ttft = metrics_registry(engine)
         # Tokenizing megabytes would stall every stream on the event loop for seconds, so a text that cannot fit
         # the context is refused before: no token covers more than this many bytes of text.

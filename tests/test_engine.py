@@ -432,6 +432,24 @@ def test_the_thread_serves_requests_submitted_from_other_threads():
     assert [c.tokens for c in out] == [solo(model, p, capped(p, 8)) for p in prompts]
 
 
+def test_the_loop_calls_after_step_once_per_step_after_its_events():
+    """Serving's relay wakes the event loop from after_step: every event must be followed by a call, and one call
+    must cover a whole step's events (one per running request), not one event each."""
+    model = model_for()
+    engine = Engine(model, EngineConfig(kv_blocks=128, block_size=4))
+    log: list[str] = []
+    out = [Collector() for _ in range(4)]
+    for p, c in zip(prompts_for(4, seed=9), out):
+        engine.submit(p, greedy(6), lambda ids, finish, c=c: (log.append("event"), c(ids, finish)))
+    engine.after_step.append(lambda: log.append("flush"))
+    engine.start()
+    assert all(c.done.wait(60) for c in out)
+    engine.stop()
+    assert log[-1] == "flush"
+    runs = [len(run) for run in "".join("e" if x == "event" else "|" for x in log).split("|") if run]
+    assert max(runs) == 4 and all(c.reasons == ["length"] for c in out)
+
+
 def test_a_dying_loop_finishes_every_request_with_error_and_alive_turns_false(monkeypatch):
     model = model_for()
     engine = Engine(model, EngineConfig(kv_blocks=128, block_size=4))
@@ -447,13 +465,16 @@ def test_a_dying_loop_finishes_every_request_with_error_and_alive_turns_false(mo
     out = [Collector() for _ in range(3)]
     for p, c in zip([[1, 2, 3], [4, 5], [6]], out):
         engine.submit(p, greedy(20), c)
+    flushes = []
+    engine.after_step.append(lambda: flushes.append(sum(len(c.reasons) for c in out)))
     engine.start()
     assert all(c.done.wait(60) for c in out)
+    engine.stop()
+    assert flushes[-1] == 3  # the crash's last events were flushed too (serving would wait on them forever)
     assert [c.reasons for c in out] == [["error"]] * 3 and not engine.alive
     assert engine.stats()["kv_blocks_used"] == 0
     with pytest.raises(RuntimeError, match="injected failure"):
         engine.submit([1], greedy(1), Collector())
-    engine.stop()
 
 
 def test_a_request_finished_in_the_failing_step_keeps_its_finish_reason(monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
@@ -77,23 +78,30 @@ def test_check_key_takes_either_header_and_nothing_else():
 
 # --- engine events to the event loop, and to text -----------------------------------------------------------------
 
-def test_event_relay_wakes_the_loop_once_for_all_pending_events():
-    async def run() -> tuple[int, list, list]:
+def test_event_relay_wakes_the_loop_once_per_flush_however_many_events():
+    async def run() -> tuple[int, int, list, list]:
         loop = asyncio.get_running_loop()
         wakeups, schedule = [], loop.call_soon_threadsafe
-        loop.call_soon_threadsafe = lambda *args: wakeups.append(args) or schedule(*args)
         relay, a, b = EventRelay(), asyncio.Queue(), asyncio.Queue()
-        engine = threading.Thread(target=lambda: [relay.put(loop, q, i) for i in range(50) for q in (a, b)])
-        engine.start()
-        engine.join()  # the loop is blocked meanwhile: all 100 events wait for one wake-up
+        loop.call_soon_threadsafe = lambda fn, *args: (fn == relay._deliver and wakeups.append(args)) or schedule(fn, *args)
+
+        def engine_step() -> None:  # one step's events, put while the loop runs freely, then the step's flush
+            for i in range(50):
+                for q in (a, b):
+                    relay.put(loop, q, i)
+                time.sleep(0.0005)  # let the loop run between events, as it does on another core
+
+        await asyncio.to_thread(engine_step)
+        before_flush = a.qsize() + b.qsize()
+        relay.flush()
         for _ in range(100):
             if a.qsize() == b.qsize() == 50:
                 break
             await asyncio.sleep(0)
-        return len(wakeups), [a.get_nowait() for _ in range(a.qsize())], [b.get_nowait() for _ in range(b.qsize())]
+        return len(wakeups), before_flush, [a.get_nowait() for _ in range(50)], [b.get_nowait() for _ in range(50)]
 
-    wakeups, got_a, got_b = asyncio.run(run())
-    assert wakeups == 1 and got_a == got_b == list(range(50))
+    wakeups, before_flush, got_a, got_b = asyncio.run(run())
+    assert before_flush == 0 and wakeups == 1 and got_a == got_b == list(range(50))
 
 
 class ScriptedSubmission:

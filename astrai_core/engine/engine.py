@@ -3,6 +3,7 @@
     engine = Engine(model, EngineConfig(kv_blocks=256)); engine.start()
     req_id = engine.submit(prompt_ids, SamplingParams(max_tokens=32, temperature=0), on_event)
     # on_event(new_token_ids, finish_reason) from the engine thread, finish_reason set on the last call only
+    engine.after_step.append(flush)  # called on the engine thread once each step's events are out
 
 submit and cancel only touch a locked inbox, so any thread may call them; everything else (scheduler, blocks,
 runner) belongs to the thread that calls step(). If step() raises, the loop stops, alive turns False and every
@@ -17,6 +18,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -81,6 +83,9 @@ class Engine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # Called on the engine thread after each step of the loop (and after a crash's last events): a consumer
+        # that hands events to another thread wakes it once per step here, not once per event (serving's relay).
+        self.after_step: list[Callable[[], None]] = []
         self.alive = True
         self.error: BaseException | None = None
         self.prompt_tokens_total = self.generated_tokens_total = self.requests_finished_total = 0
@@ -153,12 +158,22 @@ class Engine:
     def _loop(self) -> None:
         try:
             while not self._stopping:
-                if not self.step():
+                worked = self.step()
+                self._after_step()
+                if not worked:
                     self._wake.wait(timeout=0.1)
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - whatever it was, no request may hang
             log.exception("the engine loop died")
             self._die(e)
+            self._after_step()
+
+    def _after_step(self) -> None:
+        for listener in self.after_step:
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - a listener's failure must not stop the engine
+                log.exception("after_step listener %r raised", listener)
 
     def _die(self, error: BaseException) -> None:
         with self._lock:
