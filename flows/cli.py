@@ -242,7 +242,10 @@ def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAM
           device: str = typer.Option("auto", help="auto (cuda when present, else cpu), cpu or cuda."),
           threads: str = typer.Option("auto", help="torch intra-op threads: auto = the cores this process may use "
                                       "minus one, kept for the HTTP event loop (at least 1; OMP_NUM_THREADS wins "
-                                      "when set), or a number.")) -> None:
+                                      "when set), or a number."),
+          engine_process: bool = typer.Option(True, "--engine-process/--engine-thread", help="Run the engine in a "
+                                              "process of its own (default: the HTTP event loop and the engine then "
+                                              "do not share one GIL) or in a thread of the server's process.")) -> None:
     """Serve a model over HTTP with OpenAI- and Anthropic-compatible routes (/v1/chat/completions,
     /v1/completions, /v1/messages, /v1/models), /health, /metrics and a chat page at /, on the continuous-batching
     engine. Engine options left out take the engine's defaults (astrai_core/engine/engine.py EngineConfig); the
@@ -255,7 +258,7 @@ def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAM
 
     from astrai_core.chat import load_chat
     from astrai_core.checkpoint import load_model
-    from astrai_core.engine import Engine, EngineConfig
+    from astrai_core.engine import Engine, EngineConfig, EngineProcess
     from serving.app import create_app
 
     api_key = api_key or None  # an empty ASTRAI_API_KEY means no key
@@ -272,7 +275,8 @@ def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAM
     if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
         _fail(f"--device {device}: expected auto, cpu or cuda (and cuda needs a GPU build of torch and a GPU)")
     n_threads, why = _serve_threads(threads)
-    torch.set_num_threads(n_threads)
+    options = {"kv_blocks": kv_blocks, "kv_memory_mb": kv_memory_mb, "block_size": block_size,
+               "max_batch_size": max_batch_size, "max_waiting": max_waiting}
     with tempfile.TemporaryDirectory(prefix="astrai-serve-") as tmp:  # a registry download, gone once loaded
         aliases: list[str] = []
         if model.startswith("models:/"):
@@ -282,22 +286,20 @@ def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAM
         else:
             _fail(f"{model}: no such checkpoint directory (or give models:/NAME@ALIAS or models:/NAME/VERSION)")
         try:
-            m, _, _ = load_model(checkpoint, device=device)
             chat = load_chat(checkpoint / "tokenizer.json")
-        except AstraiError as e:
+            config = EngineConfig(**{k: v for k, v in options.items() if v is not None},
+                                  prefix_cache=not no_prefix_cache, batch_invariant=batch_invariant)
+            if engine_process:
+                engine = EngineProcess(checkpoint, config, device=device, threads=n_threads)
+            else:
+                torch.set_num_threads(n_threads)
+                engine = Engine(load_model(checkpoint, device=device)[0], config)
+        except (AstraiError, ValueError) as e:
             _fail(str(e))
-    options = {"kv_blocks": kv_blocks, "kv_memory_mb": kv_memory_mb, "block_size": block_size,
-               "max_batch_size": max_batch_size, "max_waiting": max_waiting}
-    try:
-        config = EngineConfig(**{k: v for k, v in options.items() if v is not None}, prefix_cache=not no_prefix_cache,
-                              batch_invariant=batch_invariant)
-        engine = Engine(m, config)
-    except ValueError as e:
-        _fail(str(e))
     application = create_app(engine, chat, model_id, api_key=api_key, aliases=aliases)
     c = engine.config
     typer.echo(f"astrai: serving {', '.join([model_id, *aliases])} on http://{host}:{port}/v1 ({device}, {n_threads} torch thread(s): "
-               f"{why}; batch cap {c.max_batch_size}, {engine.stats()['kv_blocks_total']} KV blocks of "
+               f"{why}; engine {'process' if engine_process else 'thread'}; batch cap {c.max_batch_size}, {engine.stats()['kv_blocks_total']} KV blocks of "
                f"{c.block_size} tokens, queue {c.max_waiting})", err=True)
     engine.start()
     try:

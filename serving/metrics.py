@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -40,7 +39,7 @@ class EngineCollector:
                 yield CounterMetricFamily(f"astrai_{name}", doc, value=s[key])
         yield GaugeMetricFamily("astrai_engine_alive", "1 while the engine loop runs", value=int(self.engine.alive))
         yield GaugeMetricFamily("astrai_torch_threads", "torch intra-op threads of the engine",
-                                value=torch.get_num_threads())
+                                value=s["torch_threads"])
 
 
 def metrics_registry(engine: Engine) -> tuple[CollectorRegistry, Histogram]:

@@ -5,12 +5,13 @@
     scheduler.py      each step: admit, chunked prefill, decode, retire; preemption when out of blocks
     runner.py         the batch as tensors, the model run against the paged pool
     engine.py         Engine: submit / cancel / step, the loop thread, stats
+    process.py        EngineProcess: Engine's interface over an Engine in a child process (astrai serve's default)
 
-The public API (what astrai serve uses): Engine, EngineConfig, SamplingParams,
-QueueFull.
+The public API (what astrai serve uses): Engine, EngineProcess, EngineConfig, SamplingParams, QueueFull.
 """
 
 from astrai_core.engine.engine import Engine, EngineConfig, QueueFull
+from astrai_core.engine.process import EngineProcess
 from astrai_core.engine.sequence import SamplingParams
 
-__all__ = ["Engine", "EngineConfig", "QueueFull", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "EngineProcess", "QueueFull", "SamplingParams"]

@@ -57,6 +57,17 @@ class EngineConfig:
             raise ValueError(f"kv_memory_mb ({self.kv_memory_mb}) must be positive")
 
 
+def check_prompt(prompt_ids: list[int], context_length: int, vocab_size: int) -> None:
+    """ValueError for a prompt the engine cannot run: empty, leaving no room to generate, or holding a token id
+    outside the vocabulary (the embedding would fail inside the loop, for the whole batch)."""
+    if not prompt_ids:
+        raise ValueError("the prompt has no tokens")
+    if len(prompt_ids) >= context_length:
+        raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context is {context_length}")
+    if not 0 <= min(prompt_ids) <= max(prompt_ids) < vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size}): got {min(prompt_ids)}..{max(prompt_ids)}")
+
+
 TTFT_KEPT = 1024  # recent time-to-first-token values kept for stats()
 
 
@@ -96,13 +107,7 @@ class Engine:
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: OnEvent) -> int:
         """Queue a request; -> its id. Raises ValueError (empty prompt, one that leaves no room to generate, a token
         id outside the vocabulary), QueueFull, or RuntimeError when the engine loop has died."""
-        if not prompt_ids:
-            raise ValueError("the prompt has no tokens")
-        if len(prompt_ids) >= self.context_length:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context is {self.context_length}")
-        if not 0 <= min(prompt_ids) <= max(prompt_ids) < self.vocab_size:  # else the embedding fails in the loop
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}): got {min(prompt_ids)}.."
-                             f"{max(prompt_ids)}")
+        check_prompt(prompt_ids, self.context_length, self.vocab_size)
         with self._lock:
             if not self.alive:
                 raise RuntimeError(f"the engine has stopped after an error: {self.error!r}")
@@ -137,6 +142,7 @@ class Engine:
             "requests_finished_total": self.requests_finished_total,
             "preemptions_total": self.scheduler.preemptions,
             "ttft_seconds": ttft[0], "ttft_seconds_sum": ttft[1], "ttft_seconds_count": ttft[2],
+            "torch_threads": torch.get_num_threads(),
         }
 
     def start(self) -> None:

@@ -1,0 +1,118 @@
+"""EngineProcess (astrai_core/engine/process.py): the engine in a child process behind Engine's interface, as
+`astrai serve` runs it. A real child process (spawned), a real checkpoint on disk."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from astrai_core.bpe import train_tokenizer
+from astrai_core.checkpoint import save_checkpoint
+from astrai_core.engine import EngineConfig, EngineProcess, QueueFull, SamplingParams
+from astrai_core.generate import generate
+from conftest import sharp_random_model
+
+SHAPE = {"vocab_size": 300, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64}
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.reasons: list[str] = []
+        self.done = threading.Event()
+
+    def __call__(self, tokens: list[int], reason: str | None) -> None:
+        self.tokens += tokens
+        if reason is not None:
+            self.reasons.append(reason)
+            self.done.set()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine-process")
+    tok = train_tokenizer(["the king loves the queen and the night"] * 50, vocab_size=SHAPE["vocab_size"])
+    tok.save(str(root / "tokenizer.json"))
+    model = sharp_random_model(**SHAPE)
+    return save_checkpoint(root / "ckpt", model, model.cfg, root / "tokenizer.json"), model
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0)
+
+
+def test_requests_in_the_child_equal_solo_generate_and_after_step_follows_their_events(checkpoint):
+    ckpt, model = checkpoint
+    engine = EngineProcess(ckpt, EngineConfig(kv_blocks=64, block_size=4), threads=1)
+    log: list[str] = []
+    engine.after_step.append(lambda: log.append("flush"))
+    engine.start()
+    try:
+        prompts = [[5, 6, 7], [9] * 12, [100, 200, 3, 4, 5], [42]]
+        out = [Collector() for _ in prompts]
+        for p, c in zip(prompts, out):
+            engine.submit(p, greedy(10), lambda ids, f, c=c: (log.append("event"), c(ids, f)))
+        assert all(c.done.wait(60) for c in out)
+        assert engine.alive and engine.stats()["generated_tokens_total"] == 40
+        assert engine.stats()["torch_threads"] == 1 and engine.stats()["kv_blocks_total"] == 64
+        with torch.no_grad():
+            assert [c.tokens for c in out] == [generate(model, p, 10) for p in prompts]
+        assert all(c.reasons == ["length"] for c in out)
+        time.sleep(0.2)
+        assert log[-1] == "flush" and "event" + "flush" in "".join(log)
+        # The prompt checks answer at once, in this process.
+        with pytest.raises(ValueError, match="no tokens"):
+            engine.submit([], greedy(1), Collector())
+        with pytest.raises(ValueError, match=r"in \[0, 300\)"):
+            engine.submit([300], greedy(1), Collector())
+    finally:
+        engine.stop()
+    assert not engine._proc.is_alive()
+
+
+def test_cancel_ends_a_request_and_the_queue_bound_holds(checkpoint):
+    ckpt, _ = checkpoint
+    engine = EngineProcess(ckpt, EngineConfig(kv_blocks=64, block_size=4, max_batch_size=1, max_waiting=1),
+                           threads=1)
+    engine.start()
+    try:
+        long = Collector()
+        rid = engine.submit([1, 2, 3], greedy(60), long)
+        engine.submit([4], greedy(2), Collector())  # waits behind the first (batch cap 1)
+        with pytest.raises(QueueFull):
+            engine.submit([5], greedy(2), Collector())
+        engine.cancel(rid)
+        assert long.done.wait(60) and long.reasons == ["cancelled"] and len(long.tokens) < 60
+    finally:
+        engine.stop()
+
+
+def test_a_dead_child_ends_every_open_request_with_error(checkpoint):
+    ckpt, _ = checkpoint
+    engine = EngineProcess(ckpt, EngineConfig(kv_blocks=64, block_size=4, max_batch_size=1), threads=1)
+    engine.start()
+    try:
+        out = [Collector() for _ in range(3)]
+        for c in out:
+            engine.submit([1, 2, 3], greedy(60), c)
+        os.kill(engine._proc.pid, signal.SIGKILL)
+        assert all(c.done.wait(60) for c in out)
+        assert all(c.reasons == ["error"] for c in out) and not engine.alive
+        with pytest.raises(RuntimeError, match="stopped"):
+            engine.submit([1], greedy(1), Collector())
+    finally:
+        engine.stop()
+
+
+def test_a_checkpoint_that_cannot_load_is_a_one_line_error(checkpoint, tmp_path):
+    ckpt, _ = checkpoint
+    with pytest.raises(ValueError, match="KV pool"):  # the child's Engine refuses: said here, in the parent
+        EngineProcess(ckpt, EngineConfig(kv_blocks=2, block_size=4), threads=1)
+    with pytest.raises(ValueError) as e:
+        EngineProcess(tmp_path, EngineConfig(), threads=1)
+    assert str(e.value) and "\n" not in str(e.value)
