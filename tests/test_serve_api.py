@@ -17,6 +17,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -541,6 +542,29 @@ def test_engine_failure_turns_health_503_and_requests_fail_cleanly(served):
 
 
 
+def test_a_killed_engine_process_turns_health_503_and_the_server_lives_on(served, tmp_path):
+    """astrai serve's default: the engine in a child process. SIGKILL it mid-stream: the stream ends with an error
+    event, /health says so, new requests are refused, and the HTTP server itself keeps answering."""
+    proc, url = _start_server(["--model", str(served["ckpt"])], tmp_path)
+    try:
+        ps = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True, text=True)
+        children = [line.split()[0] for line in ps.stdout.splitlines() if "spawn_main" in line]
+        assert len(children) == 1, ps.stdout  # the engine's process (beside multiprocessing's resource tracker)
+        body = {"model": MODEL_ID, "prompt": "the king", "max_tokens": 150, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # generating
+            os.kill(int(children[0]), signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and "engine" in json.loads(rest[-2].removeprefix("data: "))["error"]["message"]
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "engine stopped"
+        r = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=10)
+        assert r.status_code == 503 and proc.poll() is None
+    finally:
+        _stop_server(proc)
+
+
 def test_serve_from_mlflow_registry(served, tmp_path, monkeypatch):
     import mlflow
 
@@ -615,7 +639,7 @@ def test_serve_picks_its_threads_for_the_cores_and_says_so(served):
         finally:
             _stop_server(proc)
         log = (served["root"] / f"server-{url.rsplit(':', 1)[1]}.log").read_text()
-        assert f"{want} torch thread(s): {why}; engine process; batch cap 16" in log, log
+        assert f"{want} torch thread(s): {why}; engine process; batch cap 64" in log, log
 
 
 def test_a_lone_surrogate_or_a_stream_that_is_not_a_boolean_is_400_naming_the_field(server):

@@ -37,7 +37,9 @@ class QueueFull(Exception):
 
 @dataclass
 class EngineConfig:
-    max_batch_size: int = 16  # running sequences at most
+    # Running sequences at most. 64, not 16: at 128 requests at once (demo model, 1 thread, in process) 64 rows
+    # decoded 6,400-6,700 tokens/s against 5,100-5,300 at 16, with time to first token p99 1.3 s against 2.8 s.
+    max_batch_size: int = 64
     block_size: int = 16  # tokens per KV block
     kv_blocks: int | None = None  # blocks in the pool; None: as many as kv_memory_mb holds
     kv_memory_mb: float = 256.0
