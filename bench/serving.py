@@ -218,6 +218,15 @@ class Server:
         self.proc.kill()
         raise RuntimeError(f"{self.name} did not start in 2 minutes")
 
+    def peak_rss_mib(self) -> float:
+        """The most resident memory the server's process and its children (astrai's engine) have held."""
+        ps = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True, text=True)
+        total = 0
+        for pid in [self.proc.pid, *map(int, ps.stdout.split())]:
+            status = Path(f"/proc/{pid}/status").read_text()
+            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM")))
+        return round(total / 1024, 1)
+
     def __exit__(self, *exc) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=30)
@@ -358,6 +367,7 @@ def main() -> None:
             servers["peer_1_thread"] = lambda: peer_server(args.peer_venv, hf, tmp, 1)
         rows: dict[str, list[dict]] = {name: [] for name in servers}
         errors: dict[str, str] = {}
+        peak_rss: dict[str, list[float]] = {}
         for r in range(args.rounds):
             print(f"round {r + 1} of {args.rounds}", flush=True)
             for name, make in servers.items():
@@ -371,6 +381,7 @@ def main() -> None:
                             report["astrai_serve"] = {"torch_threads": int(m["astrai_torch_threads"]),
                                                       "start_up": server.log_path.read_text().splitlines()[0]}
                         rows[name].append(measure(server, model_id, workloads))
+                        peak_rss.setdefault(name, []).append(server.peak_rss_mib())
                 except Exception as e:  # noqa: BLE001 - a peer that fails is reported, ours is fatal
                     if name == "astrai":
                         raise
@@ -379,6 +390,7 @@ def main() -> None:
         report["servers"] = {name: {w: median_rows([rnd[w] for rnd in runs]) for w in workloads}
                              for name, runs in rows.items() if runs}
         report["errors"] = errors
+        report["peak_rss_mib"] = peak_rss
 
         threads = report["astrai_serve"]["torch_threads"]
         report["engine"] = {}
