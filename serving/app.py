@@ -1,6 +1,6 @@
 """create_app: the server for one model, assembled from the protocol routers.
 
-    app = create_app(engine, chat, model_id="astrai/3", api_key=None)    # engine: astrai_core.engine.Engine
+    app = create_app(engine, chat, model_id="astrai/3", api_key=None)    # an Engine, or an EngineProcess
     uvicorn.run(app, host="127.0.0.1", port=8000)                          # `astrai serve` does this
 
 Routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (OpenAI), POST /v1/messages (Anthropic),
