@@ -1,6 +1,6 @@
 """The HTTP layer of `astrai serve`: OpenAI- and Anthropic-compatible routes over astrai_core's engine.
 
-    app = create_app(engine, chat, model_id="astrai/3", api_key=None)    # serving.app; engine: astrai_core.engine.Engine
+    app = create_app(engine, chat, model_id="astrai/3", api_key=None)    # serving.app; an Engine or EngineProcess
     uvicorn.run(app, host="127.0.0.1", port=8000)                          # `astrai serve` does this
 
     protocol/       the request bodies (pydantic): base.py (fields and validators both protocols share),
@@ -20,12 +20,12 @@
 A request's way through: the JSON body is read (413 past the size limit), parsed and validated by the pydantic
 models of its protocol (400 naming the field), turned into prompt token ids (the chat template for chat and
 messages), and submitted to the engine with a callback that hands each event (new token ids, finish reason) from
-the engine thread to this request's asyncio queue. TextStream turns the token ids into text: it gives out only
+the engine's thread to this request's asyncio queue (EventRelay: one wake-up of the event loop per engine step). TextStream turns the token ids into text: it gives out only
 text that can no longer change, so a stop string is never returned, not even partly, and a character whose UTF-8
 bytes are split across tokens is held back until it is whole. Responses and errors take each protocol's own
 shape. A client that goes away (a closed stream or an abandoned request) has its engine request cancelled, which
 frees its batch slot and KV blocks at the engine's next step.
 
 The engine knows nothing of HTTP; this package uses only its public API (astrai_core.engine: Engine.submit,
-cancel, stats, alive, context_length).
+cancel, stats, alive, after_step, context_length; EngineProcess has the same, over an engine in another process).
 """
