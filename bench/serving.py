@@ -19,7 +19,7 @@ interleave the servers, and every figure is the median over --rounds):
   pooled), each at p50 and p99.
 * engine: the same streams workload through astrai_core.engine.Engine in this process (no HTTP: step() called in a
   loop, a finished request replaced at once so that c stay in flight), with the torch threads the server picked
-  (its /metrics) and with all cores: what the HTTP path could at most deliver.
+  (its /metrics) and with all cores, in every round after the servers: what the HTTP path could at most deliver.
 * peer (--peer-venv VENV): the same model exported with `astrai export-hf`, served by `transformers serve
   --continuous-batching` from VENV (a separate venv with transformers[serving], not a project dependency), with
   its defaults and with OMP_NUM_THREADS=1; the same prompts, as text. On failure the report says why.
@@ -368,6 +368,7 @@ def main() -> None:
         rows: dict[str, list[dict]] = {name: [] for name in servers}
         errors: dict[str, str] = {}
         peak_rss: dict[str, list[float]] = {}
+        engine_rows: dict[str, dict[str, list[dict]]] = {}
         for r in range(args.rounds):
             print(f"round {r + 1} of {args.rounds}", flush=True)
             for name, make in servers.items():
@@ -387,20 +388,22 @@ def main() -> None:
                         raise
                     errors[name] = f"{type(e).__name__}: {e}"[-2000:]
                     print(f"  {name} failed: {errors[name]}", flush=True)
+            # The engine alone in the same round (the machine's speed drifts between rounds): with the server's
+            # threads and with all cores.
+            for n_threads in sorted({report["astrai_serve"]["torch_threads"], os.cpu_count() or 1}):
+                runs = engine_rows.setdefault(f"{n_threads}_threads", {})
+                for c in levels:
+                    row = engine_alone(model, tokenizer, workloads[f"streams_{c}"]["requests"], c, n_threads)
+                    runs.setdefault(f"streams_{c}", []).append(row)
+                print(f"  engine alone, {n_threads} threads:", {c: r[-1]["output_tokens_per_s"]
+                                                                for c, r in runs.items()}, flush=True)
         report["servers"] = {name: {w: median_rows([rnd[w] for rnd in runs]) for w in workloads}
                              for name, runs in rows.items() if runs}
         report["errors"] = errors
         report["peak_rss_mib"] = peak_rss
 
         threads = report["astrai_serve"]["torch_threads"]
-        report["engine"] = {}
-        for n_threads in sorted({threads, os.cpu_count() or 1}):
-            report["engine"][f"{n_threads}_threads"] = {
-                f"streams_{c}": median_rows([engine_alone(model, tokenizer, workloads[f"streams_{c}"]["requests"], c,
-                                                          n_threads) for _ in range(args.rounds)])
-                for c in levels}
-            print(f"engine, {n_threads} threads:", {c: r["output_tokens_per_s"] for c, r in
-                                                    report["engine"][f"{n_threads}_threads"].items()}, flush=True)
+        report["engine"] = {t: {w: median_rows(runs) for w, runs in by_level.items()} for t, by_level in engine_rows.items()}
         if not args.no_prefix_scenario:
             report["shared_prefix"] = shared_prefix(ckpt, tokenizer, cfg.max_seq_len, tmp, args.rounds)
 
