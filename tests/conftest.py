@@ -6,6 +6,7 @@ import os as _os
 import shutil as _shutil
 import subprocess as _subprocess
 import sys as _sys
+import threading as _threading
 from pathlib import Path as _Path
 
 from flows import env as _env
@@ -178,3 +179,20 @@ def sharp_random_model(**cfg):
         for p in model.parameters():
             p.mul_(3.0)
     return model
+
+
+class Collector:
+    """on_event for one engine request (Engine or EngineProcess): the tokens and every finish reason it was sent."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.reasons: list[str] = []
+        self.done = _threading.Event()
+
+    def __call__(self, tokens: list[int], reason: str | None) -> None:
+        if self.done.is_set():  # an event after the last one: the tests' exact reasons lists catch it
+            reason = reason or "event after the last one"
+        self.tokens += tokens
+        if reason is not None:
+            self.reasons.append(reason)
+            self.done.set()

@@ -17,7 +17,7 @@ from astrai_core.engine.scheduler import Scheduler
 from astrai_core.engine.sequence import Sequence
 from astrai_core.generate import generate
 from astrai_core.model import KVCache, Transformer
-from conftest import sharp_random_model
+from conftest import Collector, sharp_random_model
 
 VARIANTS = {
     "default": {},
@@ -58,23 +58,6 @@ def prompts_for(n: int, seed: int = 0, longest: int = 40) -> list[list[int]]:
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
-
-
-class Collector:
-    """on_event for one request: the tokens and every finish reason it was sent."""
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.reasons: list[str] = []
-        self.done = threading.Event()
-
-    def __call__(self, tokens: list[int], reason: str | None) -> None:
-        if self.done.is_set():  # an event after the last one: the tests' exact reasons lists catch it
-            reason = reason or "event after the last one"
-        self.tokens += tokens
-        if reason is not None:
-            self.reasons.append(reason)
-            self.done.set()
 
 
 def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> list[Collector]:

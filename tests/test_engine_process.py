@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -15,22 +14,9 @@ from astrai_core.bpe import train_tokenizer
 from astrai_core.checkpoint import save_checkpoint
 from astrai_core.engine import EngineConfig, EngineProcess, QueueFull, SamplingParams
 from astrai_core.generate import generate
-from conftest import sharp_random_model
+from conftest import Collector, sharp_random_model
 
 SHAPE = {"vocab_size": 300, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64}
-
-
-class Collector:
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.reasons: list[str] = []
-        self.done = threading.Event()
-
-    def __call__(self, tokens: list[int], reason: str | None) -> None:
-        self.tokens += tokens
-        if reason is not None:
-            self.reasons.append(reason)
-            self.done.set()
 
 
 @pytest.fixture(scope="module")
