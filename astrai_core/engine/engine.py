@@ -70,6 +70,15 @@ def check_prompt(prompt_ids: list[int], context_length: int, vocab_size: int) ->
         raise ValueError(f"prompt token ids must be in [0, {vocab_size}): got {min(prompt_ids)}..{max(prompt_ids)}")
 
 
+def run_listeners(listeners: list[Callable[[], None]]) -> None:
+    """Call each after_step listener; one that raises is logged, and neither the engine nor the others stop."""
+    for listener in listeners:
+        try:
+            listener()
+        except Exception:  # noqa: BLE001
+            log.exception("after_step listener %r raised", listener)
+
+
 TTFT_KEPT = 1024  # recent time-to-first-token values kept for stats()
 
 
@@ -177,11 +186,7 @@ class Engine:
             self._after_step()
 
     def _after_step(self) -> None:
-        for listener in self.after_step:
-            try:
-                listener()
-            except Exception:  # noqa: BLE001 - a listener's failure must not stop the engine
-                log.exception("after_step listener %r raised", listener)
+        run_listeners(self.after_step)
 
     def _die(self, error: BaseException) -> None:
         with self._lock:

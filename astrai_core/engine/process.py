@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from astrai_core.engine.engine import Engine, EngineConfig, QueueFull, check_prompt
+from astrai_core.engine.engine import Engine, EngineConfig, QueueFull, check_prompt, run_listeners
 from astrai_core.engine.sequence import OnEvent, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -194,8 +194,4 @@ class EngineProcess:
                 self.cancel(rid)
 
     def _after_step(self) -> None:
-        for listener in self.after_step:
-            try:
-                listener()
-            except Exception:  # noqa: BLE001
-                log.exception("after_step listener %r raised", listener)
+        run_listeners(self.after_step)
