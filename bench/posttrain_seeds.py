@@ -62,7 +62,7 @@ def run_seed(seed: int, raw: dict, work: Path) -> dict:
     for stage in STAGES:
         start = time.perf_counter()
         with open(work / f"{stage}.log", "w") as log:
-            done = subprocess.run([sys.executable, "-m", "flows.cli", "stage", stage, "--params", "params.yaml"],
+            done = subprocess.run([sys.executable, "-m", "astrai.cli", "stage", stage, "--params", "params.yaml"],
                                   cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
         if done.returncode:
             raise SystemExit(f"posttrain_seeds: error: seed {seed}: stage {stage} failed (exit {done.returncode}); its log: "

@@ -234,7 +234,7 @@ class Server:
 
 def astrai_server(ckpt: Path, tmp: Path, options: tuple[str, ...] = ()) -> Server:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # as shipped: its own thread choice
-    return Server("astrai serve", [sys.executable, "-m", "flows.cli", "serve", "--model", str(ckpt), *options],
+    return Server("astrai serve", [sys.executable, "-m", "astrai.cli", "serve", "--model", str(ckpt), *options],
                   {**env, "PYTHONPATH": str(ROOT)}, tmp / "astrai.log", "/v1/models")
 
 
@@ -361,7 +361,7 @@ def main() -> None:
         servers = {"astrai": lambda: astrai_server(ckpt, tmp)}
         if args.peer_venv:
             hf = tmp / "hf-export"
-            subprocess.run([sys.executable, "-m", "flows.cli", "export-hf", str(ckpt), str(hf)], cwd=ROOT, check=True,
+            subprocess.run([sys.executable, "-m", "astrai.cli", "export-hf", str(ckpt), str(hf)], cwd=ROOT, check=True,
                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)
             servers["peer_default"] = lambda: peer_server(args.peer_venv, hf, tmp, None)
             servers["peer_1_thread"] = lambda: peer_server(args.peer_venv, hf, tmp, 1)

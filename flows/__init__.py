@@ -1,1 +1,1 @@
-"""Prefect flows that chain the stages, and the `astrai` command line."""
+"""The Prefect flows that chain the stages (flows/pipeline.py). The `astrai` command line is in astrai/cli.py."""

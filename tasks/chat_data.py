@@ -1,4 +1,11 @@
-"""Chat data stage: data/corpus -> data/chat/{sft,dpo,grpo}_{train,test}.jsonl + stats.json.
+"""Stage `chat_data`: data/corpus -> data/chat/records/{sft,dpo,grpo}_{train,test}.jsonl + stats.json, and those
+records tokenized with the chat template (build_chat, the stage):
+
+* sft_{train,test}.h5: conversations + loss mask; sft_train.h5 ends with pretraining text (replay): windows of the
+  packed train split, whole rows with every token a target, `chat_data.sft_replay` of the SFT loss tokens, so
+  fine-tuning does not forget language modeling.
+* dpo_{train,test}.h5: pair i = documents 2i chosen, 2i + 1 rejected, mask on the response.
+* grpo_{train,test}.jsonl: the prompts that fit the context.
 
 Each kind (`chat_data.sft`, `.dpo`, `.grpo` in params.yaml) is either "demo", derived from the plays without any
 download, or the path of the user's own JSONL file, read and validated here.
@@ -33,15 +40,20 @@ chat_data`, or from Python:
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
+
+from astrai_core.chat import ChatFormat, load_chat
+from astrai_core.data import PackedTokens, PackedWriter
 from astrai_core.errors import AstraiError
-from astrai_core.io import atomic_path
+from astrai_core.io import atomic_path, sha256_file, write_json
 from tasks.chat_records import KINDS, check_record, read_records
 from tasks.demo_tasks import items
-from tasks.params import DEMO, ChatDataParams
+from tasks.params import DEMO, ChatDataParams, Params
 from tasks.plays import Speech, read_plays
 
 
@@ -155,3 +167,134 @@ def build_chat_data(params: ChatDataParams, corpus_dir: Path, out_dir: Path) -> 
                 stats["files"][name] = len(data[split][kind])
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
     return stats
+
+
+# The stage's second half: the records tokenized with the chat template (build_chat is the stage).
+
+SPLITS = ("train", "test")
+
+
+def _problem(on_bad: str, problems: list[str], message: str) -> None:
+    if on_bad == "stop":
+        raise AstraiError(message)
+    problems.append(message)
+
+
+def pack_chat(params: Params, records_dir: Path, tokenizer_path: Path, out_dir: Path, replay_from: Path | None = None
+              ) -> dict:
+    """Tokenize the records into out_dir (a directory the caller makes atomic); returns counts and problems.
+    A record that does not fit the context (seq_len + 1 tokens; a GRPO prompt plus max_new_tokens) is skipped
+    and counted, or stops the stage, as chat_data.on_bad_record says. `replay_from`: the pretraining tokens
+    (packed/train.h5) that sft_train.h5's replay rows come from."""
+    chat = load_chat(tokenizer_path)
+    on_bad, limit = params.chat_data.on_bad_record, params.pretrain.seq_len + 1
+    attrs = packed_attrs(chat, tokenizer_path, records_dir)
+    stats: dict = {"problems": []}
+    for split in SPLITS:
+        for kind, fn in (("sft", _pack_sft), ("dpo", pack_dpo)):
+            path = records_dir / f"{kind}_{split}.jsonl"
+            with PackedWriter(out_dir / f"{kind}_{split}.h5", split=f"{kind}_{split}", **attrs) as writer:
+                n, targets = fn(chat, path, writer, limit, on_bad, stats["problems"])
+                if kind == "sft" and split == "train" and params.chat_data.sft_replay > 0:
+                    stats["sft_replay_rows"] = _add_replay(writer, replay_from, attrs["tokenizer_sha256"], targets,
+                                                           params.chat_data.sft_replay, params.pretrain.seq_len,
+                                                           params.chat_data.seed)
+            stats[f"{kind}_{split}"] = n
+        kept = []
+        path = records_dir / f"grpo_{split}.jsonl"
+        for lineno, record in numbered_records(path):
+            n = len(chat.encode_prompt([{"role": "user", "content": record["prompt"]}]))
+            if n + params.grpo.objective.max_new_tokens > params.model.max_seq_len:
+                _problem(on_bad, stats["problems"], f"{path}:{lineno}: prompt of {n} tokens + grpo.max_new_tokens "
+                         f"{params.grpo.objective.max_new_tokens} is longer than the context ({params.model.max_seq_len})")
+                continue
+            kept.append(json.dumps(record, ensure_ascii=False) + "\n")
+        (out_dir / f"grpo_{split}.jsonl").write_text("".join(kept), encoding="utf-8")
+        stats[f"grpo_{split}"] = len(kept)
+    for key in ("sft_train", "dpo_train", "grpo_train"):
+        if not stats[key]:
+            raise AstraiError(f"{records_dir / (key + '.jsonl')}: no record fits the context; nothing to train on")
+    write_json(out_dir / "pack_stats.json", stats)
+    return stats
+
+
+def packed_attrs(chat: ChatFormat, tokenizer_path: Path, records_dir: Path) -> dict:
+    return dict(vocab_size=chat.tokenizer.get_vocab_size(), tokenizer_sha256=sha256_file(tokenizer_path),
+                source_manifest_sha256=sha256_file(records_dir / "stats.json"), with_loss_mask=True)
+
+
+def _add_replay(writer: PackedWriter, tokens_path: Path | None, tokenizer_sha256: str, chat_targets: int,
+                share: float, seq_len: int, seed: int) -> int:
+    """Append whole rows of pretraining text (every token a target) so that they are `share` of the file's loss
+    tokens (chat_targets are the rest); windows at seeded random starts of tokens_path. Returns the row count."""
+    if tokens_path is None:
+        raise AstraiError("chat_data.sft_replay > 0 needs the packed pretraining tokens (run the pack stage)")
+    with PackedTokens(tokens_path, expected_tokenizer_sha256=tokenizer_sha256) as data:
+        tokens = data.tokens
+        n_rows = math.ceil(chat_targets * share / (1 - share) / seq_len)
+        n_windows = (len(tokens) - 1) // seq_len
+        for w in np.random.default_rng(seed).choice(n_windows, size=min(n_rows, n_windows), replace=False):
+            window = tokens[w * seq_len : (w + 1) * seq_len + 1]
+            mask = np.ones(len(window), dtype=np.uint8)
+            mask[0] = 0  # the first token has nothing before it in its row: seq_len targets
+            writer.add_document(window, mask)
+    return min(n_rows, n_windows)
+
+
+def numbered_records(path: Path):
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                yield lineno, json.loads(line)
+
+
+def _pack_sft(chat: ChatFormat, path: Path, writer: PackedWriter, limit: int, on_bad: str, problems: list
+              ) -> tuple[int, int]:
+    """(records packed, loss tokens)."""
+    n = targets = 0
+    for lineno, record in numbered_records(path):
+        try:
+            ids, mask = chat.encode(record["messages"])
+        except AstraiError as e:
+            _problem(on_bad, problems, f"{path}:{lineno}: {e}")
+            continue
+        if len(ids) > limit:
+            _problem(on_bad, problems, f"{path}:{lineno}: conversation of {len(ids)} tokens is longer than the context "
+                     f"({limit})")
+            continue
+        writer.add_document(ids, mask)
+        n, targets = n + 1, targets + sum(mask)
+    return n, targets
+
+
+def pack_dpo(chat: ChatFormat, path: Path, writer: PackedWriter, limit: int, on_bad: str, problems: list
+              ) -> tuple[int, int]:
+    """(pairs packed, loss tokens)."""
+    n = targets = 0
+    for lineno, record in numbered_records(path):
+        prompt = [{"role": "user", "content": record["prompt"]}]
+        try:
+            pair = [chat.encode(prompt + [{"role": "assistant", "content": record[k]}]) for k in ("chosen", "rejected")]
+        except AstraiError as e:
+            _problem(on_bad, problems, f"{path}:{lineno}: {e}")
+            continue
+        longest = max(len(ids) for ids, _ in pair)
+        if longest > limit:
+            _problem(on_bad, problems, f"{path}:{lineno}: prompt + response of {longest} tokens is longer than the "
+                     f"context ({limit})")
+            continue
+        for ids, mask in pair:
+            writer.add_document(ids, mask)
+        n, targets = n + 1, targets + sum(mask)
+    return n, targets
+
+
+def build_chat(params: Params, corpus_dir: Path, tokenizer_path: Path, out_dir: Path, replay_from: Path | None = None
+               ) -> dict:
+    """The chat_data stage: records/ (JSONL + stats.json) and the tokenized files, all or nothing."""
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        records = build_chat_data(params.chat_data, corpus_dir, tmp / "records")
+        stats = pack_chat(params, tmp / "records", tokenizer_path, tmp, replay_from)
+    return {"records": records, "packed": stats}
+

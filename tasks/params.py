@@ -108,7 +108,7 @@ class StageParams(TrainingSection):
 class DPOParams(StageParams):
     objective: DPOSettings = DPOSettings()  # DPO's own settings (its label_smoothing is conservative DPO's)
     # on_policy: the dpo_reference stage makes each pair's rejected reply the starting model's own wrong answer
-    # (tasks/posttrain.py on_policy_pairs), for pairs whose chosen reply is the one right answer (the demo's);
+    # (tasks/dpo_reference.py on_policy_pairs), for pairs whose chosen reply is the one right answer (the demo's);
     # static: chat_data's pairs as they are (your own JSONL of preferences).
     rejected: Literal["on_policy", "static"] = "on_policy"
 

@@ -43,7 +43,7 @@ def _pack(params: Params, root: Path) -> None:
 
 
 def _chat_data(params: Params, root: Path) -> None:
-    from tasks.posttrain import build_chat
+    from tasks.chat_data import build_chat
 
     stats = build_chat(params, root / CORPUS, root / TOKENIZER / "tokenizer.json", root / CHAT,
                        replay_from=root / PACKED / "train.h5")
@@ -71,7 +71,7 @@ def _train(stage: str) -> Callable[[Params, Path], None]:
 
 
 def _dpo_reference(params: Params, root: Path) -> None:
-    from tasks.posttrain import dpo_reference
+    from tasks.dpo_reference import dpo_reference
 
     info = dpo_reference(params, root)
     if info is not None:

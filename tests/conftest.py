@@ -9,7 +9,7 @@ import sys as _sys
 import threading as _threading
 from pathlib import Path as _Path
 
-from flows import env as _env
+from astrai import env as _env
 
 _env.apply()  # before anything imports Prefect, MLflow or DVC
 

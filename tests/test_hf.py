@@ -209,7 +209,7 @@ def test_import_refuses_unsupported_configs(tmp_path, tokenizer_path):
 def test_cli_export_and_import(tmp_path, tokenizer_path):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from astrai.cli import app
 
     model = random_astrai()
     ckpt = save_checkpoint(tmp_path / "ckpt", model, model.cfg, tokenizer_path)

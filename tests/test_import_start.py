@@ -126,7 +126,7 @@ def test_import_of_a_tokenizer_with_every_special_token_copies_it(tmp_path):
 def test_cli_import_prints_what_was_added(tmp_path):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from astrai.cli import app
 
     _, hf_dir, n_tok = save_hf(tmp_path, "llama")
     result = CliRunner().invoke(app, ["import-hf", str(hf_dir), str(tmp_path / "ckpt")])

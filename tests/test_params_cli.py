@@ -14,7 +14,7 @@ from astrai_core.errors import AstraiError
 from tasks.params import Params, load_params
 
 ROOT = Path(__file__).resolve().parents[1]
-ASTRAI = [sys.executable, "-m", "flows.cli"]
+ASTRAI = [sys.executable, "-m", "astrai.cli"]
 
 
 def test_shipped_params_are_valid():

@@ -26,7 +26,8 @@ from astrai_core.dpo_reference import reference_logps, save_reference_logps
 from astrai_core.bpe import train_tokenizer
 from astrai_core.train import default_callbacks, train
 from tasks.params import parse_params
-from tasks.posttrain import on_policy_pairs, pack_chat
+from tasks.chat_data import pack_chat
+from tasks.dpo_reference import on_policy_pairs
 
 from test_resume import SigtermAt
 

@@ -268,7 +268,7 @@ def test_the_quick_profile_runs_the_whole_chain(tmp_path):
     env.update({"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "PYTHONPATH": str(repo)})
     env.pop("PREFECT_API_URL", None)
     start = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "pipeline", "--profile", "quick"], cwd=repo, env=env,
+    out = subprocess.run([sys.executable, "-m", "astrai.cli", "pipeline", "--profile", "quick"], cwd=repo, env=env,
                          capture_output=True, text=True, timeout=900)
     elapsed = time.monotonic() - start
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
@@ -293,7 +293,7 @@ def test_the_quick_profile_runs_the_whole_chain(tmp_path):
     assert "final_train_loss" in names and not any(k.startswith("final_final") for k in names), names
 
     # Nothing changed: the second run opens no MLflow pipeline run and says the results are the last run's.
-    again = subprocess.run([sys.executable, "-m", "flows.cli", "pipeline", "--profile", "quick"], cwd=repo, env=env,
+    again = subprocess.run([sys.executable, "-m", "astrai.cli", "pipeline", "--profile", "quick"], cwd=repo, env=env,
                            capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-6000:]
     assert "nothing ran:" in again.stdout
@@ -345,7 +345,7 @@ def test_generate_refuses_bad_input_in_one_line(tmp_path, args, message):
     import sys
 
     env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "generate", *args], cwd=tmp_path, env=env,
+    out = subprocess.run([sys.executable, "-m", "astrai.cli", "generate", *args], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, (out.stdout, out.stderr[-2000:])
     last = out.stderr.strip().splitlines()[-1]

@@ -1,6 +1,6 @@
 """`astrai serve` over real HTTP on loopback, spoken to by the official `openai` and `anthropic` clients.
 
-One server (a subprocess of `python -m flows.cli serve`, as `astrai serve` runs) serves a tiny checkpoint made
+One server (a subprocess of `python -m astrai.cli serve`, as `astrai serve` runs) serves a tiny checkpoint made
 here for the whole module: a 2-layer model trained for a few seconds on chat-formatted sentences, so that its
 replies are words and it ends its turns with <|end_of_turn|>. Two more servers start for what cannot share it:
 one whose engine is made to fail (the app on uvicorn in this process, its engine's step patched) and one serving
@@ -39,7 +39,7 @@ from astrai_core.config import ModelConfig
 from astrai_core.generate import generate
 from astrai_core.model import Transformer
 from astrai_core.bpe import special_id, train_tokenizer
-from flows.cli import app
+from astrai.cli import app
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key"
@@ -101,7 +101,7 @@ def _start_server(args: list[str], cwd: Path, env: dict | None = None) -> tuple[
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     env = {k: v for k, v in env.items() if v is not None}  # None: unset
     with open(cwd / f"server-{port}.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--port", str(port), *args], cwd=cwd,
+        proc = subprocess.Popen([sys.executable, "-m", "astrai.cli", "serve", "--port", str(port), *args], cwd=cwd,
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -665,7 +665,7 @@ def test_serve_on_a_port_in_use_is_one_line_and_exit_2(served):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        out = subprocess.run([sys.executable, "-m", "flows.cli", "serve", "--model", str(served["ckpt"]), "--port",
+        out = subprocess.run([sys.executable, "-m", "astrai.cli", "serve", "--model", str(served["ckpt"]), "--port",
                               str(port)], cwd=served["root"], capture_output=True, text=True, timeout=120,
                              env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)})
     assert out.returncode == 2, out.stderr

@@ -185,7 +185,7 @@ def test_astrai_train_reports_a_rank_error_as_one_line(core_tiny_data, tmp_path,
     cfg = make_cfg(core_tiny_data, tmp_path / "out", **kw)
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "train", "--config", str(tmp_path / "cfg.yaml"),
+    out = subprocess.run([sys.executable, "-m", "astrai.cli", "train", "--config", str(tmp_path / "cfg.yaml"),
                           "--nproc", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert out.returncode == 2

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from flows import env
+from astrai import env
 
 env.apply()  # before Prefect, MLflow or DVC is imported
 
