@@ -37,7 +37,7 @@ pipeline: setup  ## the pipeline with a profile for this run: `make pipeline PRO
 	$(BIN)/astrai pipeline $(if $(PROFILE),--profile $(PROFILE))
 
 test: setup  ## the test suite
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 repro: setup  ## the same stages through DVC
 	$(BIN)/dvc repro

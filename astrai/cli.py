@@ -322,7 +322,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 def _serve_threads(choice: str) -> tuple[int, str]:
     """(torch threads, why). On 2 cores torch's default of 2 threads spin-waits on the core the event loop needs:
-    measured at 2 concurrent streams, 530 tokens/s with 2 threads against 1,511 with 1 (DESIGN.md)."""
+    measured at 2 concurrent streams, 530 tokens/s with 2 threads against 1,511 with 1 (docs/design.md)."""
     if choice != "auto":
         if not choice.isdigit() or int(choice) < 1:
             _fail(f"--threads {choice}: expected auto or a number >= 1")

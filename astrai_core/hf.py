@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 from astrai_core.chat import DEFAULT_TEMPLATE
 from astrai_core.config import ModelConfig
 from astrai_core.errors import AstraiError
-from astrai_core.io import atomic_path
+from astrai_core.io import atomic_path, write_json
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -389,10 +389,10 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
         save_file(to_hf_state(cfg, model.state_dict()), tmp / "model.safetensors", metadata={"format": "pt"})
-        _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", generation)
+        write_json(tmp / "config.json", config)
+        write_json(tmp / "generation_config.json", generation)
         shutil.copyfile(ckpt_dir / "tokenizer.json", tmp / "tokenizer.json")
-        _write_json(tmp / "tokenizer_config.json", _tokenizer_config(ckpt_dir, cfg, ids))
+        write_json(tmp / "tokenizer_config.json", _tokenizer_config(ckpt_dir, cfg, ids))
     return Path(out_dir)
 
 
@@ -439,7 +439,3 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
         return save_checkpoint(out_dir, model, cfg, tokenizer_path,
                                extra={"imported_from": str(hf_dir.resolve()), "hf_model_type": json.loads(
                                    (hf_dir / "config.json").read_text())["model_type"], **report}, files=extra_files)
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")

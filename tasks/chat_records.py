@@ -13,9 +13,9 @@ from pathlib import Path
 
 from astrai_core.errors import AstraiError
 from astrai_core.bpe import SPECIAL_TOKENS
+from astrai_core.chat import ROLES
 
 KINDS = ("sft", "dpo", "grpo")
-ROLES = ("system", "user", "assistant")
 
 
 # --- validation -----------------------------------------------------------------------------------------------------

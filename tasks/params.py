@@ -20,16 +20,12 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, PrivateAttr, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
-from astrai_core.config import (DPOConfig, DPOSettings, GRPOConfig, ModelConfig, RunSettings, TrainConfig,
+from astrai_core.config import (DPOConfig, DPOSettings, GRPOConfig, ModelConfig, RunSettings, Strict, TrainConfig,
                                 TwoStageConfig)
 from astrai_core.errors import AstraiError
 from astrai_core.bpe import MIN_VOCAB_SIZE
 from tasks.layout import CHAT, DPO_REFERENCE, MODEL_STAGES, PACKED, TOKENIZER, model_dir
 from tasks.metrics import METRICS
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class CorpusParams(Strict):
