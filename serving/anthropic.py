@@ -3,7 +3,6 @@ content_block_delta..., content_block_stop, message_delta, message_stop)."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import AsyncIterator
 
@@ -11,8 +10,9 @@ from fastapi import APIRouter, Depends, Request
 
 from serving.auth import require_key
 from serving.errors import ApiError, error_body
-from serving.generation import ServedModel
+from serving.model import ServedModel
 from serving.protocol.anthropic import MessagesBody
+from serving.request import open_request
 from serving.streaming import EventStream, Finish, collect, sse
 
 router = APIRouter(dependencies=[Depends(require_key)])
@@ -21,9 +21,7 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
 @router.post("/v1/messages")
 async def messages(request: Request):
-    started = time.perf_counter()
-    served: ServedModel = request.app.state.served
-    body = await served.parse(request, MessagesBody)
+    served, body, started = await open_request(request, MessagesBody)
     prompt_ids = messages_prompt(served, body)
     sub = served.submit(prompt_ids, body, body.max_tokens, served.chat.stop_ids, "messages")
     events = served.generate(sub, body.stop_sequences, started)

@@ -1,6 +1,6 @@
 """create_app: the server for one model, assembled from the protocol routers.
 
-    app = create_app(engine, chat, model_id="astrai/3", api_key=None)    # an Engine, or an EngineProcess
+    app = create_app(engine, chat, model_id="astrai/3", api_key=None)    # engine: an EngineClient
     uvicorn.run(app, host="127.0.0.1", port=8000)                          # `astrai serve` does this
 
 Routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (OpenAI), POST /v1/messages (Anthropic),
@@ -19,11 +19,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from astrai_core.chat import ChatFormat
-from astrai_core.engine import Engine
+from astrai_core.engine import EngineClient
 from serving import anthropic, openai
 from serving.auth import require_key
 from serving.errors import EXCEPTION_HANDLERS
-from serving.generation import MAX_BODY_BYTES, ServedModel
+from serving.model import MAX_BODY_BYTES, ServedModel
 
 router = APIRouter()  # the routes of the server itself, not of one protocol
 # The page loads nothing from elsewhere, and the browser is told so: it may talk to this server only.
@@ -32,7 +32,7 @@ PAGE_HEADERS = {"Cache-Control": "no-cache",
                                            "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'"}
 
 
-def create_app(engine: Engine, chat: ChatFormat, model_id: str, api_key: str | None = None,
+def create_app(engine: EngineClient, chat: ChatFormat, model_id: str, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, aliases: Sequence[str] = ()) -> FastAPI:
     """The server for one model. `engine` must be started by the caller (and stopped after the server). Requests
     may name it `model_id` or any of `aliases` (a registered model's name, NAME@ALIAS: ids a client keeps when the

@@ -11,8 +11,9 @@ from fastapi import APIRouter, Depends, Request
 
 from serving.auth import require_key
 from serving.errors import ApiError, error_body
-from serving.generation import ServedModel
+from serving.model import ServedModel
 from serving.protocol.openai import ChatBody, CompletionBody, OpenAIBody
+from serving.request import open_request
 from serving.streaming import EventStream, Finish, Submission, collect, sse
 
 router = APIRouter(dependencies=[Depends(require_key)])
@@ -21,9 +22,7 @@ Kind = Literal["chat", "text"]  # chat completions, or plain-text completions
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
-    started = time.perf_counter()
-    served: ServedModel = request.app.state.served
-    body = await served.parse(request, ChatBody)
+    served, body, started = await open_request(request, ChatBody)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in body.messages]
     prompt_ids = served.chat_prompt(messages, "messages")
     sub = served.submit(prompt_ids, body, body.max_completion_tokens or body.max_tokens, served.chat.stop_ids,
@@ -33,9 +32,7 @@ async def chat_completions(request: Request):
 
 @router.post("/v1/completions")
 async def completions(request: Request):
-    started = time.perf_counter()
-    served: ServedModel = request.app.state.served
-    body = await served.parse(request, CompletionBody)
+    served, body, started = await open_request(request, CompletionBody)
     if isinstance(body.prompt, str):
         served.check_length([body.prompt], "prompt")
         prompt_ids = served.text_ids(body.prompt)

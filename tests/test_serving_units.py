@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from tokenizers import pre_tokenizers
 
 from serving.auth import check_key
-from serving.errors import ApiError, error_body, lone_surrogate
+from serving.errors import ApiError, error_body
+from serving.protocol.validate import lone_surrogate
 from serving.streaming import EventRelay, Finish, run_generation
 from serving.text_stream import TextStream
 
