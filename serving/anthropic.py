@@ -8,18 +8,18 @@ from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 
-from serving.auth import require_key
+from serving.auth import API, require_json
 from serving.errors import ApiError, error_body
 from serving.model import ServedModel
 from serving.protocol.anthropic import MessagesBody
 from serving.request import open_request
 from serving.streaming import EventStream, Finish, collect, sse
 
-router = APIRouter(dependencies=[Depends(require_key)])
+router = APIRouter(dependencies=API)
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", dependencies=[Depends(require_json)])
 async def messages(request: Request):
     served, body, started = await open_request(request, MessagesBody)
     prompt_ids = messages_prompt(served, body)

@@ -17,12 +17,12 @@ class ApiError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
-OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                      405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error",
-                      500: "server_error"}
-ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                         405: "invalid_request_error", 413: "request_too_large", 503: "overloaded_error",
-                         500: "api_error"}
+OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                      404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                      415: "invalid_request_error", 503: "server_error", 500: "server_error"}
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                         415: "invalid_request_error", 503: "overloaded_error", 500: "api_error"}
 
 
 def is_anthropic(path: str) -> bool:

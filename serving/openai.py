@@ -9,18 +9,18 @@ from typing import AsyncIterator, Literal
 
 from fastapi import APIRouter, Depends, Request
 
-from serving.auth import require_key
+from serving.auth import API, require_json
 from serving.errors import ApiError, error_body
 from serving.model import ServedModel
 from serving.protocol.openai import ChatBody, CompletionBody, OpenAIBody
 from serving.request import open_request
 from serving.streaming import EventStream, Finish, Submission, collect, sse
 
-router = APIRouter(dependencies=[Depends(require_key)])
+router = APIRouter(dependencies=API)
 Kind = Literal["chat", "text"]  # chat completions, or plain-text completions
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", dependencies=[Depends(require_json)])
 async def chat_completions(request: Request):
     served, body, started = await open_request(request, ChatBody)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in body.messages]
@@ -30,7 +30,7 @@ async def chat_completions(request: Request):
     return await respond(request, served, body, prompt_ids, sub, started, "chat")
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", dependencies=[Depends(require_json)])
 async def completions(request: Request):
     served, body, started = await open_request(request, CompletionBody)
     if isinstance(body.prompt, str):

@@ -25,7 +25,7 @@ async def open_request(request: Request, model: type[B]) -> tuple[ServedModel, B
     """(the served model, the body validated as `model`, the arrival time for time-to-first-token)."""
     started = time.perf_counter()
     served: ServedModel = request.app.state.served
-    body = validate_body(model, await read_json(request, served.max_body_bytes))
+    body = validate_body(model, await read_json(request, served.max_body_bytes), served.chat.control_tokens)
     served.check_model(body.model)
     return served, body, started
 

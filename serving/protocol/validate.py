@@ -3,7 +3,7 @@ validation; what is wrong is a 400 whose one-line message starts with the field'
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Sequence, TypeVar
 
 from pydantic import ValidationError
 
@@ -13,12 +13,13 @@ from serving.protocol.base import Body
 B = TypeVar("B", bound=Body)
 
 
-def validate_body(model: type[B], data: dict) -> B:
-    """`data` (a parsed JSON object) as `model`, or ApiError 400 naming the first field that is wrong."""
+def validate_body(model: type[B], data: dict, control_tokens: Sequence[str] = ()) -> B:
+    """`data` (a parsed JSON object) as `model`, or ApiError 400 naming the first field that is wrong.
+    `control_tokens`: the served tokenizer's special tokens, which no message may spell (base.no_control_tokens)."""
     if field := lone_surrogate(data):
         raise ApiError(400, f"{field}: not valid Unicode (a lone surrogate escape such as \\ud800)", param=field)
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context={"control_tokens": control_tokens})
     except ValidationError as e:
         field, message = validation_message(e)
         raise ApiError(400, message, param=field) from None
