@@ -384,7 +384,7 @@ def test_client_disconnect_mid_stream_frees_slot_and_blocks(server, oai):
     body = json.dumps({"model": MODEL_ID, "prompt": "the king", "max_tokens": 180, "temperature": 0}).encode()
     host, port = server.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         time.sleep(0.05)
     after2 = _wait_idle(server)
