@@ -229,6 +229,10 @@ def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAM
           api_key: Optional[str] = typer.Option(None, envvar="ASTRAI_API_KEY", show_envvar=True,
                                                 help="Clients must send it ('Authorization: Bearer KEY' or 'x-api-key: KEY')."),
           insecure: bool = typer.Option(False, "--insecure", help="Allow a non-loopback --host without an API key."),
+          allowed_host: list[str] = typer.Option([], "--allowed-host", help="A name clients may reach the server "
+                                                 "by (the Host header; repeatable), e.g. a proxy's, besides loopback "
+                                                 "names and --host; requests from its web pages (Origin) are accepted "
+                                                 "too. '*': any."),
           kv_blocks: Optional[int] = typer.Option(None, help="KV cache blocks in the pool (default: from --kv-memory-mb)."),
           kv_memory_mb: Optional[float] = typer.Option(None, help="KV cache size in MiB when --kv-blocks is not given."),
           block_size: Optional[int] = typer.Option(None, help="Tokens per KV block."),
@@ -249,19 +253,27 @@ def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAM
     """Serve a model over HTTP with OpenAI- and Anthropic-compatible routes (/v1/chat/completions,
     /v1/completions, /v1/messages, /v1/models), /health, /metrics and a chat page at /, on the continuous-batching
     engine. Engine options left out take the engine's defaults (astrai_core/engine/engine.py EngineConfig); the
-    start-up line says what they came to."""
+    start-up line says what they came to. If the engine dies, the server ends its open requests and exits with
+    status 1 (serving/server.py), for a supervisor to restart it."""
     import ipaddress
     import tempfile
 
     import torch
-    import uvicorn
 
     from astrai_core.chat import load_chat
     from astrai_core.checkpoint import load_model
     from astrai_core.engine import Engine, EngineConfig, EngineProcess
     from serving.app import create_app
+    from serving.auth import Hosts, check_hosts_option
+    from serving.server import run
 
     api_key = api_key or None  # an empty ASTRAI_API_KEY means no key
+    if api_key is not None and not all("!" <= ch <= "~" for ch in api_key):
+        # HTTP header values are ASCII: no client could send such a key (httpx refuses to encode it).
+        _fail("--api-key (or ASTRAI_API_KEY): only printable ASCII characters without spaces can be sent in an "
+              "HTTP header")
+    if bad := check_hosts_option(allowed_host):
+        _fail(f"--allowed-host {bad[0]!r}: expected a host name or address without scheme or port (or '*')")
     try:
         loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -296,16 +308,19 @@ def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAM
                 engine = Engine(load_model(checkpoint, device=device)[0], config)
         except (AstraiError, ValueError) as e:
             _fail(str(e))
-    application = create_app(engine, chat, model_id, api_key=api_key, aliases=aliases)
+    application = create_app(engine, chat, model_id, api_key=api_key, aliases=aliases,
+                             hosts=Hosts(host, tuple(allowed_host)))
     c = engine.config
     typer.echo(f"astrai: serving {', '.join([model_id, *aliases])} on http://{host}:{port}/v1 ({device}, {n_threads} torch thread(s): "
                f"{why}; engine {'process' if engine_process else 'thread'}; batch cap {c.max_batch_size}, {engine.stats()['kv_blocks_total']} KV blocks of "
                f"{c.block_size} tokens, queue {c.max_waiting})", err=True)
     engine.start()
     try:
-        uvicorn.run(application, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        status = run(application, engine, host, port)
     finally:
         engine.stop()
+    if status:
+        raise typer.Exit(status)
 
 
 def _check_port_free(host: str, port: int) -> None:

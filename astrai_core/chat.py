@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -41,6 +41,10 @@ class ChatFormat:
         except TemplateError as e:
             raise AstraiError(f"{source}: not a valid chat template ({e})") from None
         self.stop_ids = (special_id(tokenizer, "end_of_turn"), special_id(tokenizer, "eos"))
+        # The tokenizer's special tokens (astrai's SPECIAL_TOKENS, and any an imported tokenizer brings): text that
+        # spells one is tokenized as that token, so a message holding it would forge the markup of turns.
+        self.control_tokens = tuple(sorted({t.content for t in tokenizer.get_added_tokens_decoder().values()
+                                            if t.special} | set(SPECIAL_TOKENS.values())))
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
         try:
@@ -97,6 +101,12 @@ class ChatFormat:
         return self.tokenizer.decode(out)
 
 
+def control_token_in(text: str, tokens: Iterable[str] = SPECIAL_TOKENS.values()) -> str | None:
+    """The first of `tokens` (special tokens' texts) that `text` contains, or None: such text would be tokenized as
+    the token itself, e.g. a message's '<|end_of_turn|><|system|>' as the end of its turn and a system turn."""
+    return next((token for token in tokens if token in text), None)
+
+
 def check_messages(messages: Sequence[Message], need_assistant: bool = True) -> None:
     """Roles and contents are well formed, and no content smuggles in a special token's text."""
     if not messages:
@@ -104,9 +114,8 @@ def check_messages(messages: Sequence[Message], need_assistant: bool = True) -> 
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise AstraiError(f"message {i}: expected {{'role': one of {ROLES}, 'content': str}}, got {m!r:.80}")
-        for text in SPECIAL_TOKENS.values():
-            if text in m["content"]:
-                raise AstraiError(f"message {i}: content contains the special token {text}")
+        if token := control_token_in(m["content"]):
+            raise AstraiError(f"message {i}: content contains the special token {token}")
     if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise AstraiError("a training conversation needs at least one assistant turn")
 

@@ -3,27 +3,25 @@ content_block_delta..., content_block_stop, message_delta, message_stop)."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 
-from serving.auth import require_key
+from serving.auth import API, require_json
 from serving.errors import ApiError, error_body
-from serving.generation import ServedModel
+from serving.model import ServedModel
 from serving.protocol.anthropic import MessagesBody
+from serving.request import open_request
 from serving.streaming import EventStream, Finish, collect, sse
 
-router = APIRouter(dependencies=[Depends(require_key)])
+router = APIRouter(dependencies=API)
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", dependencies=[Depends(require_json)])
 async def messages(request: Request):
-    started = time.perf_counter()
-    served: ServedModel = request.app.state.served
-    body = await served.parse(request, MessagesBody)
+    served, body, started = await open_request(request, MessagesBody)
     prompt_ids = messages_prompt(served, body)
     sub = served.submit(prompt_ids, body, body.max_tokens, served.chat.stop_ids, "messages")
     events = served.generate(sub, body.stop_sequences, started)

@@ -1,15 +1,35 @@
-"""The API key: with `astrai serve --api-key KEY`, every /v1/ route needs 'Authorization: Bearer KEY' (what the
-openai client sends) or 'x-api-key: KEY' (what the anthropic client sends). /health, /metrics and the chat page
-(GET /) stay open."""
+"""Who may call: the API key, and the checks that keep web pages of other sites out of a server on this machine.
+
+The key: with `astrai serve --api-key KEY`, every /v1/ route needs 'Authorization: Bearer KEY' (what the openai
+client sends) or 'x-api-key: KEY' (what the anthropic client sends). /health, /metrics and the chat page (GET /)
+stay open.
+
+Other sites: a keyless server on loopback (the default) is reachable from any web page the user opens. A page
+may POST a "simple" request (text/plain, no preflight) to http://127.0.0.1:8000, or rename itself to that address
+(DNS rebinding) and read the answers. So, as Jupyter and Docker do for their loopback services:
+
+    Host     every route: a name or address this server is reached by (localhost, *.localhost, loopback
+             addresses, the --host it is bound to, any IP address when bound to all of them, each --allowed-host),
+             else 403. A rebinding page's requests carry its own name.
+    Origin   the /v1/ routes: absent (not a browser), the server's own (the chat page), or an --allowed-host's
+             (a proxy that rewrites Host), else 403.
+    Content-Type  the POST routes: application/json (which a page of another site cannot send without a CORS
+             preflight, which this server never grants), else 415.
+"""
 
 from __future__ import annotations
 
 import hmac
-from typing import Mapping
+import ipaddress
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+from urllib.parse import urlsplit
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from serving.errors import ApiError
+
+WILDCARD_BINDS = ("0.0.0.0", "::", "")  # bound to every address of the machine
 
 
 def check_key(headers: Mapping[str, str], api_key: str | None) -> None:
@@ -22,6 +42,84 @@ def check_key(headers: Mapping[str, str], api_key: str | None) -> None:
         raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')")
 
 
+@dataclass(frozen=True)
+class Hosts:
+    """The names a server answers to: `bound` is its --host, `allowed` the --allowed-host names ("*": any)."""
+    bound: str = "127.0.0.1"
+    allowed: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "allowed", tuple(name.lower().strip("[]") for name in self.allowed))
+
+    def serves(self, hostname: str) -> bool:
+        """Whether a request's Host names this server (`hostname`: lower-case, no port, no brackets)."""
+        if hostname in (self.bound.lower().strip("[]"), "localhost") or hostname.endswith(".localhost"):
+            return True
+        if "*" in self.allowed or hostname in self.allowed:
+            return True
+        try:
+            address = ipaddress.ip_address(hostname)
+        except ValueError:
+            return False
+        return address.is_loopback or self.bound in WILDCARD_BINDS
+
+
+def hostname_of(netloc: str) -> str | None:
+    """'Example.org:8000' -> 'example.org', '[::1]:80' -> '::1'; None when it is no host."""
+    try:
+        return urlsplit(f"//{netloc}").hostname
+    except ValueError:
+        return None
+
+
+def check_host(headers: Mapping[str, str], hosts: Hosts) -> None:
+    """403 unless the Host header names this server (no Host: not a browser, nothing to check)."""
+    host = headers.get("host")
+    if host is not None and not ((name := hostname_of(host)) and hosts.serves(name)):
+        raise ApiError(403, f"Host {host[:100]!r} is not a name of this server (a page of another site?); start "
+                            "the server with --allowed-host NAME to accept it")
+
+
+def check_origin(headers: Mapping[str, str], hosts: Hosts) -> None:
+    """403 when a browser sends the request from a page of another origin than this server (or an allowed host)."""
+    origin = headers.get("origin")
+    if origin is None:
+        return
+    parts = urlsplit(origin) if origin != "null" else None
+    same = parts is not None and parts.netloc.lower() == headers.get("host", "").lower()
+    if not same and not (parts and parts.hostname and ("*" in hosts.allowed or parts.hostname in hosts.allowed)):
+        raise ApiError(403, f"Origin {origin[:100]!r}: requests from pages of other sites are refused; start the "
+                            "server with --allowed-host NAME to accept that site's pages")
+
+
+def check_json(headers: Mapping[str, str]) -> None:
+    """415 unless the body is declared application/json (a page of another site can send text/plain unasked)."""
+    media_type = headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(415, f"Content-Type must be application/json, not {media_type or 'missing'!r}")
+
+
+# --- route dependencies (create_app keeps api_key and hosts on app.state) --------------------------------------
+
+def require_host(request: Request) -> None:
+    check_host(request.headers, request.app.state.hosts)
+
+
+def require_origin(request: Request) -> None:
+    check_origin(request.headers, request.app.state.hosts)
+
+
 def require_key(request: Request) -> None:
-    """The route dependency: the key create_app was given (app.state.api_key)."""
     check_key(request.headers, request.app.state.api_key)
+
+
+def require_json(request: Request) -> None:
+    check_json(request.headers)
+
+
+API = [Depends(require_origin), Depends(require_key)]  # every /v1/ route (the app adds require_host to every route)
+
+
+def check_hosts_option(names: Sequence[str]) -> list[str]:
+    """The --allowed-host values that are not a bare host name (or "*"), for the command line to refuse."""
+    return [n for n in names if n != "*" and hostname_of(n) != n.lower().strip("[]")]

@@ -6,11 +6,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
@@ -20,12 +17,12 @@ class ApiError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
-OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                      405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error",
-                      500: "server_error"}
-ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                         405: "invalid_request_error", 413: "request_too_large", 503: "overloaded_error",
-                         500: "api_error"}
+OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                      404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                      415: "invalid_request_error", 503: "server_error", 500: "server_error"}
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                         415: "invalid_request_error", 503: "overloaded_error", 500: "api_error"}
 
 
 def is_anthropic(path: str) -> bool:
@@ -39,34 +36,6 @@ def error_body(path: str, status: int, message: str, param: str | None = None) -
     code = "model_not_found" if status == 404 and param == "model" else None
     return {"error": {"message": message, "type": OPENAI_ERROR_TYPES.get(status, "server_error"), "param": param,
                       "code": code}}
-
-
-def lone_surrogate(value: Any, path: str = "") -> str | None:
-    """The dotted path of the first string in a parsed JSON value that is not valid Unicode (JSON's "\\ud800"
-    escapes decode to lone surrogates, which no tokenizer can encode), or None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            found = lone_surrogate(key, path) or lone_surrogate(item, f"{path}.{key}" if path else str(key))
-            if found:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            if found := lone_surrogate(item, f"{path}.{i}" if path else str(i)):
-                return found
-    return None
-
-
-def validation_message(e: ValidationError) -> tuple[str, str]:
-    """(field, message) of the first problem pydantic found, e.g. ("messages.0.role", "Input should be ...")."""
-    err = e.errors()[0]
-    field = ".".join(str(part) for part in err["loc"]) or "body"
-    message = "unknown field" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
-    return field, f"{field}: {message}"
 
 
 # --- the app's exception handlers (create_app installs EXCEPTION_HANDLERS) ----------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from astrai_core.engine import Engine
+from astrai_core.engine import EngineClient
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # metric name (after "astrai_") -> (key of Engine.stats(), help text)
@@ -26,7 +26,7 @@ COUNTERS = {"prefix_cache_hits": ("prefix_cache_hits", "Prompt KV blocks found i
 class EngineCollector:
     """Reads engine.stats() at every scrape (prometheus_client's custom-collector protocol)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
 
     def collect(self):
@@ -42,7 +42,7 @@ class EngineCollector:
                                 value=s["torch_threads"])
 
 
-def metrics_registry(engine: Engine) -> tuple[CollectorRegistry, Histogram]:
+def metrics_registry(engine: EngineClient) -> tuple[CollectorRegistry, Histogram]:
     """A registry of its own per app (so two apps in one process do not collide), and its TTFT histogram."""
     registry = CollectorRegistry()
     registry.register(EngineCollector(engine))

@@ -9,21 +9,20 @@ from typing import AsyncIterator, Literal
 
 from fastapi import APIRouter, Depends, Request
 
-from serving.auth import require_key
+from serving.auth import API, require_json
 from serving.errors import ApiError, error_body
-from serving.generation import ServedModel
+from serving.model import ServedModel
 from serving.protocol.openai import ChatBody, CompletionBody, OpenAIBody
+from serving.request import open_request
 from serving.streaming import EventStream, Finish, Submission, collect, sse
 
-router = APIRouter(dependencies=[Depends(require_key)])
+router = APIRouter(dependencies=API)
 Kind = Literal["chat", "text"]  # chat completions, or plain-text completions
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", dependencies=[Depends(require_json)])
 async def chat_completions(request: Request):
-    started = time.perf_counter()
-    served: ServedModel = request.app.state.served
-    body = await served.parse(request, ChatBody)
+    served, body, started = await open_request(request, ChatBody)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in body.messages]
     prompt_ids = served.chat_prompt(messages, "messages")
     sub = served.submit(prompt_ids, body, body.max_completion_tokens or body.max_tokens, served.chat.stop_ids,
@@ -31,11 +30,9 @@ async def chat_completions(request: Request):
     return await respond(request, served, body, prompt_ids, sub, started, "chat")
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", dependencies=[Depends(require_json)])
 async def completions(request: Request):
-    started = time.perf_counter()
-    served: ServedModel = request.app.state.served
-    body = await served.parse(request, CompletionBody)
+    served, body, started = await open_request(request, CompletionBody)
     if isinstance(body.prompt, str):
         served.check_length([body.prompt], "prompt")
         prompt_ids = served.text_ids(body.prompt)

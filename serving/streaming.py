@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from prometheus_client import Histogram
 
-from astrai_core.engine import Engine, QueueFull, SamplingParams
+from astrai_core.engine import EngineClient, QueueFull, SamplingParams
 from serving.errors import ApiError
 from serving.text_stream import TextStream
 
@@ -70,7 +70,7 @@ class EventRelay:
 class Submission:
     """A request submitted to the engine; its events arrive on an asyncio queue of the server's loop."""
 
-    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, relay: EventRelay) -> None:
+    def __init__(self, engine: EngineClient, prompt_ids: list[int], params: SamplingParams, relay: EventRelay) -> None:
         self.engine, self.done = engine, False
         self.events: asyncio.Queue[tuple[list[int], str | None]] = asyncio.Queue()
         loop = asyncio.get_running_loop()

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from astrai_core.engine import Engine, EngineConfig, QueueFull, SamplingParams
+from astrai_core.engine import Engine, EngineClient, EngineConfig, QueueFull, SamplingParams
 from astrai_core.engine.block_manager import BlockManager
 from astrai_core.engine.runner import gemm_invariant_rows
 from astrai_core.engine.scheduler import Scheduler
@@ -379,6 +379,7 @@ def test_cancel_finishes_the_request_and_frees_its_blocks():
 def test_bad_requests_raise():
     model = model_for()
     engine = Engine(model, EngineConfig(kv_blocks=64, block_size=4, max_waiting=2))
+    assert isinstance(engine, EngineClient)  # the interface serving is typed with
     with pytest.raises(ValueError, match="prompt has 64 tokens; the context is 64"):
         engine.submit(list(range(64)), greedy(1), Collector())
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 97\): got 3..97"):

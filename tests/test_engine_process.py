@@ -12,7 +12,7 @@ import torch
 
 from astrai_core.bpe import train_tokenizer
 from astrai_core.checkpoint import save_checkpoint
-from astrai_core.engine import EngineConfig, EngineProcess, QueueFull, SamplingParams
+from astrai_core.engine import EngineClient, EngineConfig, EngineProcess, QueueFull, SamplingParams
 from astrai_core.generate import generate
 from conftest import Collector, sharp_random_model
 
@@ -37,6 +37,7 @@ def test_requests_in_the_child_equal_solo_generate_and_after_step_follows_their_
     engine = EngineProcess(ckpt, EngineConfig(kv_blocks=64, block_size=4), threads=1)
     log: list[str] = []
     engine.after_step.append(lambda: log.append("flush"))
+    assert isinstance(engine, EngineClient)  # the interface serving is typed with
     engine.start()
     try:
         prompts = [[5, 6, 7], [9] * 12, [100, 200, 3, 4, 5], [42]]
@@ -61,6 +62,13 @@ def test_requests_in_the_child_equal_solo_generate_and_after_step_follows_their_
     assert not engine._proc.is_alive()
 
 
+def _wait_for(engine: EngineProcess, key: str, value: int) -> None:
+    deadline = time.monotonic() + 30
+    while engine.stats()[key] != value:
+        assert time.monotonic() < deadline, engine.stats()
+        time.sleep(0.01)
+
+
 def test_cancel_ends_a_request_and_the_queue_bound_holds(checkpoint):
     ckpt, _ = checkpoint
     engine = EngineProcess(ckpt, EngineConfig(kv_blocks=64, block_size=4, max_batch_size=1, max_waiting=1),
@@ -69,6 +77,10 @@ def test_cancel_ends_a_request_and_the_queue_bound_holds(checkpoint):
     try:
         long = Collector()
         rid = engine.submit([1, 2, 3], greedy(60), long)
+        # Not yet admitted, it counts as waiting, as in Engine (the child has not reported it running yet).
+        with pytest.raises(QueueFull, match="1 requests are waiting"):
+            engine.submit([4], greedy(2), Collector())
+        _wait_for(engine, "running", 1)
         engine.submit([4], greedy(2), Collector())  # waits behind the first (batch cap 1)
         with pytest.raises(QueueFull):
             engine.submit([5], greedy(2), Collector())

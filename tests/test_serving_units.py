@@ -12,8 +12,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 from tokenizers import pre_tokenizers
 
-from serving.auth import check_key
-from serving.errors import ApiError, error_body, lone_surrogate
+from serving.auth import Hosts, check_host, check_json, check_key, check_origin
+from serving.errors import ApiError, error_body
+from serving.protocol.validate import lone_surrogate
 from serving.streaming import EventRelay, Finish, run_generation
 from serving.text_stream import TextStream
 
@@ -74,6 +75,33 @@ def test_check_key_takes_either_header_and_nothing_else():
         with pytest.raises(ApiError) as e:
             check_key(headers, "k-1")
         assert e.value.status == 401, headers
+
+
+def test_host_origin_and_content_type_checks():
+    loopback, proxied, everywhere = Hosts("127.0.0.1"), Hosts("127.0.0.1", ("Proxy.Example",)), Hosts("0.0.0.0")
+    for host in ("127.0.0.1:8000", "localhost", "LOCALHOST:1", "a.localhost", "[::1]:8000", "127.9.9.9"):
+        check_host({"host": host}, loopback)
+    check_host({}, loopback)  # no Host (HTTP/1.0): no browser sent it
+    for host in ("evil.example:8000", "10.0.0.5:8000", "localhost.evil.example", "", "[bad"):
+        with pytest.raises(ApiError) as e:
+            check_host({"host": host}, loopback)
+        assert e.value.status == 403 and "--allowed-host" in e.value.message
+    check_host({"host": "proxy.example"}, proxied)
+    check_host({"host": "10.0.0.5:8000"}, everywhere)  # bound to every address: any of them
+    with pytest.raises(ApiError):
+        check_host({"host": "evil.example"}, everywhere)
+    check_origin({"host": "127.0.0.1:8000"}, loopback)  # not a browser
+    check_origin({"host": "127.0.0.1:8000", "origin": "http://127.0.0.1:8000"}, loopback)  # the chat page
+    check_origin({"host": "127.0.0.1:8000", "origin": "https://proxy.example"}, proxied)
+    for origin in ("http://evil.example", "null", "http://127.0.0.1:9999", "http://localhost:8000"):
+        with pytest.raises(ApiError) as e:
+            check_origin({"host": "127.0.0.1:8000", "origin": origin}, loopback)
+        assert e.value.status == 403
+    check_json({"content-type": "application/json; charset=utf-8"})
+    for headers in ({}, {"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"}):
+        with pytest.raises(ApiError) as e:
+            check_json(headers)
+        assert e.value.status == 415
 
 
 # --- engine events to the event loop, and to text -----------------------------------------------------------------

@@ -5,13 +5,16 @@
     scheduler.py      each step: admit, chunked prefill, decode, retire; preemption when out of blocks
     runner.py         the batch as tensors, the model run against the paged pool
     engine.py         Engine: submit / cancel / step, the loop thread, stats
-    process.py        EngineProcess: Engine's interface over an Engine in a child process (astrai serve's default)
+    process.py        EngineProcess: an Engine in a child process (astrai serve's default), over two pipes
+    client.py         EngineClient: the interface both implement, exactly what a server may use
 
-The public API (what astrai serve uses): Engine, EngineProcess, EngineConfig, SamplingParams, QueueFull.
+The public API: Engine, EngineProcess, EngineConfig, SamplingParams, QueueFull, and EngineClient (serving/ is
+typed with it and uses nothing else of the engine).
 """
 
+from astrai_core.engine.client import EngineClient
 from astrai_core.engine.engine import Engine, EngineConfig, QueueFull
 from astrai_core.engine.process import EngineProcess
 from astrai_core.engine.sequence import SamplingParams
 
-__all__ = ["Engine", "EngineConfig", "EngineProcess", "QueueFull", "SamplingParams"]
+__all__ = ["Engine", "EngineClient", "EngineConfig", "EngineProcess", "QueueFull", "SamplingParams"]

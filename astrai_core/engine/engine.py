@@ -58,6 +58,12 @@ class EngineConfig:
         if self.kv_memory_mb <= 0:
             raise ValueError(f"kv_memory_mb ({self.kv_memory_mb}) must be positive")
 
+    def check_waiting(self, waiting: int) -> None:
+        """The queue bound, for Engine and EngineProcess alike: QueueFull when `waiting` requests (submitted and not
+        yet admitted to the batch) already wait."""
+        if waiting >= self.max_waiting:
+            raise QueueFull(f"{self.max_waiting} requests are waiting already")
+
 
 def check_prompt(prompt_ids: list[int], context_length: int, vocab_size: int) -> None:
     """ValueError for a prompt the engine cannot run: empty, leaving no room to generate, or holding a token id
@@ -122,8 +128,7 @@ class Engine:
         with self._lock:
             if not self.alive:
                 raise RuntimeError(f"the engine has stopped after an error: {self.error!r}")
-            if len(self._inbox) + len(self.scheduler.waiting) >= self.config.max_waiting:
-                raise QueueFull(f"{self.config.max_waiting} requests are waiting already")
+            self.config.check_waiting(len(self._inbox) + len(self.scheduler.waiting))
             seq = Sequence(next(self._ids), list(prompt_ids), params, on_event)
             if params.seed is not None:
                 seq.generator = torch.Generator(self.runner.device).manual_seed(params.seed)

@@ -8,16 +8,18 @@ retakes it around every operator, so the two take turns: at 16 streams the whole
 2 cores (py-spy and /proc, bench/serving.py's profile in README.md) while the engine alone runs 1.6x faster.
 
 The parent keeps what must answer at once: the prompt checks (ValueError), the queue bound (QueueFull), liveness
-and the last stats. Commands go down one pipe (submit, cancel, stop); each engine step's events come up another
-as one message with the engine's stats, and a reader thread here hands them to the requests' on_event callbacks,
-then calls after_step (as Engine's loop does). If the child dies, every open request gets a last "error" event
-and alive turns False, as with a dying Engine thread.
+and the last stats. Commands go down one pipe (Submit, Cancel, Stop); each engine step's events come up another
+as one Step message with the engine's stats, and a reader thread here hands them to the requests' on_event
+callbacks, then calls after_step (as Engine's loop does). If the child dies, every open request gets a last
+"error" event and alive turns False, as with a dying Engine thread.
+
+The queue bound is EngineConfig.check_waiting, as in Engine, applied to what the child last reported waiting plus
+the submissions it had not received yet when it reported (each Step says how many it has received).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import multiprocessing as mp
 import signal
@@ -25,7 +27,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from astrai_core.engine.engine import Engine, EngineConfig, QueueFull, check_prompt, run_listeners
 from astrai_core.engine.sequence import OnEvent, SamplingParams
@@ -35,8 +37,50 @@ log = logging.getLogger(__name__)
 STATS_EVERY = 0.05  # seconds: the child sends its stats with a step's events at most this often (and when idle)
 
 
+# --- the messages over the pipes ----------------------------------------------------------------------------------
+# Down (parent -> child):
+
+class Submit(NamedTuple):
+    rid: int  # the parent's request id (0, 1, 2, ... in the order sent)
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class Cancel(NamedTuple):
+    rid: int
+
+
+class Stop(NamedTuple):
+    pass
+
+
+# Up (child -> parent): Ready or Failed once, then one Step per engine step with events (or per STATS_EVERY).
+
+class Ready(NamedTuple):
+    context_length: int
+    vocab_size: int
+    stats: dict
+
+
+class Failed(NamedTuple):
+    message: str  # why the model or the engine could not load
+
+
+class Event(NamedTuple):
+    rid: int
+    tokens: list[int]
+    finish: str | None
+
+
+class Step(NamedTuple):
+    events: list[Event]
+    stats: dict  # Engine.stats() after the step, less ttft_seconds
+    alive: bool
+    received: int  # Submit messages the child had received when it took the stats
+
+
 def _child(commands, events, checkpoint: str, config: EngineConfig, device: str, threads: int) -> None:
-    """The engine's process: load the model, run Engine's loop thread, obey commands until "stop" or the parent
+    """The engine's process: load the model, run Engine's loop thread, obey commands until Stop or the parent
     goes away (EOF on the command pipe)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops this process
     import torch
@@ -50,10 +94,11 @@ def _child(commands, events, checkpoint: str, config: EngineConfig, device: str,
         # own bound, counting at other moments, would refuse some the parent accepted.
         engine = Engine(model, dataclasses.replace(config, max_waiting=sys.maxsize))
     except Exception as e:  # noqa: BLE001 - the parent reports it and exits
-        events.send(("failed", str(e) or type(e).__name__))
+        events.send(Failed(str(e) or type(e).__name__))
         return
     lock, batch, last_stats = threading.Lock(), [], 0.0
     ids: dict[int, int] = {}  # parent's request id -> engine's
+    received = 0  # Submit messages taken in (the engine counts them as waiting from then on)
 
     def flush() -> None:  # Engine.after_step, on the engine thread: this step's events in one message
         nonlocal batch, last_stats
@@ -61,33 +106,35 @@ def _child(commands, events, checkpoint: str, config: EngineConfig, device: str,
         with lock:
             out, batch = batch, []
         if out or now - last_stats >= STATS_EVERY:
+            counted = received  # read before the stats: a submission in between is counted twice, never missed
             stats = engine.stats()
             del stats["ttft_seconds"]  # up to TTFT_KEPT floats per message; the server keeps its own histogram
             last_stats = now
-            events.send(("events", out, stats, engine.alive))
+            events.send(Step(out, stats, engine.alive, counted))
 
     def on_event_for(rid: int) -> OnEvent:
         def on_event(tokens: list[int], finish: str | None) -> None:
             with lock:
-                batch.append((rid, tokens, finish))
+                batch.append(Event(rid, tokens, finish))
         return on_event
 
     engine.after_step.append(flush)
-    events.send(("ready", engine.context_length, engine.vocab_size, engine.stats()))
+    events.send(Ready(engine.context_length, engine.vocab_size, engine.stats()))
     engine.start()
     try:
         while True:
             command = commands.recv()
-            if command[0] == "submit":
-                _, rid, prompt_ids, params = command
+            if isinstance(command, Submit):
                 try:
-                    ids[rid] = engine.submit(prompt_ids, params, on_event_for(rid))
+                    ids[command.rid] = engine.submit(command.prompt_ids, command.params, on_event_for(command.rid))
                 except (ValueError, QueueFull, RuntimeError):  # checked in the parent; a dead loop lands here
-                    on_event_for(rid)([], "error")
-            elif command[0] == "cancel":
-                if command[1] in ids:
-                    engine.cancel(ids.pop(command[1]))
-            else:  # "stop"
+                    on_event_for(command.rid)([], "error")
+                received += 1
+            elif isinstance(command, Cancel):
+                if command.rid in ids:
+                    engine.cancel(ids.pop(command.rid))
+            else:
+                assert isinstance(command, Stop), command
                 break
     except (EOFError, OSError):  # the parent is gone
         pass
@@ -96,8 +143,7 @@ def _child(commands, events, checkpoint: str, config: EngineConfig, device: str,
 
 
 class EngineProcess:
-    """Engine's interface (submit, cancel, stats, alive, after_step, start, stop, context_length, vocab_size,
-    config) over an Engine running in a child process."""
+    """EngineClient (astrai_core/engine/client.py) over an Engine running in a child process."""
 
     def __init__(self, checkpoint: Path, config: EngineConfig | None = None, device: str = "cpu",
                  threads: int = 1) -> None:
@@ -110,16 +156,17 @@ class EngineProcess:
         self._proc.start()
         child_commands.close()
         child_events.close()
-        first = self._events.recv() if self._events.poll(600) else ("failed", "did not start in 10 minutes")
-        if first[0] != "ready":
+        first = self._events.recv() if self._events.poll(600) else Failed("did not start in 10 minutes")
+        if not isinstance(first, Ready):
             self._proc.join(5)
-            raise ValueError(first[1])
-        _, self.context_length, self.vocab_size, self._stats = first
+            raise ValueError(first.message)
+        self.context_length, self.vocab_size = first.context_length, first.vocab_size
+        self._stats, self._received = first.stats, 0  # the child's last report
         self.after_step: list[Callable[[], None]] = []
         self.alive, self.error = True, None
         self._lock = threading.Lock()  # the command pipe and the callbacks, shared by the server's threads
         self._callbacks: dict[int, OnEvent] = {}
-        self._ids = itertools.count()
+        self._sent = 0  # Submit messages sent; also the next request's id
         self._reader: threading.Thread | None = None
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, on_event: OnEvent) -> int:
@@ -127,17 +174,16 @@ class EngineProcess:
         with self._lock:
             if not self.alive:
                 raise RuntimeError(f"the engine process has stopped: {self.error}")
-            if len(self._callbacks) - self.config.max_batch_size >= self.config.max_waiting:
-                raise QueueFull(f"{self.config.max_waiting} requests are waiting already")
-            rid = next(self._ids)
+            self.config.check_waiting(self._stats["waiting"] + self._sent - self._received)
+            rid, self._sent = self._sent, self._sent + 1
             self._callbacks[rid] = on_event
-            self._commands.send(("submit", rid, list(prompt_ids), params))
+            self._commands.send(Submit(rid, list(prompt_ids), params))
         return rid
 
     def cancel(self, req_id: int) -> None:
         with self._lock:
             if self.alive and req_id in self._callbacks:
-                self._commands.send(("cancel", req_id))
+                self._commands.send(Cancel(req_id))
 
     def stats(self) -> dict:
         return dict(self._stats)
@@ -150,7 +196,7 @@ class EngineProcess:
     def stop(self) -> None:
         with self._lock:
             try:
-                self._commands.send(("stop",))
+                self._commands.send(Stop())
             except OSError:  # the child is gone already
                 pass
         self._proc.join(10)
@@ -166,16 +212,21 @@ class EngineProcess:
         gone, which ends every open request with "error"."""
         try:
             while True:
-                _, events, self._stats, alive = self._events.recv()
-                for rid, tokens, finish in events:
-                    self._deliver(rid, tokens, finish)
-                if not alive:
+                step: Step = self._events.recv()
+                with self._lock:  # submit reads both
+                    self._stats, self._received = step.stats, step.received
+                for event in step.events:
+                    self._deliver(event.rid, event.tokens, event.finish)
+                if not step.alive:
+                    self.error = RuntimeError("the engine loop died in the engine process (see its log)")
                     raise EOFError("the engine loop died")
                 self._after_step()
         except (EOFError, OSError) as e:
+            if self.error is None:  # the child is gone: its pipe closes as it dies, its exit code comes just after
+                self._proc.join(1)
+                self.error = RuntimeError(f"the engine process ended ({e!r}, exit code {self._proc.exitcode})")
             with self._lock:
                 self.alive = False
-                self.error = self.error or f"{e!r} (exit code {self._proc.exitcode})"
                 open_requests = list(self._callbacks)
             for rid in open_requests:
                 self._deliver(rid, [], "error")

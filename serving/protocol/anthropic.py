@@ -4,18 +4,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import Field, field_validator
 
-from serving.protocol.base import Body, refuse, text_content
+from serving.protocol.base import MAX_MESSAGES, Body, Message, at_most, no_control_tokens, refuse, text_content
 
 MAX_STOPS = 16
 
 
-class AnthropicMessage(BaseModel):
+class AnthropicMessage(Message):
     role: Literal["user", "assistant"]
-    content: str
-
-    _content = field_validator("content", mode="before")(text_content)
 
 
 class MessagesBody(Body):
@@ -27,8 +24,10 @@ class MessagesBody(Body):
     tools: Any = None
     tool_choice: Any = None
 
+    _count = field_validator("messages", mode="before")(at_most(MAX_MESSAGES, "messages"))
     _tools = field_validator("tools", "tool_choice")(refuse("tool use (this model has no tools)", []))
     _system = field_validator("system", mode="before")(text_content)
+    _system_control = field_validator("system")(no_control_tokens)
 
     @field_validator("stop_sequences")
     @classmethod

@@ -6,19 +6,24 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from serving.protocol.base import Body, refuse, text_content
+from serving.protocol.base import MAX_MESSAGES, STRICT, Body, Message, at_most, refuse
 
 MAX_STOPS = 4  # as OpenAI documents
 
 
-def _stops(value: str | list[str] | None) -> list[str]:
-    stops = [value] if isinstance(value, str) else (value or [])
+def _one_stop_is_a_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else [] if value is None else value  # anything else: checked as a list
+
+
+def _stops(stops: list[str]) -> list[str]:
     if len(stops) > MAX_STOPS or not all(stops):
         raise ValueError(f"at most {MAX_STOPS} non-empty strings")
     return stops
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
@@ -34,18 +39,16 @@ class OpenAIBody(Body):
     frequency_penalty: Any = None
     logit_bias: Any = None
 
-    _stop = field_validator("stop", mode="before")(_stops)
+    _stop_list = field_validator("stop", mode="before")(_one_stop_is_a_list)
+    _stop = field_validator("stop")(_stops)
     _n = field_validator("n")(refuse("n other than 1 (one choice per request)", 1))
     _logprobs = field_validator("logprobs")(refuse("logprobs", False))
     _penalties = field_validator("presence_penalty", "frequency_penalty")(refuse("penalties other than 0", 0, 0.0))
     _logit_bias = field_validator("logit_bias")(refuse("logit_bias", {}))
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(Message):
     role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
-    content: str
-
-    _content = field_validator("content", mode="before")(text_content)
 
 
 class ChatBody(OpenAIBody):
@@ -55,6 +58,7 @@ class ChatBody(OpenAIBody):
     tool_choice: Any = None
     response_format: Any = None
 
+    _count = field_validator("messages", mode="before")(at_most(MAX_MESSAGES, "messages"))
     _tools = field_validator("tools", "functions", "tool_choice")(refuse("tool calling (this model has no tools)", [], "none"))
 
     @field_validator("response_format")
@@ -73,6 +77,18 @@ class CompletionBody(OpenAIBody):
 
     _echo = field_validator("echo", "suffix")(refuse("echo and suffix", False, ""))
     _best_of = field_validator("best_of")(refuse("best_of other than 1", 1))
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        """One message for the four shapes (pydantic's would name a union member: 'prompt.str: ...')."""
+        def ids(v: Any) -> bool:
+            return isinstance(v, list) and all(type(i) is int for i in v)
+        if not (isinstance(value, str) or ids(value) or isinstance(value, list) and (
+                all(isinstance(p, str) for p in value) or all(ids(p) for p in value))):
+            raise ValueError("expected a string, a list of strings, a list of token ids (integers) or a list of "
+                             "lists of token ids")
+        return value
 
     @field_validator("prompt")
     @classmethod

@@ -1,23 +1,19 @@
-"""ServedModel: what the OpenAI and Anthropic routes share for the one model a server serves (create_app keeps it
-on app.state.served): reading and validating a body, building prompt ids, and submitting them to the engine."""
+"""ServedModel: the one model a server serves, as the OpenAI and Anthropic routes share it (create_app keeps it on
+app.state.served): its names, its prompts as token ids (chat template, plain text, length checks), and their
+submission to the engine."""
 
 from __future__ import annotations
 
-import json
 import time
-from typing import AsyncIterator, Sequence, TypeVar
-
-from fastapi import Request
-from pydantic import ValidationError
+from typing import AsyncIterator, Sequence
 
 from astrai_core.bpe import special_id
 from astrai_core.chat import ChatFormat
-from astrai_core.engine import Engine, SamplingParams
+from astrai_core.engine import EngineClient, SamplingParams
 from astrai_core.errors import AstraiError
-from serving.errors import ApiError, lone_surrogate, validation_message
+from serving.errors import ApiError
 from serving.metrics import metrics_registry
 from serving.protocol.anthropic import MessagesBody
-from serving.protocol.base import Body
 from serving.protocol.openai import OpenAIBody
 from serving.streaming import EventRelay, Finish, Submission, run_generation
 from serving.text_stream import TextStream
@@ -25,36 +21,12 @@ from serving.text_stream import TextStream
 MAX_BODY_BYTES = 1024 * 1024  # far more text than any context here holds; bigger bodies get 413
 GREEDY_BELOW = 1e-5  # temperatures this small sample greedily (dividing logits by them would overflow)
 
-B = TypeVar("B", bound=Body)
-
-
-async def read_json(request: Request, max_bytes: int) -> dict:
-    """The request's body as a JSON object: 413 past max_bytes (declared or read), 400 for anything not JSON, not
-    an object, or holding a string that is not valid Unicode."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise ApiError(413, f"request body of {declared} bytes is over the limit of {max_bytes}")
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > max_bytes:
-            raise ApiError(413, f"request body is over the limit of {max_bytes} bytes")
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # ValueError covers bad UTF-8 too
-        raise ApiError(400, f"request body is not valid JSON ({str(e)[:200]})") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    if field := lone_surrogate(data):
-        raise ApiError(400, f"{field}: not valid Unicode (a lone surrogate escape such as \\ud800)", param=field)
-    return data
-
 
 class ServedModel:
     """One model on a started engine. Requests may name it `model_id` or any of `aliases` (a registered model's
     name, NAME@ALIAS: ids a client keeps when the champion moves); responses name `model_id`."""
 
-    def __init__(self, engine: Engine, chat: ChatFormat, model_id: str, aliases: Sequence[str] = (),
+    def __init__(self, engine: EngineClient, chat: ChatFormat, model_id: str, aliases: Sequence[str] = (),
                  max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.engine, self.chat, self.tokenizer = engine, chat, chat.tokenizer
         self.model_id, self.max_body_bytes = model_id, max_body_bytes
@@ -76,17 +48,6 @@ class ServedModel:
         if name not in self.names:
             raise ApiError(404, f"model {name!r} not found; this server serves {', '.join(self.names)}",
                            param="model")
-
-    async def parse(self, request: Request, model: type[B]) -> B:
-        """The request's body validated as `model` (400 naming the field), for a model this server serves (404)."""
-        data = await read_json(request, self.max_body_bytes)
-        try:
-            body = model.model_validate(data)
-        except ValidationError as e:
-            field, message = validation_message(e)
-            raise ApiError(400, message, param=field) from None
-        self.check_model(body.model)
-        return body
 
     def check_length(self, texts: list[str], field: str) -> None:
         size = sum(len(t.encode()) for t in texts)
