@@ -434,8 +434,8 @@ def train_step(t: Trainee, run: RunState, callbacks: list[Callback], cfg: TrainC
                           device=t.device)
     units, tokens = (int(v) for v in t.dp.all_reduce_sum(counts).tolist())
     if units == 0:
-        raise TrainingError(f"step {run.step + 1}: no {t.strategy.unit} to learn from in the whole step "
-                            "(every target masked); check the data")
+        raise TrainingError(f"step {run.step + 1}: nothing to learn from in the whole step (every target masked); "
+                            "check the data")
 
     # The loss is summed over units and divided by the whole step's count (times the data-parallel size: DDP and
     # FSDP average the ranks' gradients; a TP group computes one loss, whose gradient its ranks share).
