@@ -310,7 +310,7 @@ class TrainConfig(RunSettings):
 
     model: ModelConfig = ModelConfig()
     # seq: next-token prediction on packed text; sft: packed conversations, loss on assistant tokens only;
-    # dpo: preference pairs; grpo: sampled completions scored by reward functions (astrai_core/strategies.py).
+    # dpo: preference pairs; grpo: sampled completions scored by reward functions (astrai_core/strategies/).
     strategy: Literal["seq", "sft", "dpo", "grpo"] = "seq"
     seq_len: PositiveInt = 256
     train_data: str  # HDF5 file written by the pack stage (grpo: JSONL prompts)

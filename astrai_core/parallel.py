@@ -1,4 +1,14 @@
-"""Tensor parallelism (Megatron-style column/row splits) and 2-D meshes, on PyTorch's DTensor engine.
+"""What a run trains, laid out across ranks for its parallel mode: build() makes it, once per run.
+
+    t = build(cfg, d)    # the strategy (data), the model (init_from, LoRA), its layout, the optimizer and schedule
+
+The layouts (TrainConfig.parallel): ddp, every rank a replica and DDP averaging the gradients; fsdp, FSDP2 sharding
+the weights, gradients and optimizer state per block; tp, tensor parallelism inside groups of tp_size ranks; fsdp+tp,
+both. Optionally activation checkpointing (checkpoint_blocks) and torch.compile (wrap). The training step depends on
+the layout in two places only: gradient sync across an accumulation window (grad_sync) and the gradient norm
+(total_grad_norm).
+
+Tensor parallelism: Megatron-style column/row splits and a 2-D mesh, on PyTorch's DTensor engine.
 
     mesh = build_mesh(world_size=4, tp_size=2, device_type="cpu")    # ("dp", "tp") = (2, 2)
     apply_tensor_parallel(model, mesh["tp"])                         # first: shards the weights across a TP group
@@ -17,40 +27,143 @@ The plan, per decoder block (each TP rank holds 1/tp of the heads and of the MLP
                 sharding the vocabulary would split that one tensor two ways (rows of the embedding, columns of the
                 logits) and need a vocabulary-parallel loss, for little memory. The replicated weights are still
                 DTensors (Replicate), so that every parameter lives on the same mesh: torch's gradient-norm
-                (train.total_grad_norm), clipping, fused AdamW and state-dict functions then treat the model as one.
+                (total_grad_norm), clipping, fused AdamW and state-dict functions then treat the model as one.
                 x0_scalars' 0-dim gains stay plain tensors: their gradients are whole on every rank, as they come
                 from the replicated residual stream (tested in tests/test_tensor_parallel.py).
 
 Because the activations between blocks are replicated (no sequence parallelism), the model's math is untouched:
 the loss is computed on full logits exactly as on one rank. Every rank of one TP group must therefore be fed the
 same batch; data parallelism happens across the "dp" mesh dimension only.
-
-Checkpoints are either the single-rank files (full_state_dict gathers the shards, load_full_state_dict scatters a
-single-rank state dict into a TP or FSDP+TP model) or, with checkpoint_format "sharded", torch.distributed.checkpoint
-files that every rank writes its own shards to (save_sharded) and that load under any other layout (load_sharded).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
-
 import contextlib
+import functools
+import math
 import os
-import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     get_state_dict, set_model_state_dict, set_optimizer_state_dict,
-                                                     set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
-from astrai_core.config import check_tensor_parallel
+from astrai_core.checkpoint import load_initial_weights
+from astrai_core.config import TrainConfig, check_ranks, check_tensor_parallel
+from astrai_core.distributed import DataGroup, Dist, uses_bf16
+from astrai_core.errors import AstraiError
+from astrai_core.io import sha256_file
+from astrai_core.lora import apply_lora, count_trainable
 from astrai_core.model import Attention, Transformer
+from astrai_core.optim import Chain, build_optimizer
+from astrai_core.strategies import STRATEGIES, Strategy
+
+
+@dataclass
+class Trainee:
+    """Everything the loop trains with: the bare model (`wrapped` is what forward calls: DDP and compile wrap it;
+    FSDP and TP split it in place), its optimizer and schedule, the strategy (data and loss) and the data group."""
+
+    model: Transformer
+    wrapped: nn.Module
+    optimizer: torch.optim.Optimizer | Chain  # Chain: Muon and AdamW together (optim.name muon)
+    scheduler: torch.optim.lr_scheduler.LRScheduler | Chain
+    strategy: Strategy
+    dp: DataGroup  # the data-parallel ranks (under TP: one per TP group)
+    device: torch.device
+    autocast: contextlib.AbstractContextManager  # every forward runs in it (weights and optimizer stay fp32)
+    max_steps: int
+    tokens_per_step: int
+    sharded: bool  # FSDP or TP: the weights are DTensors
+    n_params: int
+    trainable: int
+    describe: str  # one line: what trains where
+
+
+def build(cfg: TrainConfig, d: Dist) -> Trainee:
+    """Data, model, parallel layout and optimizer of a fresh run (a checkpoint is then loaded into them)."""
+    bf16 = uses_bf16(cfg.dtype, d.device)
+    autocast = torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16)
+    # Tensor parallelism: a ("dp", "tp") mesh; the ranks of one TP group share their batches, so the data is split
+    # over the dp dimension only (without TP every rank is a data-parallel rank).
+    mesh, dp = None, DataGroup(d.rank, d.world_size)
+    if cfg.parallel in ("tp", "fsdp+tp"):
+        try:
+            check_ranks(cfg.parallel, cfg.tp_size, d.world_size)
+        except ValueError as e:
+            raise AstraiError(str(e)) from None
+        mesh = build_mesh(d.world_size, cfg.tp_size, d.device.type)
+        dp = DataGroup(mesh["dp"].get_local_rank(), mesh["dp"].size(), mesh["dp"].get_group())
+
+    # Data (the strategy's): refuse files packed with another tokenizer or ids the model cannot embed.
+    tok_sha = sha256_file(cfg.tokenizer)
+    strategy = STRATEGIES[cfg.strategy](cfg, dp.rank, dp.size, d.device, tok_sha, autocast)
+    per_step = dp.size * cfg.grad_accum * cfg.batch_size  # samples in one optimizer step
+    max_steps = math.ceil(cfg.max_tokens / (per_step * cfg.seq_len)) if cfg.max_tokens else cfg.max_steps
+
+    # Model: the same seed gives every rank the same initial weights (DDP also broadcasts rank 0's at wrap time).
+    torch.manual_seed(cfg.seed)
+    model = Transformer(cfg.model).to(d.device)
+    if cfg.init_from:
+        load_initial_weights(model, cfg, tok_sha)
+    strategy.setup(model)  # e.g. GRPO freezes its reference here
+    if cfg.lora is not None:
+        if cfg.parallel == "fsdp" and d.world_size > 1:
+            raise AstraiError("lora with parallel 'fsdp' is not supported: use ddp (adapters are small)")
+        apply_lora(model, cfg.lora.targets, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout)
+    n_params = model.num_params()
+    if mesh is not None:  # every rank holds the same weights here (seed or init_from): each keeps its shards
+        apply_tensor_parallel(model, mesh["tp"])
+    if cfg.activation_checkpointing:
+        checkpoint_blocks(model)
+    wrapped = wrap(model, cfg, d, mesh)
+    trainable, _ = count_trainable(model)  # after wrap: FSDP's shards
+    optimizer, scheduler = build_optimizer(model, cfg.optim, d.device, max_steps)
+    layout = f"{cfg.parallel}, {dp.size} x tp {cfg.tp_size}" if mesh is not None else cfg.parallel
+    describe = (f"{cfg.strategy}: training {trainable:,} of {n_params:,} parameters on {d.world_size} rank(s) "
+                f"({d.device}, {'bf16' if bf16 else 'fp32'}, {layout}), {max_steps} steps of {per_step} samples")
+    return Trainee(model, wrapped, optimizer, scheduler, strategy, dp, d.device, autocast, max_steps, per_step * cfg.seq_len,
+                   sharded=mesh is not None or (cfg.parallel == "fsdp" and d.world_size > 1), n_params=n_params,
+                   trainable=trainable, describe=describe)
+
+
+def checkpoint_blocks(model: Transformer) -> None:
+    """Activation checkpointing: each decoder block keeps only its input and recomputes the rest in backward
+    (non-reentrant, so it composes with DDP, FSDP and torch.compile)."""
+    for block in model.layers:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def wrap(raw_model: Transformer, cfg: TrainConfig, d: Dist, mesh: DeviceMesh | None) -> nn.Module:
+    """What forward calls: the bare model compiled and/or wrapped for DDP, or sharded in place by FSDP2 (over the
+    mesh's dp dimension with fsdp+tp; the TP split is already done). DDP cannot wrap TP's DTensor weights, and
+    needs not: pure tp has no data parallelism."""
+    if cfg.compile and cfg.compile_cache_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cfg.compile_cache_dir).resolve())  # compiled kernels persist
+    if mesh is not None:
+        if cfg.parallel == "fsdp+tp":
+            apply_fsdp(raw_model, mesh["dp"])
+        return torch.compile(raw_model) if cfg.compile else raw_model
+    if cfg.parallel == "fsdp" and d.world_size > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in raw_model.layers:  # one all-gather per block, the embedding and head with the root
+            fully_shard(block)
+        fully_shard(raw_model)
+        return torch.compile(raw_model) if cfg.compile else raw_model
+    model = torch.compile(raw_model) if cfg.compile else raw_model
+    if d.world_size > 1:
+        # A routed expert that got no tokens on this rank has no gradient: DDP must be told to expect that.
+        model = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None,
+                    find_unused_parameters=bool(getattr(cfg.model, "n_experts", 0)))
+    return model
 
 
 def build_mesh(world_size: int, tp_size: int, device_type: str) -> DeviceMesh:
@@ -134,73 +247,15 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh) -> Transformer:
     return model
 
 
-def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-    """The whole model's state dict as plain tensors (the single-rank checkpoint's), on every rank; rank0_only:
-    on rank 0 only, in CPU memory, the other ranks get {} (what a checkpoint save needs, and no rank but the
-    writer holds a full copy). Collective: every rank of the mesh must call it. On one rank (no parallelism) the
-    tensors are the live weights: save or copy them."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
+def grad_sync(model: nn.Module, raw_model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+    """Context for one backward: gradient reduction across ranks on (last micro-step) or off (the earlier ones)."""
+    if isinstance(model, DDP) and not enabled:
+        return model.no_sync()
+    if hasattr(raw_model, "set_requires_gradient_sync"):  # FSDP2 (the root module, sharded in place)
+        raw_model.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()
 
 
-def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a single-rank (full) state dict into a TP or FSDP+TP model: each rank keeps its own shards.
-    Collective; every rank passes the same full state dict (a tied lm_head.weight included)."""
-    # A copy of the mapping: set_model_state_dict replaces its values by this rank's shards (the caller's dict
-    # would come back full of DTensors).
-    set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True))
-
-
-def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
-                              rank0_only: bool = False) -> dict[str, Any]:
-    """The optimizer's state with full tensors, keyed by parameter name (not by position as
-    optimizer.state_dict() is), so it loads into the same model under any parallelism, one rank included.
-    rank0_only and the live tensors as full_state_dict. Collective."""
-    return get_optimizer_state_dict(model, optimizer,
-                                    options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
-
-
-def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Load full_optimizer_state_dict's output (from any parallelism) into this rank's optimizer, or a one-rank
-    optimizer.state_dict() (keyed by position: what DDP checkpoints hold; `optimizer` must then list its
-    parameters in the same order as the one that saved it, as the training loop builds it). Collective."""
-    if all(isinstance(i, int) for group in state["param_groups"] for i in group["params"]):
-        state = _keyed_by_name(model, optimizer, state)
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
-
-
-def _keyed_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-    """optimizer.state_dict()'s positions (the optimizer's parameters in group order) -> parameter names."""
-    name_of = {id(p): name for name, p in model.named_parameters()}
-    names = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    return {"state": {names[i]: s for i, s in state["state"].items()},
-            "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
-                             for group in state["param_groups"]]}
-
-
-def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike) -> None:
-    """Write the model's and the optimizer's state as torch.distributed.checkpoint files in `path` (a directory):
-    each rank writes the shards it holds (a DTensor's local part; a tensor every rank holds alike, once), so no
-    rank ever holds the full state. The optimizer state is keyed by parameter name. Collective; on one process
-    without a process group it writes one rank's files."""
-    model_state, optim_state = get_state_dict(model, optimizer)
-    with _one_process_is_fine():
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=path)
-
-
-def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike) -> None:
-    """Load save_sharded's files into this rank's model and optimizer, whatever the parallelism and number of
-    ranks that wrote them: each rank reads the part of every tensor it holds now (DCP reshards by the tensors'
-    global shapes and offsets). Collective."""
-    model_state, optim_state = get_state_dict(model, optimizer)  # this rank's layout: what to read, and where
-    state = {"model": model_state, "optimizer": optim_state}
-    with _one_process_is_fine():
-        dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-
-
-@contextlib.contextmanager
-def _one_process_is_fine() -> Iterator[None]:
-    """DCP warns at every save and load without a process group (a one-rank run), where that is expected."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+def total_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over the shards

@@ -27,10 +27,9 @@ from astrai_core.lora import apply_lora
 from astrai_core.losses import token_loss_sum
 from astrai_core.model import Transformer, document_mask
 from astrai_core.config import check_tensor_parallel
-from astrai_core.parallel import (apply_fsdp, apply_tensor_parallel, build_mesh,
-                                  full_optimizer_state_dict, full_state_dict, load_full_optimizer_state_dict,
-                                  load_full_state_dict)
-from astrai_core.train import checkpoint_blocks, total_grad_norm
+from astrai_core.checkpoint import (full_optimizer_state_dict, full_state_dict, load_full_optimizer_state_dict,
+                                    load_full_state_dict)
+from astrai_core.parallel import apply_fsdp, apply_tensor_parallel, build_mesh, checkpoint_blocks, total_grad_norm
 
 TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 # name -> ModelConfig options; "packed" rows hold two documents each (positions and a document mask), and

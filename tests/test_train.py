@@ -19,7 +19,7 @@ from astrai_core.distributed import resolve_nproc, run_torchrun
 from astrai_core.errors import AstraiError
 from astrai_core.io import sha256_file
 from astrai_core.metric_log import MetricLogger, flatten
-from astrai_core import strategies as strategies_module
+from astrai_core.strategies import seq as strategies_module
 from astrai_core.data import WindowSampler, open_tokens, read_windows
 from astrai_core.losses import IGNORE_INDEX, token_loss_sum
 from astrai_core.train import train
@@ -256,7 +256,7 @@ def test_torchrun_interrupt_kills_every_rank(core_tiny_data, tmp_path):
 
 MASKING_WRAPPER = '''
 """torchrun entry for the test: astrai_core.train with targets masked unevenly (a function of each window)."""
-import astrai_core.strategies as t
+import astrai_core.strategies.seq as t
 
 _read = t.read_windows
 
