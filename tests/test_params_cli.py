@@ -49,6 +49,14 @@ def test_shipped_params_are_valid():
     ({"dpo.rejected": "random"}, "dpo.rejected: Input should be 'on_policy' or 'static'"),
     ({"chat_data.dpo": "my_pairs.jsonl"}, "dpo.rejected: on_policy needs pairs whose chosen reply is the one right "
                                           "answer (chat_data.dpo: demo); set dpo.rejected: static for my_pairs.jsonl"),
+    # the optimizer's bounds, at parse time (torch would raise them inside the ranks, or train on with nonsense)
+    ({"pretrain.optim.beta1": 1.5}, "pretrain.optim.beta1: Input should be less than 1"),
+    ({"sft.optim.beta2": -0.1}, "sft.optim.beta2: Input should be greater than or equal to 0"),
+    ({"pretrain.optim.warmup_steps": -1}, "pretrain.optim.warmup_steps: Input should be greater than or equal to 0"),
+    ({"pretrain.optim.warmup_steps": 451}, "pretrain: optim.warmup_steps (451) exceeds max_steps (450)"),
+    ({"dpo.optim.weight_decay": -0.1}, "dpo.optim.weight_decay: Input should be greater than or equal to 0"),
+    ({"pretrain.optim.grad_clip": -1}, "pretrain.optim.grad_clip: Input should be greater than or equal to 0"),
+    ({"grpo.optim.min_lr": -1e-4}, "grpo.optim.min_lr: Input should be greater than or equal to 0"),
 ])
 def test_bad_params_name_the_key(override, message):
     with pytest.raises(AstraiError) as e:
