@@ -38,14 +38,16 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from astrai_core.bpe import read_tokenizer
 from astrai_core.config import ModelConfig
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file
-from astrai_core.model import Transformer
+from astrai_core.model import Transformer, estimated_params
 
 REQUIRED_FILES = ("config.json", "tokenizer.json")
 WEIGHT_FILES = ("model.safetensors", "dcp/.metadata")  # a checkpoint has one: full or sharded
@@ -174,10 +176,56 @@ def load_weights(ckpt_dir: str | os.PathLike, tie_embeddings: bool) -> dict[str,
     if not (Path(ckpt_dir) / "model.safetensors").is_file() and (Path(ckpt_dir) / "dcp").is_dir():
         raise AstraiError(f"{ckpt_dir}: a sharded training checkpoint (dcp/), only for resuming its run; use the "
                           "run's final model directory, which is always full")
-    weights = load_file(Path(ckpt_dir) / "model.safetensors")
+    weights = read_safetensors(Path(ckpt_dir) / "model.safetensors")
     if tie_embeddings:
         weights["lm_head.weight"] = weights["embed_tokens.weight"]
     return weights
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; AstraiError naming the file if it is truncated, empty or not one."""
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise AstraiError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]}); the file is "
+                          "truncated or corrupt") from None
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    """A checkpoint's config.json; AstraiError naming the file (and the key) if it is not a valid ModelConfig."""
+    try:
+        return ModelConfig.model_validate_json(path.read_bytes())
+    except ValidationError as e:
+        err = e.errors()[0]
+        what = (f"not valid JSON ({err['ctx']['error']})" if err["type"] == "json_invalid" else
+                f"{'.'.join(str(p) for p in err['loc']) or 'the model'}: {err['msg'].removeprefix('Value error, ')}")
+        raise AstraiError(f"{path}: {what}") from None
+
+
+def physical_memory() -> int:
+    """Bytes of RAM on this machine."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits_in_memory(cfg: ModelConfig, where: str | os.PathLike, sizes: str | None = None) -> None:
+    """Refuse, before anything is allocated, a model whose fp32 parameters alone exceed this machine's memory (a
+    config with dim 1e9 would otherwise ask the allocator for terabytes). `sizes`: the config's keys to name."""
+    need, have = 4 * estimated_params(cfg), physical_memory()
+    if need > have:
+        sizes = sizes or f"dim {cfg.dim}, n_layers {cfg.n_layers}, vocab_size {cfg.vocab_size}"
+        raise AstraiError(f"{where}: a model of {estimated_params(cfg):.3g} parameters needs {need / 2**30:,.0f} GiB "
+                          f"(fp32), more than this machine's {have / 2**30:,.0f} GiB of memory ({sizes})")
+
+
+def load_train_state(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """A checkpoint's train_state.pt (plain tensors and containers only: weights_only); AstraiError if it is not one."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
+    except Exception as e:  # UnpicklingError, RuntimeError (not a zip), EOFError, ...: never load it unsafely instead
+        detail = next((line.strip() for line in str(e).splitlines() if "WeightsUnpickler error" in line),
+                      type(e).__name__)
+        raise AstraiError(f"{path}: corrupt training state ({detail}); delete this checkpoint directory, or run "
+                          "with resume: never") from None
 
 
 def load_model(
@@ -186,7 +234,9 @@ def load_model(
     """Verify and load a checkpoint: (model in eval mode on `device`, tokenizer, model config)."""
     ckpt_dir = Path(ckpt_dir)
     verify_checkpoint(ckpt_dir)
-    cfg = ModelConfig.model_validate_json((ckpt_dir / "config.json").read_text())
+    cfg = read_model_config(ckpt_dir / "config.json")
+    tokenizer = read_tokenizer(ckpt_dir / "tokenizer.json")
+    check_fits_in_memory(cfg, ckpt_dir / "config.json")
     model = Transformer(cfg)
     try:  # strict: a missing, unexpected or misshapen tensor is refused
         model.load_state_dict(load_weights(ckpt_dir, cfg.tie_embeddings))
@@ -194,7 +244,6 @@ def load_model(
         detail = " ".join(str(e).split())[:300]  # one line
         raise AstraiError(f"{ckpt_dir / 'model.safetensors'}: does not match config.json ({detail})") from None
     assert not cfg.tie_embeddings or model.lm_head.weight is model.embed_tokens.weight
-    tokenizer = Tokenizer.from_file(str(ckpt_dir / "tokenizer.json"))
     return model.to(device).eval(), tokenizer, cfg
 
 
