@@ -222,6 +222,9 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0, *, run_id: str |
     """Run the training core under torchrun with `cfg` (every training stage and `astrai train` do); returns the
     summary of the checkpoint it wrote to cfg.out_dir. Metrics go to MLflow run `run_id` (rank 0 only). A failure
     raises TrainingError with the failing rank's one-line error."""
+    from astrai_core.train import check_inputs
+
+    check_inputs(cfg)
     out_dir = Path(cfg.out_dir)
     config_path = out_dir.parent / f"{out_dir.name}.train_config.json"
     write_json(config_path, cfg.model_dump(mode="json"))

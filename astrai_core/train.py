@@ -62,9 +62,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 from astrai_core.callbacks import Callback, ProgressBar, RunState
-from astrai_core.checkpoint import (clear_resumable, find_resumable, load_weights, save_checkpoint, save_resumable,
-                                    verify_checkpoint)
+from astrai_core.checkpoint import (clear_resumable, find_resumable, load_train_state, load_weights, save_checkpoint,
+                                    save_resumable, verify_checkpoint)
 from astrai_core.config import TrainConfig, check_ranks
+from astrai_core.data import PackedTokens
 from astrai_core.distributed import ERROR_PREFIX, DataGroup, Dist, cleanup, init_distributed, uses_bf16
 from astrai_core.errors import AstraiError, TrainingError
 from astrai_core.io import sha256_file
@@ -209,7 +210,7 @@ class Trainee:
     def restore(self, ckpt: Path, run: RunState, callbacks: list[Callback], cfg: TrainConfig, d: Dist) -> None:
         """Load a resumable checkpoint (written under any parallelism) into the (already wrapped) model, optimizer,
         scheduler, strategy, RunState, callbacks and this rank's RNGs."""
-        state = torch.load(ckpt / "train_state.pt", weights_only=True, map_location="cpu")
+        state = load_train_state(ckpt / "train_state.pt")
         if (ckpt / "dcp").is_dir():  # a sharded checkpoint: each rank reads the parts it holds now
             load_sharded(self.model, self.optimizer, ckpt / "dcp")
         elif self.sharded:
@@ -269,6 +270,36 @@ def resumable_checkpoint(cfg: TrainConfig) -> Path | None:
                       stacklevel=2)
         return None
     return ckpt
+
+
+def check_inputs(cfg: TrainConfig) -> None:
+    """What the ranks read first, checked where a run is launched, before torchrun (or Slurm) starts: a missing or
+    corrupt file is then one line naming it, not every rank's failure and torchrun's report. The tokenizer, the
+    packed files (against the tokenizer's sha256), the other inputs' presence, and the training state a resumed
+    run would load."""
+    if not Path(cfg.tokenizer).is_file():
+        raise AstraiError(f"{cfg.tokenizer}: tokenizer file not found; run the tokenizer stage")
+    if cfg.strategy == "grpo":  # JSONL prompts
+        for path in filter(None, (cfg.train_data, cfg.val_data)):
+            if not Path(path).is_file():
+                raise AstraiError(f"{path}: GRPO prompts not found; run the chat_data stage")
+    else:
+        sha = sha256_file(cfg.tokenizer)
+        mix = (cfg.two_stage.stage2_data or {}) if cfg.two_stage else {}
+        for path in dict.fromkeys(filter(None, (cfg.train_data, cfg.val_data, *mix))):
+            PackedTokens(path, expected_tokenizer_sha256=sha).close()
+    if cfg.strategy == "dpo" and not Path(cfg.dpo.reference_logps).is_file():
+        raise AstraiError(f"{cfg.dpo.reference_logps}: reference log-probabilities not found; run the dpo_reference "
+                          "stage")
+    if cfg.init_from and not (Path(cfg.init_from) / "manifest.json").is_file():
+        raise AstraiError(f"{cfg.init_from}: not a checkpoint (manifest.json missing); init_from needs a trained "
+                          "model directory")
+    if cfg.resume == "auto":
+        with warnings.catch_warnings():  # rank 0 says which checkpoints it skips, and why
+            warnings.simplefilter("ignore")
+            ckpt = resumable_checkpoint(cfg)
+        if ckpt is not None:
+            load_train_state(ckpt / "train_state.pt", mmap=True)  # mapped: tensors are not read into memory
 
 
 def resume_point(cfg: TrainConfig, d: Dist) -> Path | None:
