@@ -249,6 +249,14 @@ def test_a_profile_is_merged_over_the_params_and_an_unknown_one_is_named(params_
     assert "# torchrun processes: auto = every GPU, else every CPU core" in text  # params.yaml's comments stay
     with pytest.raises(AstraiError, match="no such profile; profiles: quick"):
         load_profile(params_root, "fast")
+    # A name, never a path: ../params would merge params.yaml itself as a profile and start a full run.
+    with pytest.raises(AstraiError, match=r"^--profile \.\./params: no such profile; profiles: quick"):
+        load_profile(params_root, "../params")
+    # The run's params carry the profile's name: the register stage reads it there (no environment variable).
+    from tasks.params import params_of_run
+
+    assert params_of_run(params_root, "params.yaml", None, "quick").params.register.profile == "quick"
+    assert params_of_run(params_root, "params.yaml", None, None).params.register.profile == "default"
 
 
 @pytest.mark.integration
