@@ -104,10 +104,10 @@ def test_sections_resolve_into_the_core_configs():
 
 def test_overrides_apply_and_digest_changes():
     base = load_params(ROOT / "params.yaml")
-    p = load_params(ROOT / "params.yaml", {"pretrain.max_steps": 7, "pretrain.optim.lr": 0.001})
-    assert (p.pretrain.max_steps, p.pretrain.optim.lr) == (7, 0.001)
+    p = load_params(ROOT / "params.yaml", {"pretrain.max_steps": 70, "pretrain.optim.lr": 0.001})
+    assert (p.pretrain.max_steps, p.pretrain.optim.lr) == (70, 0.001)
     assert p.digest() != base.digest()
-    assert load_params(ROOT / "params.yaml", {"pretrain.max_steps": 7}).digest() != base.digest()
+    assert load_params(ROOT / "params.yaml", {"pretrain.max_steps": 70}).digest() != base.digest()
     # The digest is of the resolved params: a default written out, or keys in another order, change nothing.
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     explicit = {**raw, "sft": {**raw["sft"], "keep_checkpoints": 2}}  # RunSettings' default
