@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -32,7 +33,10 @@ def _parse_override(item: str) -> tuple[str, object]:
     if "=" not in item:
         _fail(f"--set {item!r}: expected KEY=VALUE, e.g. pretrain.max_steps=50")
     key, value = item.split("=", 1)
-    return key.strip(), yaml.safe_load(value)
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError as e:  # e.g. an unclosed [ or {: quote a string that starts with one
+        _fail(f"--set {item!r}: the value is not valid YAML ({getattr(e, 'problem', None) or type(e).__name__})")
 
 
 @app.command()
@@ -44,13 +48,14 @@ def pipeline(
 ) -> None:
     """Run the whole pipeline as a Prefect flow in this process (a temporary Prefect server starts when
     PREFECT_API_URL is unset), then print where the results are."""
-    from tasks.params import params_of_run, restore_user_params
+    from tasks.params import check_cluster, params_of_run, restore_user_params
 
     overrides = dict(_parse_override(s) for s in set_)
     try:
         if note := restore_user_params(Path()):  # a killed run's params.yaml is not the user's: theirs back first
             typer.echo(f"{note} (left by an interrupted run)")
         resolved = params_of_run(Path(), str(params), overrides, profile)  # a bad key stops here, before Prefect
+        check_cluster(resolved.params, Path.cwd(), str(params))  # and what launcher slurm needs of this machine
         from flows.pipeline import pipeline as flow
 
         result = flow(params_path=str(params), overrides=overrides or None, profile=profile, resolved=resolved)
@@ -105,6 +110,8 @@ def stage(name: str = typer.Argument(..., help="corpus | tokenizer | pack | pret
 def train(config: Path = typer.Option(..., help="TrainConfig JSON or YAML (see astrai_core/config.py)."),
           nproc: str = typer.Option("auto", help="Processes per node for torchrun (auto: every GPU, else every CPU core).")) -> None:
     """Run the training core on its own under torchrun (no Prefect, DVC or MLflow run needed)."""
+    if nproc != "auto" and not (nproc.isdigit() and int(nproc) >= 1):
+        _fail(f"--nproc {nproc}: expected auto or a number of processes >= 1")
     from pydantic import ValidationError
 
     from astrai_core.config import TrainConfig
@@ -133,7 +140,8 @@ def generate(model: str = typer.Option(..., help="A checkpoint directory or an M
     """Generate a continuation of PROMPT (or, with --chat, a reply to it) with a checkpoint or a registered model."""
     for bad, msg in ((not prompt, "--prompt: empty; give some text to continue"),
                      (max_new_tokens < 1, f"--max-new-tokens {max_new_tokens}: must be at least 1"),
-                     (temperature < 0, f"--temperature {temperature}: must be >= 0 (0 = greedy)"),
+                     (not temperature >= 0 or math.isinf(temperature),  # nan compares false
+                      f"--temperature {temperature}: must be a finite number >= 0 (0 = greedy)"),
                      (top_k < 0, f"--top-k {top_k}: must be >= 0 (0 = all tokens)"),
                      (not 0 < top_p <= 1, f"--top-p {top_p}: must be in (0, 1]")):
         if bad:
@@ -255,6 +263,8 @@ def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAM
     engine. Engine options left out take the engine's defaults (astrai_core/engine/engine.py EngineConfig); the
     start-up line says what they came to. If the engine dies, the server ends its open requests and exits with
     status 1 (serving/server.py), for a supervisor to restart it."""
+    if not 1 <= port <= 65535:  # before the imports: bind() would raise OverflowError
+        _fail(f"--port {port}: expected a TCP port from 1 to 65535")
     import ipaddress
     import tempfile
 

@@ -50,15 +50,21 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int = 
     return tok
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    path = Path(path)
-    if not path.is_file():
-        raise AstraiError(f"{path}: tokenizer file not found; run the tokenizer stage")
+def read_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """A tokenizer.json as it is (no special tokens required); AstraiError naming the file if it is not one."""
     try:
-        tok = Tokenizer.from_file(str(path))
+        return Tokenizer.from_file(str(path))
     except Exception as e:  # the Rust side raises a bare Exception with a multi-line serde message
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise AstraiError(f"{path}: not a valid tokenizer file ({first})") from None
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """A tokenizer the stages can use: it has astrai's special tokens."""
+    path = Path(path)
+    if not path.is_file():
+        raise AstraiError(f"{path}: tokenizer file not found; run the tokenizer stage")
+    tok = read_tokenizer(path)
     for name, text in SPECIAL_TOKENS.items():
         if tok.token_to_id(text) is None:
             raise AstraiError(f"{path}: tokenizer lacks the special token {text} ({name}); re-run the tokenizer stage")

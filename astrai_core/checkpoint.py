@@ -51,14 +51,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from astrai_core.bpe import read_tokenizer
 from astrai_core.config import ModelConfig, TrainConfig
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file
-from astrai_core.model import Transformer
+from astrai_core.model import Transformer, estimated_params
 
 if TYPE_CHECKING:
     from astrai_core.callbacks import Callback, RunState
@@ -194,10 +196,56 @@ def load_weights(ckpt_dir: str | os.PathLike, tie_embeddings: bool) -> dict[str,
     if not (Path(ckpt_dir) / "model.safetensors").is_file() and (Path(ckpt_dir) / "dcp").is_dir():
         raise AstraiError(f"{ckpt_dir}: a sharded training checkpoint (dcp/), only for resuming its run; use the "
                           "run's final model directory, which is always full")
-    weights = load_file(Path(ckpt_dir) / "model.safetensors")
+    weights = read_safetensors(Path(ckpt_dir) / "model.safetensors")
     if tie_embeddings:
         weights["lm_head.weight"] = weights["embed_tokens.weight"]
     return weights
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; AstraiError naming the file if it is truncated, empty or not one."""
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise AstraiError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]}); the file is "
+                          "truncated or corrupt") from None
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    """A checkpoint's config.json; AstraiError naming the file (and the key) if it is not a valid ModelConfig."""
+    try:
+        return ModelConfig.model_validate_json(path.read_bytes())
+    except ValidationError as e:
+        err = e.errors()[0]
+        what = (f"not valid JSON ({err['ctx']['error']})" if err["type"] == "json_invalid" else
+                f"{'.'.join(str(p) for p in err['loc']) or 'the model'}: {err['msg'].removeprefix('Value error, ')}")
+        raise AstraiError(f"{path}: {what}") from None
+
+
+def physical_memory() -> int:
+    """Bytes of RAM on this machine."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits_in_memory(cfg: ModelConfig, where: str | os.PathLike, sizes: str | None = None) -> None:
+    """Refuse, before anything is allocated, a model whose fp32 parameters alone exceed this machine's memory (a
+    config with dim 1e9 would otherwise ask the allocator for terabytes). `sizes`: the config's keys to name."""
+    need, have = 4 * estimated_params(cfg), physical_memory()
+    if need > have:
+        sizes = sizes or f"dim {cfg.dim}, n_layers {cfg.n_layers}, vocab_size {cfg.vocab_size}"
+        raise AstraiError(f"{where}: a model of {estimated_params(cfg):.3g} parameters needs {need / 2**30:,.0f} GiB "
+                          f"(fp32), more than this machine's {have / 2**30:,.0f} GiB of memory ({sizes})")
+
+
+def load_train_state(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """A checkpoint's train_state.pt (plain tensors and containers only: weights_only); AstraiError if it is not one."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
+    except Exception as e:  # UnpicklingError, RuntimeError (not a zip), EOFError, ...: never load it unsafely instead
+        detail = next((line.strip() for line in str(e).splitlines() if "WeightsUnpickler error" in line),
+                      type(e).__name__)
+        raise AstraiError(f"{path}: corrupt training state ({detail}); delete this checkpoint directory, or run "
+                          "with resume: never") from None
 
 
 def load_model(
@@ -206,7 +254,9 @@ def load_model(
     """Verify and load a checkpoint: (model in eval mode on `device`, tokenizer, model config)."""
     ckpt_dir = Path(ckpt_dir)
     verify_checkpoint(ckpt_dir)
-    cfg = ModelConfig.model_validate_json((ckpt_dir / "config.json").read_text())
+    cfg = read_model_config(ckpt_dir / "config.json")
+    tokenizer = read_tokenizer(ckpt_dir / "tokenizer.json")
+    check_fits_in_memory(cfg, ckpt_dir / "config.json")
     model = Transformer(cfg)
     try:  # strict: a missing, unexpected or misshapen tensor is refused
         model.load_state_dict(load_weights(ckpt_dir, cfg.tie_embeddings))
@@ -214,7 +264,6 @@ def load_model(
         detail = " ".join(str(e).split())[:300]  # one line
         raise AstraiError(f"{ckpt_dir / 'model.safetensors'}: does not match config.json ({detail})") from None
     assert not cfg.tie_embeddings or model.lm_head.weight is model.embed_tokens.weight
-    tokenizer = Tokenizer.from_file(str(ckpt_dir / "tokenizer.json"))
     return model.to(device).eval(), tokenizer, cfg
 
 
@@ -365,6 +414,21 @@ def _all_gather(obj: Any, d: Dist) -> list[Any]:
     return out
 
 
+def resumable_checkpoint(cfg: TrainConfig) -> Path | None:
+    """The newest valid checkpoint of this same run (config equal up to RESUME_MAY_CHANGE), or None."""
+    ckpt = find_resumable(cfg.checkpoints)
+    if ckpt is None:
+        return None
+    saved = TrainConfig.model_validate_json((ckpt / "train_config.json").read_text()).model_dump()
+    now = cfg.model_dump()
+    differ = sorted(k for k in now if k not in RESUME_MAY_CHANGE and saved.get(k) != now[k])
+    if differ:
+        warnings.warn(f"{ckpt}: written with a different config ({', '.join(differ)}); starting from scratch",
+                      stacklevel=2)
+        return None
+    return ckpt
+
+
 @dataclass
 class Checkpointer:
     """A training run's checkpoints: what they hold, where and in which format they are written, and which one the
@@ -395,7 +459,7 @@ class Checkpointer:
         """Load the checkpoint this run continues from into the (already wrapped) model, optimizer, scheduler,
         strategy, `run`, callbacks and this rank's RNGs, and return its path; None: a fresh start. The same on every
         rank: rank 0 picks it (verifying its manifest) and tells the others."""
-        ckpt = [self._resumable() if self.cfg.resume == "auto" and self.d.is_main else None]
+        ckpt = [resumable_checkpoint(self.cfg) if self.cfg.resume == "auto" and self.d.is_main else None]
         if self.d.world_size > 1:
             dist.broadcast_object_list(ckpt, src=0)
         if ckpt[0] is None:
@@ -408,19 +472,6 @@ class Checkpointer:
                               "max_steps or delete the checkpoint directory to start over")
         return ckpt[0]
 
-    def _resumable(self) -> Path | None:
-        """The newest valid checkpoint of this same run (config equal up to RESUME_MAY_CHANGE), or None."""
-        ckpt = find_resumable(self.cfg.checkpoints)
-        if ckpt is None:
-            return None
-        saved = TrainConfig.model_validate_json((ckpt / "train_config.json").read_text()).model_dump()
-        now = self.cfg.model_dump()
-        differ = sorted(k for k in now if k not in RESUME_MAY_CHANGE and saved.get(k) != now[k])
-        if differ:
-            warnings.warn(f"{ckpt}: written with a different config ({', '.join(differ)}); starting from scratch",
-                          stacklevel=2)
-            return None
-        return ckpt
 
     def save(self, run: RunState) -> Path | None:
         """Write a resumable checkpoint in cfg.checkpoints; rank 0 returns its path. "full": the weights and
@@ -487,7 +538,7 @@ class Checkpointer:
     def load(self, ckpt: Path, run: RunState) -> None:
         """Load a resumable checkpoint (written under any parallelism) into the model, optimizer, scheduler,
         strategy, `run`, callbacks and this rank's RNGs."""
-        d, state = self.d, torch.load(ckpt / "train_state.pt", weights_only=True, map_location="cpu")
+        d, state = self.d, load_train_state(ckpt / "train_state.pt")
         if (ckpt / "dcp").is_dir():  # a sharded checkpoint: each rank reads the parts it holds now
             load_sharded(self.model, self.optimizer, ckpt / "dcp")
         elif self.sharded:

@@ -149,12 +149,12 @@ class OptimConfig(Strict):
     decay to min_lr over the last `decay_fraction` of the run."""
 
     lr: PositiveFloat = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # 0 disables clipping
+    min_lr: float = Field(3e-4, ge=0.0)
+    warmup_steps: int = Field(20, ge=0)  # at most max_steps (RunSettings checks it)
+    weight_decay: float = Field(0.1, ge=0.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)  # AdamW's (and Muon's embeddings' and head's) betas: [0, 1)
+    beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    grad_clip: float = Field(1.0, ge=0.0)  # 0 disables clipping
     schedule: Literal["cosine", "sgdr", "wsd"] = "cosine"
     restart_period: PositiveInt = 100  # sgdr: optimizer steps in the first cycle (after warmup)
     restart_mult: float = Field(2.0, ge=1.0)  # sgdr: each cycle is this many times longer than the one before
@@ -162,7 +162,7 @@ class OptimConfig(Strict):
     fused: Literal["auto", "on", "off"] = "auto"  # fused AdamW kernel; auto: on where the device has one
     name: Literal["adamw", "muon"] = "adamw"
     muon_lr: PositiveFloat | None = None  # muon: the hidden matrices' peak lr (None: lr); the schedule scales it too
-    muon_weight_decay: float | None = None  # muon: the hidden matrices' decoupled weight decay (None: weight_decay)
+    muon_weight_decay: float | None = Field(None, ge=0.0)  # muon: the hidden matrices' decoupled weight decay (None: weight_decay)
     muon_momentum: float = Field(0.95, ge=0.0, lt=1.0)  # muon: Nesterov momentum of the hidden matrices
 
     @model_validator(mode="after")
@@ -298,6 +298,10 @@ class RunSettings(Strict):
 
     @model_validator(mode="after")
     def _check_optimizer(self) -> "RunSettings":
+        # With max_tokens the run's steps depend on the number of ranks, unknown here: not checked.
+        if self.max_tokens is None and self.optim.warmup_steps > self.max_steps:
+            raise ValueError(f"optim.warmup_steps ({self.optim.warmup_steps}) exceeds max_steps ({self.max_steps}): "
+                             "the learning rate would never reach optim.lr")
         if self.optim.name == "muon" and self.parallel != "ddp":
             raise ValueError(f"optim.name 'muon' orthogonalizes whole weight matrices, which parallel "
                              f"{self.parallel!r} splits across ranks: use parallel ddp (or optim.name adamw)")

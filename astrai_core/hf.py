@@ -34,13 +34,13 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from astrai_core.chat import DEFAULT_TEMPLATE
 from astrai_core.config import ModelConfig
 from astrai_core.errors import AstraiError
-from astrai_core.io import atomic_path, write_json
+from astrai_core.io import atomic_path, check_output_dir, write_json
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -285,10 +285,24 @@ def _read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
                                      "(safe_serialization=True) first)")
     state = {}
     for f in files:
-        with safe_open(f, framework="pt") as g:
-            for key in g.keys():
-                state[key] = g.get_tensor(key).float()
+        try:
+            with safe_open(f, framework="pt") as g:
+                for key in g.keys():
+                    state[key] = g.get_tensor(key).float()
+        except (SafetensorError, OSError) as e:
+            raise _refuse_import(f, f"not a readable safetensors file ({str(e).splitlines()[0]}); the file is "
+                                    "truncated or corrupt") from None
     return state
+
+
+def _read_hf_config(path: Path) -> dict:
+    try:
+        hf = json.loads(path.read_bytes())
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise _refuse_import(path, f"not valid JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(hf, dict):
+        raise _refuse_import(path, f"expected a JSON object, got {type(hf).__name__}")
+    return hf
 
 
 # ---- tokenizer ----
@@ -303,13 +317,12 @@ def _special_ids(tokenizer_json: Path) -> dict[str, int | None]:
 
 
 def _load_hf_tokenizer(path: Path):
-    from tokenizers import Tokenizer
+    from astrai_core.bpe import read_tokenizer
 
     try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # the Rust side raises a bare Exception with a multi-line serde message
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise _refuse_import(path, f"not a valid tokenizer file ({first})") from None
+        return read_tokenizer(path)
+    except AstraiError as e:
+        raise _refuse_import(path, str(e).removeprefix(f"{path}: ")) from None
 
 
 def _add_special_tokens(tok) -> tuple[dict[str, int], dict[str, int]]:
@@ -376,6 +389,7 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     from astrai_core.checkpoint import load_model
 
     ckpt_dir = Path(ckpt_dir)
+    check_output_dir(out_dir, ckpt_dir)
     model, _, cfg = load_model(ckpt_dir)
     hf_model_type(cfg)  # refuse before writing anything
     ids = _special_ids(ckpt_dir / "tokenizer.json")
@@ -401,15 +415,24 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     from astrai_core.checkpoint import save_checkpoint
     from astrai_core.model import Transformer
 
+    from astrai_core.checkpoint import check_fits_in_memory
+
     hf_dir = Path(hf_dir)
+    check_output_dir(out_dir, hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise AstraiError(f"{hf_dir}: not a Hugging Face model directory (config.json missing)")
     if not (hf_dir / "tokenizer.json").is_file():
         raise _refuse_import(hf_dir, "no tokenizer.json (a fast tokenizer file is needed; save the tokenizer with "
                                      "transformers' AutoTokenizer.save_pretrained first)")
-    cfg = astrai_config(json.loads((hf_dir / "config.json").read_text()), hf_dir / "config.json")
-    state = from_hf_state(cfg, _read_safetensors(hf_dir))
+    hf = _read_hf_config(hf_dir / "config.json")
+    try:
+        cfg = astrai_config(hf, hf_dir / "config.json")
+    except KeyError as e:
+        raise _refuse_import(hf_dir / "config.json", f"missing the key {e.args[0]!r}") from None
     tok = _load_hf_tokenizer(hf_dir / "tokenizer.json")
+    check_fits_in_memory(cfg, hf_dir / "config.json", ", ".join(f"{k} {hf.get(k)}" for k in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")))
+    state = from_hf_state(cfg, _read_safetensors(hf_dir))
     n_known = _tokenizer_size(tok)
     added, reused = _add_special_tokens(tok)
     hf_vocab_size = cfg.vocab_size
@@ -437,5 +460,5 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
             tokenizer_path = Path(tmp) / "tokenizer.json"
             tok.save(str(tokenizer_path))
         return save_checkpoint(out_dir, model, cfg, tokenizer_path,
-                               extra={"imported_from": str(hf_dir.resolve()), "hf_model_type": json.loads(
-                                   (hf_dir / "config.json").read_text())["model_type"], **report}, files=extra_files)
+                               extra={"imported_from": str(hf_dir.resolve()), "hf_model_type": hf["model_type"],
+                                      **report}, files=extra_files)

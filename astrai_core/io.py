@@ -13,6 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from astrai_core.errors import AstraiError
+
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
@@ -49,6 +51,21 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         _remove(tmp)
         raise
+
+
+def check_output_dir(out: str | os.PathLike, *inputs: str | os.PathLike) -> None:
+    """A directory a command writes whole, replacing what is there (atomic_path): refuse, before any work, a path
+    that is a file, the current directory or one holding it, or one that is or holds one of the `inputs`."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise AstraiError(f"{out}: is a file, not a directory; give the path of a directory to write")
+    resolved, cwd = out.resolve(), Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents:
+        raise AstraiError(f"{out}: is the current directory (or holds it), which would be replaced; give the path "
+                          "of a new directory")
+    for src in inputs:
+        if resolved == Path(src).resolve() or resolved in Path(src).resolve().parents:
+            raise AstraiError(f"{out}: is or holds the input {src}, which would be replaced; give another directory")
 
 
 def _remove(path: Path) -> None:

@@ -421,6 +421,26 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def estimated_params(cfg: ModelConfig) -> int:
+    """Parameters of Transformer(cfg), from the config alone: its matrices and embeddings, exactly (norm gains,
+    biases and scalars, a few per layer, are left out). What a loader checks against the machine's memory before
+    it allocates anything (checkpoint.check_fits_in_memory)."""
+    D, H, hd = cfg.dim, cfg.n_heads, cfg.head_dim
+    if cfg.attention == "mla":
+        r, rank = cfg.mla_rope_dim, cfg.mla_kv_rank
+        attn = D * H * (hd + r) + D * (rank + r) + rank * H * 2 * hd + H * hd * D
+    else:
+        attn = 2 * D * H * hd + 2 * D * cfg.n_kv_heads * hd
+    attn += D * H * hd if cfg.attn_gate else 0
+    if cfg.n_experts:
+        mlp = D * cfg.n_experts + 3 * D * cfg.expert_hidden_dim * (cfg.n_experts + cfg.n_shared_experts)
+    else:
+        mlp = (2 if cfg.mlp == "relu2" else 3) * D * cfg.hidden_dim
+    embed = cfg.vocab_size * D * (1 if cfg.tie_embeddings else 2)
+    embed += cfg.vocab_size * cfg.n_kv_heads * hd if cfg.value_embeds else 0
+    return embed + cfg.n_layers * (attn + mlp)
+
+
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Mean next-token loss over targets != ignore_index. logits (..., V), targets (...); computed in fp32."""
     return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=ignore_index)

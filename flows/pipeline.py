@@ -33,8 +33,8 @@ from prefect.states import Cancelled, State
 
 from astrai_core.proc import stream_process
 from tasks import stages as S
-from tasks.params import Params, RunParams, run_params
-from tasks.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, PROFILE_ENV, flatten, setup
+from tasks.params import Params, RunParams, check_cluster, run_params
+from tasks.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, flatten, setup
 
 STAGE_ORDER = list(S.STAGES)
 
@@ -118,10 +118,11 @@ def pipeline(params_path: str = "params.yaml", overrides: dict[str, Any] | None 
     """
     root = Path(project_dir or os.getcwd()).resolve()
     with run_params(root, params_path, overrides, get_run_logger().info, profile, resolved) as params:
-        return _run_stages(root, params, profile)
+        check_cluster(params, root)  # before any stage: what launcher slurm needs of this machine
+        return _run_stages(root, params)
 
 
-def _run_stages(root: Path, params: Params, profile: str | None) -> dict[str, Any]:
+def _run_stages(root: Path, params: Params) -> dict[str, Any]:
     logger = get_run_logger()
     setup(params, root)
 
@@ -130,7 +131,6 @@ def _run_stages(root: Path, params: Params, profile: str | None) -> dict[str, An
     env.setdefault("DVC_NO_ANALYTICS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")  # a stage's progress lines reach the task log as they are printed
     env[FLOW_RUN_ENV] = str(flow_run.get_id() or "none")
-    env[PROFILE_ENV] = profile or "default"  # the register stage names and tags the model by it
     with mlflow.start_run(run_name=f"pipeline {flow_run.get_name() or ''}".strip(),
                           tags={"astrai.stage": "pipeline", "prefect.flow_run_id": env[FLOW_RUN_ENV]}) as parent:
         mlflow.log_params(flatten(params.model_dump(mode="json")))

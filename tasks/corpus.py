@@ -21,6 +21,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -111,11 +112,19 @@ def _limited(documents: Documents, max_documents: int | None) -> Iterator[tuple[
         yield doc
 
 
+# Half of a UTF-16 surrogate pair: JSON may escape one ("\ud800"), but no UTF-8 text can hold it (a whole pair
+# decodes to one character), so the corpus file could not be written.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _check_text(text: str, where: str) -> str:
     if not text.strip():
         raise AstraiError(f"{where}: empty (or whitespace-only) document")
     if "\x00" in text:  # valid UTF-8, but binary data (e.g. a file of NUL bytes), not text
         raise AstraiError(f"{where}: contains NUL bytes; not a text document")
+    if m := _LONE_SURROGATE.search(text):
+        raise AstraiError(f"{where}: a lone surrogate \\u{ord(m[0]):04x} at character {m.start()} of the text "
+                          "(half of a UTF-16 pair); not text that UTF-8 can hold")
     return text
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, NamedTuple
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PositiveInt, PrivateAttr, ValidationError, ValidationInfo,
+from pydantic import (Field, PositiveInt, PrivateAttr, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
 from astrai_core.config import (DPOConfig, DPOSettings, GRPOConfig, ModelConfig, RunSettings, Strict, TrainConfig,
@@ -145,6 +145,9 @@ class RegisterParams(Strict):
     # Which model of the chain is registered: the best on this held-out metric (tasks/metrics.py; ties go to the
     # later stage), and the metric the new version must beat the champion's on to take alias `champion`.
     metric: str = "task_accuracy"
+    # The profile the run's params came from: `astrai pipeline --profile NAME` writes it into the run's params
+    # (params_of_run), and the register stage reads it from there like any other setting.
+    profile: str = "default"
 
     @field_validator("metric")
     @classmethod
@@ -189,26 +192,37 @@ class ClusterParams(Strict):
         return Path(self.shared_dir).resolve() if self.shared_dir else root / ".astrai" / "slurm"
 
 
-def check_cluster(params: Params, root: Path) -> None:
-    """launcher: slurm's settings (tasks/slurm.py runs the jobs), checked when the params are read; ValueError
-    naming the key."""
-    from astrai_core.config import check_ranks
-
-    cluster = params.cluster
+def check_cluster(params: Params, root: Path, source: str = "params.yaml") -> None:
+    """What launcher: slurm needs of this machine (tasks/slurm.py runs the jobs): sbatch, a writable shared_dir
+    (created here), an MLflow server (MLFLOW_TRACKING_URI wins over tracking.uri). Not part of parsing the params
+    (that reads the settings only): checked where a command or stage that submits jobs starts, before any work;
+    AstraiError naming `source` and the key."""
+    if params.cluster.launcher != "slurm":
+        return
     if shutil.which("sbatch") is None:
-        raise ValueError("cluster.launcher: slurm needs Slurm's sbatch on PATH (run on the cluster's login node)")
-    shared = cluster.shared_path(root)
+        raise AstraiError(f"{source}: cluster.launcher: slurm needs Slurm's sbatch on PATH (run on the cluster's "
+                          "login node)")
+    shared = params.cluster.shared_path(root)
     try:
         shared.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"cluster.shared_dir: cannot create {shared}: {e.strerror}") from None
+        raise AstraiError(f"{source}: cluster.shared_dir: cannot create {shared}: {e.strerror}") from None
     if not os.access(shared, os.W_OK | os.X_OK):
-        raise ValueError(f"cluster.shared_dir: {shared} is not writable")
+        raise AstraiError(f"{source}: cluster.shared_dir: {shared} is not writable")
     uri = os.environ.get("MLFLOW_TRACKING_URI") or params.tracking.uri
     if not (uri or "").startswith(("http://", "https://")):
-        raise ValueError(f"tracking.uri: launcher slurm needs an MLflow server every node reaches (tracking.uri: "
-                         f"http://HOST:PORT, see `make mlflow-server`); {uri or 'the default sqlite store'} is a file "
-                         "on this machine that ranks on other nodes cannot write")
+        store = uri or "the default sqlite store"
+        raise AstraiError(f"{source}: tracking.uri: launcher slurm needs an MLflow server every node reaches "
+                          f"(tracking.uri: http://HOST:PORT, see `make mlflow-server`); {store} is a file on this "
+                          "machine that ranks on other nodes cannot write")
+
+
+def check_slurm_ranks(params: Params) -> None:
+    """launcher: slurm's ranks (cluster.nodes x nproc) against each stage's tensor parallelism; ValueError naming
+    the key."""
+    from astrai_core.config import check_ranks
+
+    cluster = params.cluster
     for stage in MODEL_STAGES:
         section = getattr(params, stage)
         if section.parallel in ("tp", "fsdp+tp"):
@@ -271,7 +285,7 @@ class Params(Strict):
                 raise ValueError(f"{stage}{'.' + where if where else ''}: "
                                  f"{err['msg'].removeprefix('Value error, ')}") from None
             section = getattr(self, stage)
-            # auto: checked by the ranks; launcher slurm: nodes x nproc, by check_cluster
+            # auto: checked by the ranks; launcher slurm: nodes x nproc, by check_slurm_ranks
             if section.parallel in ("tp", "fsdp+tp") and section.nproc != "auto" and self.cluster.launcher == "local":
                 from astrai_core.config import check_ranks
 
@@ -282,10 +296,10 @@ class Params(Strict):
         return self
 
     @model_validator(mode="after")
-    def _cluster_fits(self, info: ValidationInfo) -> "Params":
-        """launcher: slurm is checked here, before any job is submitted."""
+    def _cluster_fits(self) -> "Params":
+        """launcher: slurm's ranks; what it needs of the machine is check_cluster's, where a run starts."""
         if self.cluster.launcher == "slurm":
-            check_cluster(self, Path((info.context or {}).get("root", ".")).resolve())
+            check_slurm_ranks(self)
         return self
 
     def train_config(self, stage: str) -> TrainConfig:
@@ -400,11 +414,11 @@ PROFILES_DIR = Path("profiles")
 
 def load_profile(root: Path, name: str) -> dict[str, Any]:
     """profiles/NAME.yaml: the params a profile changes, as a nested mapping like params.yaml's."""
-    path = root / PROFILES_DIR / f"{name}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in (root / PROFILES_DIR).glob("*.yaml"))
-        raise AstraiError(f"{path}: no such profile; profiles: {', '.join(known) or 'none'}")
-    return load_raw(path)
+    known = sorted(p.stem for p in (root / PROFILES_DIR).glob("*.yaml") if p.is_file())
+    if name not in known:  # a name, never a path: "../params" would merge params.yaml itself as a profile
+        raise AstraiError(f"--profile {name}: no such profile; profiles: {', '.join(known) or 'none'} "
+                          f"(the names of {PROFILES_DIR}/*.yaml)")
+    return load_raw(root / PROFILES_DIR / f"{name}.yaml")
 
 
 def _merge(tree: dict, changes: dict) -> None:
@@ -447,7 +461,10 @@ def params_of_run(root: Path, params_path: str, overrides: dict[str, Any] | None
     override stops here with one line naming it, before any stage (or a Prefect server) starts."""
     target = root / "params.yaml"
     source = (root / params_path).resolve()
-    changes = load_profile(root, profile) if profile else None
+    changes = None
+    if profile:  # the profile's keys, and its name: what the register stage names and tags the model by
+        changes = load_profile(root, profile)
+        _merge(changes, {"register": {"profile": profile}})
     if source == target.resolve() and not overrides and not changes:
         return RunParams(load_params(target), None)
     load_raw(root / params_path)  # a missing file or bad YAML: one line naming it

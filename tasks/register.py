@@ -36,7 +36,7 @@ from astrai_core.io import sha256_file, write_json
 from tasks.layout import MODEL_STAGES, model_dir
 from tasks.metrics import METRICS, better
 from tasks.params import Params
-from tasks.tracking import FLOW_RUN_ENV, PROFILE_ENV
+from tasks.tracking import FLOW_RUN_ENV
 
 PREDICT_PARAMS = {"max_new_tokens": 64, "temperature": 0.0, "top_k": 0, "seed": 0}
 
@@ -128,7 +128,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
     """Registers the best model of the chain under project_dir on `register.metric` in metrics_path (the evaluate
     stage's metrics.json). Must run inside an active MLflow run (the stage's). Writes out_dir/registration.json;
     returns it."""
-    profile = os.environ.get(PROFILE_ENV) or "default"
+    profile = params.register.profile
     name = params.register.model_name if profile == "default" else f"{params.register.model_name}-{profile}"
     metric = params.register.metric
     metrics = json.loads(metrics_path.read_text())

@@ -1,6 +1,10 @@
 """Tokenizer stage: data/corpus/train.jsonl -> data/tokenizer/tokenizer.json (byte-level BPE) + chat_template.jinja.
 
-Trained on the train split only, so validation and test text never shapes the vocabulary. With
+Trained on the train split only, so validation and test text never shapes the vocabulary. A long document is
+fed to the trainer in pieces of at most PIECE_CHARACTERS, cut before a space as the pack stage cuts them
+(astrai_core.bpe.piece_bounds): the pre-tokenizer splits there anyway, so the trainer counts the same words and
+learns the same vocabulary and merges, while its memory follows the piece, not the longest line (a 20 MB
+single-line document held 2.16 GB; bench/tokenizer_memory.py). With
 `tokenizer.source: PATH` (a checkpoint directory, e.g. `astrai import-hf`'s, or a tokenizer.json) the stage
 copies that tokenizer byte for byte instead, so `pretrain.init_from` that checkpoint accepts the packed data.
 
@@ -13,12 +17,12 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from astrai_core.chat import DEFAULT_TEMPLATE, TEMPLATE_FILE, load_chat
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path
-from astrai_core.bpe import load_tokenizer, train_tokenizer
+from astrai_core.bpe import load_tokenizer, piece_bounds, train_tokenizer
 from tasks.params import TokenizerParams
 
 
@@ -30,7 +34,7 @@ def build_tokenizer(params: TokenizerParams, corpus_dir: Path, out_dir: Path) ->
     train_file = Path(corpus_dir) / "train.jsonl"
     if not train_file.is_file():
         raise AstraiError(f"{train_file}: not found; run the corpus stage first")
-    tok = train_tokenizer(iter_texts(train_file), params.vocab_size, params.min_frequency)
+    tok = train_tokenizer(pieces(iter_texts(train_file), PIECE_CHARACTERS), params.vocab_size, params.min_frequency)
     out_dir = Path(out_dir)
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
@@ -71,6 +75,21 @@ def check_vocab_size(tokenizer_path: Path, model_vocab_size: int) -> None:
     if model_vocab_size < size:
         raise AstraiError(f"params.yaml: model.vocab_size ({model_vocab_size}) must be >= the size of the tokenizer "
                           f"{tokenizer_path} ({size})")
+
+
+# Characters the trainer gets at once, at most. The trainer pre-tokenizes each text it is given whole (~100 bytes
+# per character of it, measured) and takes them in batches, so this bounds its memory; documents up to this size,
+# most of a usual corpus, go in as they are.
+PIECE_CHARACTERS = 100_000
+
+
+def pieces(texts: Iterable[str], max_chars: int) -> Iterator[str]:
+    """Each text in pieces of at most max_chars characters, cut where the byte-level pre-tokenizer splits anyway
+    (piece_bounds); a text that fits is the string itself."""
+    for text in texts:
+        bounds = piece_bounds(text, max_chars)
+        for a, b in zip(bounds, bounds[1:]):
+            yield text[a:b]
 
 
 def iter_texts(jsonl: Path) -> Iterator[str]:

@@ -24,7 +24,6 @@ from tasks.params import Params
 
 PARENT_RUN_ENV = "ASTRAI_PARENT_RUN_ID"
 FLOW_RUN_ENV = "ASTRAI_FLOW_RUN_ID"
-PROFILE_ENV = "ASTRAI_PROFILE"  # the profile of the flow run whose stage this is (unset: params.yaml as it is)
 
 
 def tracking_uri(params: Params, project_dir: Path) -> str:

@@ -56,8 +56,10 @@ def train_stage(params: Params, stage: str, root: Path, *, run_id: str | None = 
         on_line(f"{stage}: disabled; the next stage starts from {previous_model(root, stage)}")
         return None
     if params.cluster.launcher == "slurm":
+        from tasks.params import check_cluster
         from tasks.slurm import launch_slurm
 
+        check_cluster(params, root)
         return launch_slurm(params.train_config(stage), params.cluster, params.cluster.ranks_per_node(section.nproc),
                             section.max_restarts, root, run_id=run_id, on_line=on_line)
     return launch(params.train_config(stage), resolve_nproc(section.nproc, section.device), section.max_restarts, run_id=run_id,

@@ -28,7 +28,7 @@ TINY_PARAMS = {
     "evaluate": {"batch_size": 8, "max_new_tokens": 12, "prompts": ["ROMEO.\n"], "task_examples": 12},
     "chat_data": {"sft_examples": 48, "dpo_pairs": 32, "grpo_prompts": 24, "test_examples": 12, "max_chars": 300},
     "sft": {"nproc": 2, "batch_size": 2, "max_steps": 6, "dtype": "fp32", "log_every": 2, "eval_every": 3,
-            "eval_batches": 1},
+            "eval_batches": 1, "optim": {"warmup_steps": 6}},  # params.yaml's 10 would exceed the 6 steps
     "dpo": {"nproc": 2, "batch_size": 2, "max_steps": 4, "dtype": "fp32", "log_every": 2,
             "lora": {"rank": 4, "alpha": 8, "dropout": 0.0}},
     "grpo": {"nproc": 2, "batch_size": 2, "objective": {"group_size": 4, "max_new_tokens": 6}, "max_steps": 4,

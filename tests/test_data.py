@@ -103,6 +103,31 @@ def test_train_tokenizer_rejects_too_small_vocab():
 H = dict(tokenizer_sha256="a" * 64, source_manifest_sha256="m" * 64)
 
 
+def test_the_tokenizer_stage_trains_on_bounded_pieces_and_learns_the_same(tmp_path, monkeypatch):
+    """A single-line document reaches the trainer in pieces of at most PIECE_CHARACTERS (its memory grew with the
+    longest line: 2.16 GB for 20 MB), cut where the pre-tokenizer splits anyway: the same vocabulary and merges as
+    training on the whole texts."""
+    import tasks.tokenizer as tokenizer_mod
+    from tasks.tokenizer import iter_texts
+
+    rng = np.random.default_rng(0)
+    vocab = ["the", "king", "queen's", "lord,", "sweet", "love.", "12", "O!", "thee", "  night", "day\t"]
+    line = " ".join(rng.choice(vocab, 12_000))  # ~70k characters, no newline
+    lines = "\n".join(" ".join(rng.choice(vocab, 12)) for _ in range(300))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "train.jsonl").write_text("".join(json.dumps({"id": str(i), "text": t}) + "\n"
+                                                for i, t in enumerate([line, lines, "short"])))
+    monkeypatch.setattr(tokenizer_mod, "PIECE_CHARACTERS", 5_000, raising=False)
+    lengths, real = [], tokenizer_mod.train_tokenizer
+    monkeypatch.setattr(tokenizer_mod, "train_tokenizer",
+                        lambda texts, *a: real((lengths.append(len(t)) or t for t in texts), *a))
+    path = build_tokenizer(TokenizerParams(vocab_size=400), corpus, tmp_path / "tok")
+    assert max(lengths) <= 5_000 and len(lengths) > 15, lengths
+    whole = real(iter_texts(corpus / "train.jsonl"), 400, 2)
+    assert json.loads(path.read_text()) == json.loads(whole.to_str()), "not the tokenizer of the whole texts"
+
+
 def test_packed_round_trip(tmp_path):
     docs = [[5, 6, 7], [], [1], list(range(100, 200))]
     path = tmp_path / "train.h5"

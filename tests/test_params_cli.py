@@ -49,6 +49,14 @@ def test_shipped_params_are_valid():
     ({"dpo.rejected": "random"}, "dpo.rejected: Input should be 'on_policy' or 'static'"),
     ({"chat_data.dpo": "my_pairs.jsonl"}, "dpo.rejected: on_policy needs pairs whose chosen reply is the one right "
                                           "answer (chat_data.dpo: demo); set dpo.rejected: static for my_pairs.jsonl"),
+    # the optimizer's bounds, at parse time (torch would raise them inside the ranks, or train on with nonsense)
+    ({"pretrain.optim.beta1": 1.5}, "pretrain.optim.beta1: Input should be less than 1"),
+    ({"sft.optim.beta2": -0.1}, "sft.optim.beta2: Input should be greater than or equal to 0"),
+    ({"pretrain.optim.warmup_steps": -1}, "pretrain.optim.warmup_steps: Input should be greater than or equal to 0"),
+    ({"pretrain.optim.warmup_steps": 451}, "pretrain: optim.warmup_steps (451) exceeds max_steps (450)"),
+    ({"dpo.optim.weight_decay": -0.1}, "dpo.optim.weight_decay: Input should be greater than or equal to 0"),
+    ({"pretrain.optim.grad_clip": -1}, "pretrain.optim.grad_clip: Input should be greater than or equal to 0"),
+    ({"grpo.optim.min_lr": -1e-4}, "grpo.optim.min_lr: Input should be greater than or equal to 0"),
 ])
 def test_bad_params_name_the_key(override, message):
     with pytest.raises(AstraiError) as e:
@@ -96,10 +104,10 @@ def test_sections_resolve_into_the_core_configs():
 
 def test_overrides_apply_and_digest_changes():
     base = load_params(ROOT / "params.yaml")
-    p = load_params(ROOT / "params.yaml", {"pretrain.max_steps": 7, "pretrain.optim.lr": 0.001})
-    assert (p.pretrain.max_steps, p.pretrain.optim.lr) == (7, 0.001)
+    p = load_params(ROOT / "params.yaml", {"pretrain.max_steps": 70, "pretrain.optim.lr": 0.001})
+    assert (p.pretrain.max_steps, p.pretrain.optim.lr) == (70, 0.001)
     assert p.digest() != base.digest()
-    assert load_params(ROOT / "params.yaml", {"pretrain.max_steps": 7}).digest() != base.digest()
+    assert load_params(ROOT / "params.yaml", {"pretrain.max_steps": 70}).digest() != base.digest()
     # The digest is of the resolved params: a default written out, or keys in another order, change nothing.
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
     explicit = {**raw, "sft": {**raw["sft"], "keep_checkpoints": 2}}  # RunSettings' default
@@ -119,7 +127,7 @@ def test_cli_typo_in_params_is_one_line_and_nonzero(tmp_path):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
     out = _cli(["stage", "corpus"], tmp_path)
     assert out.returncode != 0
-    assert out.stderr.strip().splitlines()[-1] == f"astrai: error: params.yaml: pretrain.batch_sise: unknown key"
+    assert out.stderr.strip().splitlines()[-1] == "astrai: error: params.yaml: pretrain.batch_sise: unknown key"
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "data").exists()
 

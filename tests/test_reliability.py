@@ -44,13 +44,13 @@ def test_overrides_belong_to_one_run_and_the_file_keeps_its_comments(params_root
 
 def test_another_params_file_is_used_for_the_run_only(params_root):
     other = params_root / "quick.yaml"
-    other.write_text("# mine\npretrain:\n  max_steps: 7  # short\n")
+    other.write_text("# mine\npretrain:\n  max_steps: 70  # short\n")
     original = (params_root / "params.yaml").read_bytes()
-    with run_params(params_root, "quick.yaml", {"sft.max_steps": 3}, log=print):
+    with run_params(params_root, "quick.yaml", {"sft.max_steps": 30}, log=print):
         text = (params_root / "params.yaml").read_text()
         assert "# short" in text and "# mine" in text
-        assert load_params(params_root / "params.yaml").pretrain.max_steps == 7
-        assert load_params(params_root / "params.yaml").sft.max_steps == 3
+        assert load_params(params_root / "params.yaml").pretrain.max_steps == 70
+        assert load_params(params_root / "params.yaml").sft.max_steps == 30
     assert (params_root / "params.yaml").read_bytes() == original
 
 
@@ -241,14 +241,22 @@ def test_a_profile_is_merged_over_the_params_and_an_unknown_one_is_named(params_
     from tasks.params import parse_params
 
     shutil.copytree(PROJECT_ROOT / "profiles", params_root / "profiles")
-    text = run_params_text(params_root / "params.yaml", {"sft.max_steps": 3}, load_profile(params_root, "quick"))
+    text = run_params_text(params_root / "params.yaml", {"sft.max_steps": 12}, load_profile(params_root, "quick"))
     params = parse_params(pyyaml.safe_load(text))
-    assert params.pretrain.max_steps == 40 and params.sft.max_steps == 3  # --set wins over the profile
+    assert params.pretrain.max_steps == 40 and params.sft.max_steps == 12  # --set wins over the profile
     assert params.pretrain.dtype == "auto" and params.grpo.objective.rewards == {"exact_answer": 1.0}
     assert params.grpo.objective.group_size == 4  # the profile's, merged into params.yaml's objective
     assert "# torchrun processes: auto = every GPU, else every CPU core" in text  # params.yaml's comments stay
     with pytest.raises(AstraiError, match="no such profile; profiles: quick"):
         load_profile(params_root, "fast")
+    # A name, never a path: ../params would merge params.yaml itself as a profile and start a full run.
+    with pytest.raises(AstraiError, match=r"^--profile \.\./params: no such profile; profiles: quick"):
+        load_profile(params_root, "../params")
+    # The run's params carry the profile's name: the register stage reads it there (no environment variable).
+    from tasks.params import params_of_run
+
+    assert params_of_run(params_root, "params.yaml", None, "quick").params.register.profile == "quick"
+    assert params_of_run(params_root, "params.yaml", None, None).params.register.profile == "default"
 
 
 @pytest.mark.integration

@@ -5,7 +5,6 @@ is tested in test_serve_api.py, against a real `astrai serve`."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest

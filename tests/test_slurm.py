@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -219,9 +218,12 @@ def test_an_sbatch_rejection_shows_slurms_message(project):
 # --- bad settings, refused when the params are read -------------------------------------------------------------
 
 def _parse(raw: dict, tmp_path: Path):
-    from tasks.params import parse_params
+    """Parse, then check what the settings need of this machine, as a command or stage does where it starts."""
+    from tasks.params import check_cluster, parse_params
 
-    return parse_params(raw, str(tmp_path / "params.yaml"))
+    params = parse_params(raw, str(tmp_path / "params.yaml"))
+    check_cluster(params, tmp_path)
+    return params
 
 
 @pytest.mark.parametrize("raw, key", [
@@ -237,8 +239,11 @@ def test_bad_slurm_settings_are_refused_naming_the_key(raw, key, tmp_path, monke
     if "tracking" not in raw:
         raw = {**raw, "tracking": {"uri": "http://127.0.0.1:5000"}}
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    if missing() and "sbatch" in missing():
-        pytest.skip(missing())
+    fake = tmp_path / "bin" / "sbatch"  # only looked for on PATH, never run, by these checks
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
     with pytest.raises(AstraiError, match=key.replace(".", r"\.")):
         _parse(raw, tmp_path)
 
@@ -249,6 +254,21 @@ def test_no_sbatch_on_path_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(AstraiError, match=r"cluster\.launcher: slurm needs Slurm's sbatch"):
         _parse({"cluster": {"launcher": "slurm"}, "tracking": {"uri": "http://127.0.0.1:5000"}}, tmp_path)
+
+
+def test_parsing_the_settings_touches_nothing(tmp_path, monkeypatch):
+    """Reading params looks at no PATH and creates no directory (issue 31): launcher slurm without sbatch parses;
+    check_cluster, where a run starts, is what refuses it, naming the key."""
+    from astrai_core.errors import AstraiError
+    from tasks.params import check_cluster, parse_params
+
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    raw = {"cluster": {"launcher": "slurm", "shared_dir": str(tmp_path / "shared")},
+           "tracking": {"uri": "http://127.0.0.1:5000"}}
+    params = parse_params(raw, str(tmp_path / "params.yaml"))
+    assert params.cluster.launcher == "slurm" and not (tmp_path / "shared").exists()
+    with pytest.raises(AstraiError, match=r"params\.yaml: cluster\.launcher: slurm needs Slurm's sbatch"):
+        check_cluster(params, tmp_path)
 
 
 def test_the_local_launcher_is_the_default_and_needs_none_of_it(tmp_path, monkeypatch):

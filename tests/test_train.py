@@ -344,7 +344,8 @@ def test_callback_lifecycle(core_tiny_data, tmp_path, monkeypatch):
     for h in hooks:
         setattr(Record, h, lambda self, run, *a, _h=h: self.calls.append(_h.removeprefix("on_")))
     rec = Record()
-    train(make_cfg(core_tiny_data, tmp_path / "ok", max_steps=2, grad_accum=2, val_data=None), callbacks=[rec])
+    train(make_cfg(core_tiny_data, tmp_path / "ok", max_steps=2, grad_accum=2, val_data=None,
+                   optim=dict(lr=3e-3, min_lr=3e-4, warmup_steps=1)), callbacks=[rec])
     step = ["batch_begin", "batch_end"] * 2 + ["optimizer_step_begin", "optimizer_step_end"]
     assert rec.calls == ["train_begin", "epoch_begin", *step, *step, "epoch_end", "train_end"]
     # Checkpointing is the loop's own step, not a callback: the run is saved whatever the callbacks are.

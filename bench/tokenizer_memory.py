@@ -1,0 +1,121 @@
+"""Peak memory of the tokenizer stage on one huge single-line document, and that its tokenizer is unchanged (issue 32,
+item 13).
+
+    python bench/tokenizer_memory.py                         # 20 MB; writes bench/tokenizer_memory_report.json
+    python bench/tokenizer_memory.py --mb 5 --no-report
+    git archive 2ce9d43 | tar -x -C /tmp/before && python bench/tokenizer_memory.py --before /tmp/before
+
+Corpora (data/corpus/train.jsonl as the corpus stage writes it): `single_line`, the huge document (words separated by
+single spaces, no newline) and a few small ones; `lines`, the same text with a newline about every 80 characters,
+as one document; `demo`, the default corpus (the Shakespeare of params.yaml's corpus section, fetched by the
+corpus stage). Each is trained on by the tokenizer stage itself (build_tokenizer with params.yaml's tokenizer
+section) in a fresh Python process, which reports its own peak resident set size (getrusage ru_maxrss, the
+tokenizer's threads included) and the sha256 of the tokenizer.json it wrote. --before DIR runs the same with the
+code in DIR (another checkout): equal sha256s mean the same vocabulary and merges, byte for byte. --limit-gb caps
+a run's address space (prlimit), so a blow-up fails instead of starving the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pack_memory import words  # noqa: E402 - the same words as the pack stage's benchmark
+
+STAGE = r"""
+import hashlib, json, resource, sys, time
+from pathlib import Path
+corpus, out = Path(sys.argv[1]), Path(sys.argv[2])
+from tasks.params import load_params
+from tasks.tokenizer import build_tokenizer
+params = load_params(sys.argv[3]).tokenizer
+t = time.time()
+path = build_tokenizer(params, corpus, out)
+print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "seconds": round(time.time() - t, 2),
+                  "tokenizer_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}))
+"""
+
+
+def write_corpus(folder: Path, texts: list[str]) -> Path:
+    folder.mkdir(parents=True)
+    with open(folder / "train.jsonl", "w", encoding="utf-8") as f:
+        for i, text in enumerate(texts):
+            f.write(json.dumps({"id": f"doc{i}", "text": text}) + "\n")
+    return folder
+
+
+def in_lines(text: str, width: int = 80) -> str:
+    """`text` with each space after `width` or more characters of a line made a newline."""
+    out, start = [], 0
+    while start < len(text):
+        cut = text.find(" ", start + width)
+        cut = len(text) if cut < 0 else cut
+        out.append(text[start:cut])
+        start = cut + 1
+    return "\n".join(out)
+
+
+def run(code: Path, corpus: Path, out: Path, limit_gb: float | None) -> dict:
+    cmd = [sys.executable, "-c", STAGE, str(corpus), str(out), str(ROOT / "params.yaml")]
+    if limit_gb:
+        cmd = ["prlimit", f"--as={int(limit_gb * 2**30)}", "--", *cmd]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(code)), cwd=code)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"failed": f"exit {proc.returncode}: {last}", "limit_gb": limit_gb}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=float, default=20.0, help="size of the huge document in MB (ASCII: characters)")
+    ap.add_argument("--limit-gb", type=float, default=8.0, help="address-space cap per run (0: none)")
+    ap.add_argument("--before", type=Path, help="also run the stage with the code of this directory")
+    ap.add_argument("--no-demo", action="store_true", help="skip the default corpus")
+    ap.add_argument("--report", default=str(ROOT / "bench" / "tokenizer_memory_report.json"))
+    ap.add_argument("--no-report", action="store_true")
+    args = ap.parse_args()
+
+    sys.path.insert(0, str(ROOT))
+    from tasks.corpus import build_corpus
+    from tasks.params import load_params
+
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "tasks", "astrai_core"], capture_output=True,
+                           text=True, cwd=ROOT).stdout.strip()
+    codes = {"this checkout": ROOT, **({"before": args.before} if args.before else {})}
+    results: dict[str, dict] = {label: {} for label in codes}
+    with tempfile.TemporaryDirectory(prefix="tokenizer_memory.") as tmp:
+        root = Path(tmp)
+        big, small = words(int(args.mb * 1e6), 0), [words(2000, i) for i in range(1, 7)]
+        corpora = {"single_line": write_corpus(root / "single_line", [big, *small]),
+                   "lines": write_corpus(root / "lines", [in_lines(big), *small])}
+        if not args.no_demo:
+            build_corpus(load_params(ROOT / "params.yaml").corpus, root / "demo")
+            corpora["demo"] = root / "demo"
+        for name, corpus in corpora.items():
+            for label, code in codes.items():
+                res = results[label][name] = run(code, corpus, root / "out" / label / name, args.limit_gb or None)
+                print(label, name, json.dumps(res), flush=True)
+    same = {name: len({results[label][name].get("tokenizer_sha256") for label in codes}) == 1 for name in corpora}
+    report = {"document_mb": args.mb, "commit": git + (" (modified)" if dirty else ""), "before": str(args.before),
+              "machine": platform.node(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"),
+              "same_tokenizer_as_before": same if args.before else None, "results": results}
+    print(json.dumps(report["same_tokenizer_as_before"]))
+    if not args.no_report:
+        Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.report}")
+
+
+if __name__ == "__main__":
+    main()
