@@ -64,7 +64,10 @@ worker: setup
 deploy: setup
 	ASTRAI_PROJECT_DIR=$(CURDIR) PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(BIN)/prefect --no-prompt deploy --all
 
+# Without a server, prefect would print a traceback ("Timed out while attempting to connect ..."): say it in one line.
 run-deployment:
+	@curl -sf http://127.0.0.1:$(PREFECT_PORT)/api/health >/dev/null || { echo "astrai: error: Makefile: no Prefect \
+	server on http://127.0.0.1:$(PREFECT_PORT); start one, a worker and the deployment with: make server worker deploy" >&2; exit 1; }
 	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(BIN)/prefect deployment run 'astrai-pipeline/default' --watch
 
 # An idle worker passes SIGTERM on to its process worker as a SIGINT that it does not act on; a second signal makes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from astrai import env
 env.apply()  # before Prefect, MLflow or DVC is imported
 
 from astrai_core.errors import AstraiError  # noqa: E402
+from tasks.runlog import command_log, crash_line, log_file, shown  # noqa: E402
 
 app = typer.Typer(help="AstrAI pipeline: corpus -> tokenizer -> HDF5 -> torchrun pretraining -> SFT -> DPO -> GRPO -> "
                        "evaluation -> MLflow registry.",
@@ -24,6 +26,11 @@ app = typer.Typer(help="AstrAI pipeline: corpus -> tokenizer -> HDF5 -> torchrun
 def _fail(msg: str) -> None:
     typer.echo(f"astrai: error: {msg}", err=True)
     raise typer.Exit(2)
+
+
+def _with_log(msg: str, log: Path | None) -> str:
+    """A stage's or a training run's error line, naming the log that holds all it printed (tasks/runlog.py)."""
+    return f"{msg} (full log: {shown(log)})" if log else msg
 
 
 def _parse_override(item: str) -> tuple[str, object]:
@@ -53,6 +60,9 @@ def pipeline(
         resolved = params_of_run(Path(), str(params), overrides, profile)  # a bad key stops here, before Prefect
         from flows.pipeline import pipeline as flow
 
+        # The temporary server stops at exit, after the error line, which must stay the last: its "Stopping
+        # temporary server" line (logger "prefect") is left out.
+        logging.getLogger("prefect").addFilter(lambda r: not r.getMessage().startswith("Stopping temporary server"))
         result = flow(params_path=str(params), overrides=overrides or None, profile=profile, resolved=resolved)
     except AstraiError as e:
         _fail(str(e))
@@ -95,10 +105,11 @@ def stage(name: str = typer.Argument(..., help="corpus | tokenizer | pack | pret
 
     if name not in STAGES:
         _fail(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
-    try:
-        run_stage(name, load_params(params))
-    except AstraiError as e:
-        _fail(str(e))
+    with command_log(Path(), f"stage-{name}") as log:
+        try:
+            run_stage(name, load_params(params))
+        except AstraiError as e:
+            _fail(_with_log(str(e), log))
 
 
 @app.command()
@@ -113,11 +124,15 @@ def train(config: Path = typer.Option(..., help="TrainConfig JSON or YAML (see a
 
     try:
         cfg = TrainConfig.model_validate(load_raw(config))
-        launch(cfg, resolve_nproc(int(nproc) if nproc != "auto" else "auto", cfg.device))
     except ValidationError as e:
         _fail(f"{config}: {validation_message(e)}")
     except AstraiError as e:
         _fail(str(e))
+    with command_log(Path(), "train") as log:
+        try:
+            launch(cfg, resolve_nproc(int(nproc) if nproc != "auto" else "auto", cfg.device))
+        except AstraiError as e:
+            _fail(_with_log(str(e), log))
 
 
 @app.command()
@@ -377,6 +392,12 @@ def main() -> None:
     except AstraiError as e:
         typer.echo(f"astrai: error: {e}", err=True)
         sys.exit(2)
+    except Exception as e:  # noqa: BLE001 - a bug: one line naming where, the traceback in a log file
+        import time
+
+        log = log_file(Path(), f"astrai-{time.strftime('%Y%m%d-%H%M%S')}")
+        typer.echo(f"astrai: error: {crash_line(e, log)}", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
