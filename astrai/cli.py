@@ -105,9 +105,13 @@ def stage(name: str = typer.Argument(..., help="corpus | tokenizer | pack | pret
 
     if name not in STAGES:
         _fail(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+    try:
+        loaded = load_params(params)
+    except AstraiError as e:
+        _fail(str(e))
     with command_log(Path(), f"stage-{name}") as log:
         try:
-            run_stage(name, load_params(params))
+            run_stage(name, loaded)
         except AstraiError as e:
             _fail(_with_log(str(e), log))
 
