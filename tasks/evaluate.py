@@ -28,6 +28,7 @@ Alone: `astrai stage evaluate` (what dvc.yaml runs).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -164,7 +165,8 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> tuple[dict, list[Chec
         tmp.mkdir()
         write_json(tmp / "metrics.json", metrics)
         write_json(tmp / "headline.json", headline(metrics))
-        write_json(tmp / "items.json", items | {"task_family": [q.get("task") for q in questions]})
+        write_json(tmp / "items.json", items | {"task_family": [q.get("task") for q in questions],
+                                                "item_sets": item_sets(params, root, questions, train_questions)})
         write_json(tmp / "checks.json", [asdict(c) for c in checks])
         (tmp / "evaluation.md").write_text(evaluation_markdown(metrics, models, checks))
         (tmp / "samples.md").write_text(samples + _answers(questions, answers))
@@ -273,6 +275,21 @@ def item_counts(questions: list[dict], items: dict) -> dict[str, int]:
     if "pass_correct" in items:
         counts |= {"n/pass_at_1": len(questions), "n/pass_at_k": len(questions)}
     return counts
+
+
+def item_sets(params: Params, root: Path, questions: list[dict], train_questions: list[dict]) -> dict[str, str]:
+    """metric -> sha256 of the items it was scored on: two evaluations of the same items can be compared item by
+    item (the register stage's champion gate pairs a new version with the champion only then)."""
+    def digest(data: bytes) -> str:
+        return hashlib.sha256(data).hexdigest()
+
+    held_out, train = (digest(json.dumps(q, sort_keys=True).encode()) for q in (questions, train_questions))
+    sets = {m: held_out for m in ("task_accuracy", "valid_answer_rate", "pass_at_1", "pass_at_k")}
+    sets["train_task_accuracy"] = train
+    pairs = dpo_pairs(params, root, "test")
+    if pairs.is_file():
+        sets["preference_accuracy"] = sha256_file(pairs)
+    return sets
 
 
 def stage_checks(models: list[str], items: dict[str, dict[str, list[int]]], metrics: dict,
