@@ -207,10 +207,15 @@ def _score_model(params: Params, root: Path, tokens: np.ndarray, n_chars: int, q
     if chat_dir.is_dir():
         print(f"evaluate: {stage}: held-out SFT loss, preference pairs, {len(questions)} + "
               f"{len(train_questions)} questions, {p.pass_samples} samples of each held-out one", flush=True)
-        m["sft_test_loss"] = masked_token_loss(model, str(chat_dir / "sft_test.h5"), tok_sha,
-                                               params.pretrain.seq_len, p.batch_size)
+        # A disabled stage with no demo data to derive (a corpus without plays) left its kind's files empty.
+        packed = json.loads((chat_dir / "pack_stats.json").read_text()) if (chat_dir / "pack_stats.json").is_file() \
+            else {}
+        if packed.get("sft_test", 1):
+            m["sft_test_loss"] = masked_token_loss(model, str(chat_dir / "sft_test.h5"), tok_sha,
+                                                   params.pretrain.seq_len, p.batch_size)
         right = {}  # metric -> per-item correctness
-        margins = preference_margins(model, str(dpo_pairs(params, root, "test")), tok_sha)
+        margins = preference_margins(model, str(dpo_pairs(params, root, "test")), tok_sha) \
+            if packed.get("dpo_test", 1) else []
         if len(margins):
             right["preference_accuracy"] = margins > 0
             m["preference_margin"] = float(margins.mean())
