@@ -49,10 +49,12 @@ SERVE_PORT ?= 8000
 serve: setup  ## serve SERVE_MODEL (default: the registry's champion) on http://127.0.0.1:$(SERVE_PORT)/v1
 	$(BIN)/astrai serve --model '$(SERVE_MODEL)' --port $(SERVE_PORT)
 
-# A long-lived Prefect server + process worker for `prefect deployment run` (stop both with `make stop`).
+# A long-lived Prefect server + process worker for `prefect deployment run` (stop both with `make stop`). The UI calls
+# the API at PREFECT_SERVER_UI_API_URL, by default 127.0.0.1:4200 whatever --port says: set from PREFECT_PORT.
 server: setup
 	mkdir -p $(PREFECT_HOME)
-	nohup $(BIN)/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT) > $(PREFECT_HOME)/server.log 2>&1 & echo $$! > $(PREFECT_HOME)/server.pid
+	PREFECT_SERVER_UI_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api \
+	  nohup $(BIN)/prefect server start --host 127.0.0.1 --port $(PREFECT_PORT) > $(PREFECT_HOME)/server.log 2>&1 & echo $$! > $(PREFECT_HOME)/server.pid
 	for i in $$(seq 60); do curl -sf http://127.0.0.1:$(PREFECT_PORT)/api/health >/dev/null && break; sleep 1; done
 	@echo "Prefect UI: http://127.0.0.1:$(PREFECT_PORT)"
 
@@ -64,7 +66,10 @@ worker: setup
 deploy: setup
 	ASTRAI_PROJECT_DIR=$(CURDIR) PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(BIN)/prefect --no-prompt deploy --all
 
+# Without a server, prefect would print a traceback ("Timed out while attempting to connect ..."): say it in one line.
 run-deployment:
+	@curl -sf http://127.0.0.1:$(PREFECT_PORT)/api/health >/dev/null || { echo "astrai: error: Makefile: no Prefect \
+	server on http://127.0.0.1:$(PREFECT_PORT); start one, a worker and the deployment with: make server worker deploy" >&2; exit 1; }
 	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(BIN)/prefect deployment run 'astrai-pipeline/default' --watch
 
 # An idle worker passes SIGTERM on to its process worker as a SIGINT that it does not act on; a second signal makes

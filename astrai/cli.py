@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -15,7 +16,9 @@ from astrai import env
 
 env.apply()  # before Prefect, MLflow or DVC is imported
 
+from astrai.models import REFERENCE_HELP  # noqa: E402
 from astrai_core.errors import AstraiError  # noqa: E402
+from tasks.runlog import command_log, crash_line, log_file, shown  # noqa: E402
 
 app = typer.Typer(help="AstrAI pipeline: corpus -> tokenizer -> HDF5 -> torchrun pretraining -> SFT -> DPO -> GRPO -> "
                        "evaluation -> MLflow registry.",
@@ -25,6 +28,11 @@ app = typer.Typer(help="AstrAI pipeline: corpus -> tokenizer -> HDF5 -> torchrun
 def _fail(msg: str) -> None:
     typer.echo(f"astrai: error: {msg}", err=True)
     raise typer.Exit(2)
+
+
+def _with_log(msg: str, log: Path | None) -> str:
+    """A stage's or a training run's error line, naming the log that holds all it printed (tasks/runlog.py)."""
+    return f"{msg} (full log: {shown(log)})" if log else msg
 
 
 def _parse_override(item: str) -> tuple[str, object]:
@@ -58,6 +66,9 @@ def pipeline(
         check_cluster(resolved.params, Path.cwd(), str(params))  # and what launcher slurm needs of this machine
         from flows.pipeline import pipeline as flow
 
+        # The temporary server stops at exit, after the error line, which must stay the last: its "Stopping
+        # temporary server" line (logger "prefect") is left out.
+        logging.getLogger("prefect").addFilter(lambda r: not r.getMessage().startswith("Stopping temporary server"))
         result = flow(params_path=str(params), overrides=overrides or None, profile=profile, resolved=resolved)
     except AstraiError as e:
         _fail(str(e))
@@ -101,9 +112,14 @@ def stage(name: str = typer.Argument(..., help="corpus | tokenizer | pack | pret
     if name not in STAGES:
         _fail(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
     try:
-        run_stage(name, load_params(params))
+        loaded = load_params(params)
     except AstraiError as e:
         _fail(str(e))
+    with command_log(Path(), f"stage-{name}") as log:
+        try:
+            run_stage(name, loaded)
+        except AstraiError as e:
+            _fail(_with_log(str(e), log))
 
 
 @app.command()
@@ -120,15 +136,19 @@ def train(config: Path = typer.Option(..., help="TrainConfig JSON or YAML (see a
 
     try:
         cfg = TrainConfig.model_validate(load_raw(config))
-        launch(cfg, resolve_nproc(int(nproc) if nproc != "auto" else "auto", cfg.device))
     except ValidationError as e:
         _fail(f"{config}: {validation_message(e)}")
     except AstraiError as e:
         _fail(str(e))
+    with command_log(Path(), "train") as log:
+        try:
+            launch(cfg, resolve_nproc(int(nproc) if nproc != "auto" else "auto", cfg.device))
+        except AstraiError as e:
+            _fail(_with_log(str(e), log))
 
 
 @app.command()
-def generate(model: str = typer.Option(..., help="A checkpoint directory or an MLflow URI like models:/astrai@champion."),
+def generate(model: str = typer.Option(..., help=f"The model: {REFERENCE_HELP}."),
              prompt: str = typer.Option(..., help="Text to continue."),
              max_new_tokens: int = typer.Option(100, help="Tokens to generate."),
              temperature: float = typer.Option(0.0, help="0 = greedy."),
@@ -146,92 +166,36 @@ def generate(model: str = typer.Option(..., help="A checkpoint directory or an M
                      (not 0 < top_p <= 1, f"--top-p {top_p}: must be in (0, 1]")):
         if bad:
             _fail(msg)
-    if chat:
-        import torch
+    import tempfile
 
-        from astrai_core.chat import load_chat
-        from astrai_core.checkpoint import load_model
-        from astrai_core.generate import generate
+    import torch
 
-        if model.startswith(("models:/", "runs:/")):
-            _fail("--chat needs a checkpoint directory (e.g. data/grpo); for a registered model download it first")
+    from astrai.models import resolve_model
+    from astrai_core.chat import load_chat
+    from astrai_core.checkpoint import load_model
+    from astrai_core.generate import generate, generate_text
+
+    with tempfile.TemporaryDirectory(prefix="astrai-generate-") as tmp:  # a registry download, gone once loaded
         try:
-            m, _, _ = load_model(model)
-            fmt = load_chat(Path(model) / "tokenizer.json")
+            checkpoint = resolve_model(model, Path(tmp)).checkpoint
+            m, tok, _ = load_model(checkpoint)
+            fmt = load_chat(checkpoint / "tokenizer.json") if chat else None
+        except AstraiError as e:
+            _fail(str(e))
+    sampling = dict(temperature=temperature, top_k=top_k or None, top_p=top_p,
+                    generator=torch.Generator().manual_seed(seed))
+    if fmt is not None:
+        try:
             ids = fmt.encode_prompt([{"role": "user", "content": prompt}])
         except AstraiError as e:
             _fail(str(e))
-        out = generate(m, ids, max_new_tokens, temperature=temperature, top_k=top_k or None, top_p=top_p,
-                       stop_ids=fmt.stop_ids, generator=torch.Generator().manual_seed(seed))
-        print(fmt.decode_reply(out))
+        print(fmt.decode_reply(generate(m, ids, max_new_tokens, stop_ids=fmt.stop_ids, **sampling)))
         return
-    if model.startswith(("models:/", "runs:/")):
-        import mlflow
-        from mlflow.exceptions import MlflowException
-
-        _use_tracking_store()
-        try:
-            pyfunc = mlflow.pyfunc.load_model(model)
-        except MlflowException as e:  # no such model, version or alias
-            _fail(f"{model}: {str(e).splitlines()[0]}")
-        text = pyfunc.predict([prompt], params={"max_new_tokens": max_new_tokens, "temperature": temperature,
-                                                "top_k": top_k, "seed": seed})[0]
-    else:
-        import torch
-
-        from astrai_core.checkpoint import load_model
-        from astrai_core.generate import generate_text
-
-        try:
-            m, tok, _ = load_model(model)
-        except AstraiError as e:
-            _fail(str(e))
-        text = generate_text(m, tok, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                             top_k=top_k or None, top_p=top_p, generator=torch.Generator().manual_seed(seed))
-    print(prompt + text)
-
-
-def _use_tracking_store() -> None:
-    """Point MLflow at the store the pipeline uses: MLFLOW_TRACKING_URI, else params.yaml's tracking.uri, else
-    mlflow/ in the current directory."""
-    import mlflow
-
-    from tasks.params import Params, load_params
-    from tasks.tracking import tracking_uri
-
-    params = load_params("params.yaml") if Path("params.yaml").is_file() else Params()
-    mlflow.set_tracking_uri(tracking_uri(params, Path.cwd()))
-
-
-def _download_registered(uri: str, dst: Path) -> tuple[Path, str, list[str]]:
-    """The checkpoint directory of registered model `uri` (models:/NAME@ALIAS or models:/NAME/VERSION), downloaded
-    under dst, the served model id NAME/VERSION, and the ids it is also served as: NAME, and NAME@ALIAS."""
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per file in the server's log
-    import mlflow
-    from mlflow.exceptions import MlflowException
-    from mlflow.models import Model
-
-    ref = uri.removeprefix("models:/")
-    name, sep, which = ref.partition("@") if "@" in ref else ref.rpartition("/")
-    if not (name and sep and which):
-        _fail(f"{uri}: expected models:/NAME@ALIAS, models:/NAME/VERSION or a checkpoint directory")
-    _use_tracking_store()
-    client = mlflow.MlflowClient()
-    try:
-        mv = client.get_model_version_by_alias(name, which) if sep == "@" else client.get_model_version(name, which)
-        local = mlflow.artifacts.download_artifacts(f"models:/{name}/{mv.version}", dst_path=str(dst))
-    except MlflowException as e:
-        _fail(f"{uri}: {str(e.message).splitlines()[0]} (store: {mlflow.get_tracking_uri()})")
-    # The register stage logs the checkpoint directory as the pyfunc artifact "checkpoint"; MLmodel says where.
-    artifacts = Model.load(local).flavors.get("python_function", {}).get("artifacts", {})
-    if "checkpoint" not in artifacts:
-        _fail(f"{uri}: the model version has no checkpoint artifact (not registered by `astrai stage register`?)")
-    return Path(local) / artifacts["checkpoint"]["path"], f"{name}/{mv.version}", [name] + ([ref] if sep == "@" else [])
+    print(prompt + generate_text(m, tok, prompt, max_new_tokens=max_new_tokens, **sampling))
 
 
 @app.command()
-def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAME@ALIAS, models:/NAME/VERSION "
-                                    "(from the pipeline's MLflow store) or a checkpoint directory."),
+def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model: {REFERENCE_HELP}."),
           host: str = typer.Option("127.0.0.1", help="Address to bind (a non-loopback one needs --api-key or --insecure)."),
           port: int = typer.Option(8000, help="TCP port."),
           api_key: Optional[str] = typer.Option(None, envvar="ASTRAI_API_KEY", show_envvar=True,
@@ -270,6 +234,7 @@ def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAM
 
     import torch
 
+    from astrai.models import resolve_model
     from astrai_core.chat import load_chat
     from astrai_core.checkpoint import load_model
     from astrai_core.engine import Engine, EngineConfig, EngineProcess
@@ -300,14 +265,8 @@ def serve(model: str = typer.Option("models:/astrai@champion", help="models:/NAM
     options = {"kv_blocks": kv_blocks, "kv_memory_mb": kv_memory_mb, "block_size": block_size,
                "max_batch_size": max_batch_size, "max_waiting": max_waiting}
     with tempfile.TemporaryDirectory(prefix="astrai-serve-") as tmp:  # a registry download, gone once loaded
-        aliases: list[str] = []
-        if model.startswith("models:/"):
-            checkpoint, model_id, aliases = _download_registered(model, Path(tmp))
-        elif Path(model).is_dir():
-            checkpoint, model_id = Path(model), Path(model).resolve().name
-        else:
-            _fail(f"{model}: no such checkpoint directory (or give models:/NAME@ALIAS or models:/NAME/VERSION)")
         try:
+            checkpoint, model_id, aliases = resolve_model(model, Path(tmp))
             chat = load_chat(checkpoint / "tokenizer.json")
             config = EngineConfig(**{k: v for k, v in options.items() if v is not None},
                                   prefix_cache=not no_prefix_cache, batch_invariant=batch_invariant)
@@ -359,17 +318,21 @@ def _serve_threads(choice: str) -> tuple[int, str]:
 
 
 @app.command("export-hf")
-def export_hf(checkpoint: Path = typer.Argument(..., help="An astrai checkpoint directory (e.g. data/pretrain)."),
+def export_hf(model: str = typer.Argument(..., help=f"The model: {REFERENCE_HELP}."),
               out: Path = typer.Argument(..., help="Directory to write (replaced if it exists).")) -> None:
-    """Write CHECKPOINT as a Hugging Face model directory OUT (config.json, model.safetensors, tokenizer files,
+    """Write MODEL as a Hugging Face model directory OUT (config.json, model.safetensors, tokenizer files,
     generation_config.json) that transformers' AutoModelForCausalLM / AutoTokenizer load. Options with no
     matching transformers architecture are refused."""
+    import tempfile
+
+    from astrai.models import resolve_model
     from astrai_core.hf import export_hf as export
 
-    try:
-        path = export(checkpoint, out)
-    except AstraiError as e:
-        _fail(str(e))
+    with tempfile.TemporaryDirectory(prefix="astrai-export-") as tmp:  # a registry download
+        try:
+            path = export(resolve_model(model, Path(tmp)).checkpoint, out)
+        except AstraiError as e:
+            _fail(str(e))
     print(f"wrote {path} ({json.loads((path / 'config.json').read_text())['architectures'][0]})")
 
 
@@ -402,6 +365,12 @@ def main() -> None:
     except AstraiError as e:
         typer.echo(f"astrai: error: {e}", err=True)
         sys.exit(2)
+    except Exception as e:  # noqa: BLE001 - a bug: one line naming where, the traceback in a log file
+        import time
+
+        log = log_file(Path(), f"astrai-{time.strftime('%Y%m%d-%H%M%S')}")
+        typer.echo(f"astrai: error: {crash_line(e, log)}", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

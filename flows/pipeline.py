@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import re
 import shutil
@@ -29,14 +30,27 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
-from prefect.states import Cancelled, State
+from prefect.states import Cancelled, Failed, State
 
+from astrai_core.errors import AstraiError
 from astrai_core.proc import stream_process
 from tasks import stages as S
 from tasks.params import Params, RunParams, check_cluster, run_params
+from tasks.runlog import RUN_LOG_ENV, ConsoleFilter, crash_line, log_file, shown
 from tasks.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, flatten, setup
 
 STAGE_ORDER = list(S.STAGES)
+
+
+def _no_empty_traceback(record: logging.LogRecord) -> bool:
+    """Prefect logs a task that ends in a returned Failed state with exc_info=True outside any exception, which
+    prints "NoneType: None" under the line; such a record has no traceback to show."""
+    if record.exc_info and record.exc_info[0] is None:
+        record.exc_info = None
+    return True
+
+
+logging.getLogger("prefect.task_runs").addFilter(_no_empty_traceback)
 
 
 def dvc_command() -> list[str]:
@@ -62,32 +76,56 @@ def stage_status(lines: list[str]) -> str:
     return "ran"
 
 
+def stage_error(stage: str, lines: list[str], log: str) -> str:
+    """The one line a failed stage ends the run with: the stage's own error line (`astrai: error: ...`), else DVC's
+    (`ERROR: ...`), naming the log that holds everything the stage printed."""
+    ours = [line.split("astrai: error: ", 1)[1] for line in lines if "astrai: error: " in line]
+    dvcs = [line.removeprefix("ERROR: ") for line in lines if line.startswith("ERROR: ")]
+    what = ours[-1] if ours else f"dvc.yaml: stage {stage}: {dvcs[-1] if dvcs else 'dvc repro failed'}"
+    return f"{what} (stage {stage}; full log: {log})"
+
+
 @task(task_run_name="{stage}", retries=0)
 def run_dvc_stage(stage: str, project_dir: str, env: dict[str, str]) -> str | State:
     """Run one stage through DVC; returns its stage_status ("ran", "restored" or "unchanged").
 
     DVC deletes a stage's outputs before running it, so a stage that fails or is cancelled would leave none:
     the last good ones (those dvc.lock records) are checked out again from DVC's cache. A cancel ends this
-    task CANCELLED (Prefect would call the termination signal a crash), and the flow then stops.
+    task CANCELLED (Prefect would call the termination signal a crash), and the flow then stops. A failure ends it
+    FAILED with the one error line as its message (no traceback: the run's log file, env[RUN_LOG_ENV], has every
+    line the stage printed, tracebacks and torchrun's failure report included; the task log shows the rest).
     """
     logger = get_run_logger()
     lines: list[str] = []
+    log = Path(env[RUN_LOG_ENV])
+    console = ConsoleFilter()
 
-    def on_line(line: str) -> None:
-        lines.append(line)
-        if line.strip() and not DVC_GIT_HINT.match(line.strip()):
-            # A stage's "WARNING: ..." lines (e.g. evaluate's flags) at warning level: they stand out in the UI.
-            (logger.warning if line.lstrip().startswith("WARNING") else logger.info)(line)
+    with log.open("a") as out:
+        out.write(f"--- stage {stage}\n")
 
-    try:
-        stream_process(dvc_command() + ["repro", "--single-item", stage], env=env, cwd=project_dir,
-                       on_line=on_line, what=f"dvc repro {stage}")
-    except TerminationSignal:
-        logger.warning(restore_last_good_outputs(stage, project_dir, env))
-        return Cancelled(message=f"stage {stage} cancelled; its last good outputs are in place")
-    except BaseException:
-        logger.warning(restore_last_good_outputs(stage, project_dir, env))
-        raise
+        def on_line(line: str) -> None:
+            lines.append(line)
+            out.write(line + "\n")
+            out.flush()
+            if line.strip() and not DVC_GIT_HINT.match(line.strip()) and console(line):
+                # A stage's "WARNING: ..." lines (e.g. evaluate's flags) at warning level: they stand out in the UI.
+                (logger.warning if line.lstrip().startswith("WARNING") else logger.info)(line)
+
+        try:
+            stream_process(dvc_command() + ["repro", "--single-item", stage], env=env, cwd=project_dir,
+                           on_line=on_line, what=f"dvc repro {stage}")
+        except TerminationSignal:
+            logger.warning(restore_last_good_outputs(stage, project_dir, env))
+            return Cancelled(message=f"stage {stage} cancelled; its last good outputs are in place")
+        except Exception as e:
+            logger.warning(restore_last_good_outputs(stage, project_dir, env))
+            if isinstance(e, RuntimeError) and "exited with code" in str(e):  # stream_process: the stage failed
+                return Failed(message=stage_error(stage, lines, shown(log)))
+            out.flush()
+            return Failed(message=crash_line(e, log))
+        except BaseException:
+            logger.warning(restore_last_good_outputs(stage, project_dir, env))
+            raise
     status = stage_status(lines)
     logger.info(f"stage {stage}: {status}" + {"restored": " (outputs checked out of DVC's cache, nothing ran)",
                                               "unchanged": " (up to date, nothing ran)"}.get(status, ""))
@@ -117,16 +155,25 @@ def pipeline(params_path: str = "params.yaml", overrides: dict[str, Any] | None 
     params of these arguments, already parsed by the caller (`astrai pipeline` checks them before Prefect starts).
     """
     root = Path(project_dir or os.getcwd()).resolve()
-    with run_params(root, params_path, overrides, get_run_logger().info, profile, resolved) as params:
-        check_cluster(params, root)  # before any stage: what launcher slurm needs of this machine
-        return _run_stages(root, params)
+    log = log_file(root, f"pipeline-{flow_run.get_name() or 'local'}")
+    get_run_logger().info(f"full log of this run: {shown(log)}")
+    try:
+        with run_params(root, params_path, overrides, get_run_logger().info, profile, resolved) as params:
+            check_cluster(params, root)  # before any stage: what launcher slurm needs of this machine
+            return _run_stages(root, params, log)
+    except AstraiError as e:  # the one line (astrai pipeline prints it), no traceback in Prefect's log
+        return Failed(message=str(e), data=e)
+    except Exception as e:  # noqa: BLE001 - a bug: one line naming where, the traceback in the run's log
+        line = crash_line(e, log)
+        return Failed(message=line, data=AstraiError(line))
 
 
-def _run_stages(root: Path, params: Params) -> dict[str, Any]:
+def _run_stages(root: Path, params: Params, log: Path) -> dict[str, Any]:
     logger = get_run_logger()
     setup(params, root)
 
     env = dict(os.environ)
+    env[RUN_LOG_ENV] = str(log)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env.setdefault("DVC_NO_ANALYTICS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")  # a stage's progress lines reach the task log as they are printed
@@ -141,6 +188,8 @@ def _run_stages(root: Path, params: Params) -> dict[str, Any]:
             state = run_dvc_stage(stage, str(root), env, return_state=True)
             if state.is_cancelled():
                 raise TerminationSignal(signal.SIGTERM)  # the flow run ends as the cancel asked, with no more stages
+            if state.is_failed():
+                raise AstraiError(state.message)  # the MLflow run ends FAILED; the flow run ends with this line
             status[stage] = state.result()
             if stage == "evaluate":
                 _publish_evaluation(root)

@@ -108,15 +108,20 @@ def split_records(records: list[dict], test_fraction: float, seed: int, kind: st
     return [r for i, r in enumerate(records) if i not in test], [r for i, r in enumerate(records) if i in test]
 
 
-def build_chat_data(params: ChatDataParams, corpus_dir: Path, out_dir: Path) -> dict:
-    """Write out_dir/{sft,dpo,grpo}_{train,test}.jsonl and stats.json (all or nothing); return the stats."""
+def build_chat_data(params: ChatDataParams, corpus_dir: Path, out_dir: Path, enabled: tuple[str, ...] = KINDS) -> dict:
+    """Write out_dir/{sft,dpo,grpo}_{train,test}.jsonl and stats.json (all or nothing); return the stats.
+
+    A kind whose stage is not in `enabled` needs no data: its user file is not read, and its demo records are
+    derived only when the corpus has plays (evaluation then still scores every model on them); else it is empty."""
     corpus_dir, out_dir = Path(corpus_dir), Path(out_dir)
-    data: dict[str, dict[str, list[dict]]] = {"train": {}, "test": {}}
+    data: dict[str, dict[str, list[dict]]] = {"train": {kind: [] for kind in KINDS}, "test": {kind: [] for kind in KINDS}}
     stats: dict = {"seed": params.seed, "max_chars": params.max_chars, "sources": {}, "skipped": {}}
 
     for kind in KINDS:  # user files first: a missing one fails before the plays are parsed
         source = getattr(params, kind)
-        if source == DEMO:
+        if kind not in enabled:
+            stats["sources"][kind] = f"none: {kind}.enabled is false"
+        if source == DEMO or kind not in enabled:
             continue
         path = Path(source).expanduser()
         if not path.is_file():
@@ -127,8 +132,10 @@ def build_chat_data(params: ChatDataParams, corpus_dir: Path, out_dir: Path) -> 
         stats["skipped"][kind] = {"count": len(problems), "problems": problems[:100]}
 
     demo = tuple(k for k in KINDS if getattr(params, k) == DEMO)
+    plays = {split: read_plays(corpus_dir / f"{split}.jsonl") for split in ("train", "test")} if demo else {}
+    if not all(any(speeches.values()) for speeches in plays.values()):
+        demo = tuple(k for k in demo if k in enabled)  # no plays: only an enabled stage's demo data is an error
     if demo:
-        plays = {split: read_plays(corpus_dir / f"{split}.jsonl") for split in ("train", "test")}
         for split, speeches in plays.items():
             if not any(speeches.values()):
                 raise AstraiError(f"{corpus_dir / f'{split}.jsonl'}: no play with speeches in the corpus's {split} "
@@ -211,7 +218,7 @@ def pack_chat(params: Params, records_dir: Path, tokenizer_path: Path, out_dir: 
             kept.append(json.dumps(record, ensure_ascii=False) + "\n")
         (out_dir / f"grpo_{split}.jsonl").write_text("".join(kept), encoding="utf-8")
         stats[f"grpo_{split}"] = len(kept)
-    for key in ("sft_train", "dpo_train", "grpo_train"):
+    for key in (f"{kind}_train" for kind in KINDS if getattr(params, kind).enabled):  # a disabled stage needs none
         if not stats[key]:
             raise AstraiError(f"{records_dir / (key + '.jsonl')}: no record fits the context; nothing to train on")
     write_json(out_dir / "pack_stats.json", stats)
@@ -294,7 +301,8 @@ def build_chat(params: Params, corpus_dir: Path, tokenizer_path: Path, out_dir: 
     """The chat_data stage: records/ (JSONL + stats.json) and the tokenized files, all or nothing."""
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
-        records = build_chat_data(params.chat_data, corpus_dir, tmp / "records")
+        records = build_chat_data(params.chat_data, corpus_dir, tmp / "records",
+                                  tuple(kind for kind in KINDS if getattr(params, kind).enabled))
         stats = pack_chat(params, tmp / "records", tokenizer_path, tmp, replay_from)
     return {"records": records, "packed": stats}
 

@@ -28,6 +28,7 @@ Alone: `astrai stage evaluate` (what dvc.yaml runs).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -164,7 +165,8 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> tuple[dict, list[Chec
         tmp.mkdir()
         write_json(tmp / "metrics.json", metrics)
         write_json(tmp / "headline.json", headline(metrics))
-        write_json(tmp / "items.json", items | {"task_family": [q.get("task") for q in questions]})
+        write_json(tmp / "items.json", items | {"task_family": [q.get("task") for q in questions],
+                                                "item_sets": item_sets(params, root, questions, train_questions)})
         write_json(tmp / "checks.json", [asdict(c) for c in checks])
         (tmp / "evaluation.md").write_text(evaluation_markdown(metrics, models, checks))
         (tmp / "samples.md").write_text(samples + _answers(questions, answers))
@@ -205,10 +207,15 @@ def _score_model(params: Params, root: Path, tokens: np.ndarray, n_chars: int, q
     if chat_dir.is_dir():
         print(f"evaluate: {stage}: held-out SFT loss, preference pairs, {len(questions)} + "
               f"{len(train_questions)} questions, {p.pass_samples} samples of each held-out one", flush=True)
-        m["sft_test_loss"] = masked_token_loss(model, str(chat_dir / "sft_test.h5"), tok_sha,
-                                               params.pretrain.seq_len, p.batch_size)
+        # A disabled stage with no demo data to derive (a corpus without plays) left its kind's files empty.
+        packed = json.loads((chat_dir / "pack_stats.json").read_text()) if (chat_dir / "pack_stats.json").is_file() \
+            else {}
+        if packed.get("sft_test", 1):
+            m["sft_test_loss"] = masked_token_loss(model, str(chat_dir / "sft_test.h5"), tok_sha,
+                                                   params.pretrain.seq_len, p.batch_size)
         right = {}  # metric -> per-item correctness
-        margins = preference_margins(model, str(dpo_pairs(params, root, "test")), tok_sha)
+        margins = preference_margins(model, str(dpo_pairs(params, root, "test")), tok_sha) \
+            if packed.get("dpo_test", 1) else []
         if len(margins):
             right["preference_accuracy"] = margins > 0
             m["preference_margin"] = float(margins.mean())
@@ -273,6 +280,21 @@ def item_counts(questions: list[dict], items: dict) -> dict[str, int]:
     if "pass_correct" in items:
         counts |= {"n/pass_at_1": len(questions), "n/pass_at_k": len(questions)}
     return counts
+
+
+def item_sets(params: Params, root: Path, questions: list[dict], train_questions: list[dict]) -> dict[str, str]:
+    """metric -> sha256 of the items it was scored on: two evaluations of the same items can be compared item by
+    item (the register stage's champion gate pairs a new version with the champion only then)."""
+    def digest(data: bytes) -> str:
+        return hashlib.sha256(data).hexdigest()
+
+    held_out, train = (digest(json.dumps(q, sort_keys=True).encode()) for q in (questions, train_questions))
+    sets = {m: held_out for m in ("task_accuracy", "valid_answer_rate", "pass_at_1", "pass_at_k")}
+    sets["train_task_accuracy"] = train
+    pairs = dpo_pairs(params, root, "test")
+    if pairs.is_file():
+        sets["preference_accuracy"] = sha256_file(pairs)
+    return sets
 
 
 def stage_checks(models: list[str], items: dict[str, dict[str, list[int]]], metrics: dict,

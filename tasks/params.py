@@ -7,6 +7,7 @@ dvc.yaml). Unknown keys and invalid values stop the run with a one-line message 
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import io
 import json
@@ -457,8 +458,9 @@ class RunParams(NamedTuple):
 
 
 def params_of_run(root: Path, params_path: str, overrides: dict[str, Any] | None, profile: str | None) -> RunParams:
-    """A run's params: `params_path` with a profile and overrides applied, parsed once. A bad file, profile or
-    override stops here with one line naming it, before any stage (or a Prefect server) starts."""
+    """A run's params: `params_path` with a profile and overrides applied, parsed once, and the inputs the run will
+    read checked (check_inputs). A bad file, profile, override or input stops here with one line naming it, before
+    any stage (or a Prefect server) starts."""
     target = root / "params.yaml"
     source = (root / params_path).resolve()
     changes = None
@@ -466,10 +468,72 @@ def params_of_run(root: Path, params_path: str, overrides: dict[str, Any] | None
         changes = load_profile(root, profile)
         _merge(changes, {"register": {"profile": profile}})
     if source == target.resolve() and not overrides and not changes:
-        return RunParams(load_params(target), None)
-    load_raw(root / params_path)  # a missing file or bad YAML: one line naming it
-    text = run_params_text(source, overrides or {}, changes)
-    return RunParams(parse_params(yaml.safe_load(text) or {}, str(root / params_path)), text)  # what stages read
+        resolved = RunParams(load_params(target), None)
+    else:
+        load_raw(root / params_path)  # a missing file or bad YAML: one line naming it
+        text = run_params_text(source, overrides or {}, changes)
+        resolved = RunParams(parse_params(yaml.safe_load(text) or {}, str(root / params_path)), text)  # what stages read
+    check_inputs(resolved.params, root, str(root / params_path))
+    return resolved
+
+
+# ---- what a run will read, checked before its first stage ------------------------------------------------------
+
+# The chat data each held-out metric is scored on (tasks/evaluate.py); the others need none.
+METRIC_DATA = {"sft_test_loss": "sft", "preference_accuracy": "dpo", "task_accuracy": "grpo", "pass_at_1": "grpo",
+               "pass_at_k": "grpo", "valid_answer_rate": "grpo", "train_task_accuracy": "grpo"}
+CHAT_FILE_FIELDS = {"sft": '{"messages": [...]} or {"prompt", "response"}', "dpo": '{"prompt", "chosen", "rejected"}',
+                    "grpo": '{"prompt", "answer"}'}
+
+
+def chat_data_used(params: Params, kind: str) -> bool:
+    """Whether the run reads chat_data.KIND's source: only for an enabled stage (a disabled one needs no data;
+    chat_data derives a demo kind of a disabled stage only if the corpus has plays, for evaluation)."""
+    return getattr(params, kind).enabled
+
+
+def check_inputs(params: Params, root: Path, source: str = "params.yaml") -> None:
+    """Every input the run will read exists, and no combination that cannot work is asked for; AstraiError naming
+    the key and the fix. Paths are relative to `root` (the project, where the stages run). Run before the first
+    stage, by `astrai pipeline` and by the flow (tasks/params.py params_of_run)."""
+    def fail(key: str, what: str) -> None:
+        raise AstraiError(f"{source}: {key}: {what}")
+
+    corpus = params.corpus.source
+    plays = corpus == "shakespeare"
+    if not plays:
+        path = _under(root, corpus)
+        if glob.has_magic(corpus):
+            if not glob.glob(str(path), recursive=True):
+                fail("corpus.source", f"{corpus}: no file matches (expected 'shakespeare', a directory or a glob)")
+        elif not path.exists():
+            fail("corpus.source", f"{corpus}: corpus source not found (expected 'shakespeare', a directory or a glob)")
+    if params.tokenizer.source != "train" and not _under(root, params.tokenizer.source).exists():
+        fail("tokenizer.source", f"{params.tokenizer.source}: not found (expected \"train\", a checkpoint directory or "
+                                 "a tokenizer.json)")
+    if params.pretrain.init_from and not (_under(root, params.pretrain.init_from) / "model.safetensors").is_file():
+        fail("pretrain.init_from", f"{params.pretrain.init_from}: no model.safetensors there (expected a checkpoint "
+                                   "directory, e.g. `astrai import-hf`'s output)")
+    for kind in ("sft", "dpo", "grpo"):
+        data = getattr(params.chat_data, kind)
+        if not chat_data_used(params, kind):
+            continue
+        if data == DEMO and not plays:
+            fail(f"chat_data.{kind}", f"demo derives the {kind} data from Shakespeare's plays, but corpus.source is "
+                                      f"{corpus}; set chat_data.{kind} to a JSONL file of {CHAT_FILE_FIELDS[kind]} "
+                                      f"records, or {kind}.enabled: false")
+        if data != DEMO and not _under(root, data).is_file():
+            fail(f"chat_data.{kind}", f"{data}: file not found (expected 'demo' or a JSONL file)")
+    kind = METRIC_DATA.get(params.register.metric)
+    if kind and not chat_data_used(params, kind) and not (plays and getattr(params.chat_data, kind) == DEMO):
+        fail("register.metric", f"{params.register.metric} is scored on the {kind} data, which a run with "
+                                f"{kind}.enabled: false and no play corpus leaves out; set register.metric: "
+                                "test_bits_per_char (or enable the stage)")
+
+
+def _under(root: Path, path: str) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else root / p
 
 
 # Where a run keeps the user's params.yaml while its own params stand in for it (git-ignored).

@@ -33,8 +33,9 @@ import astrai_core
 from astrai_core.errors import AstraiError
 from astrai_core.hf import export_hf
 from astrai_core.io import sha256_file, write_json
+from astrai_core.scoring import paired_difference
 from tasks.layout import MODEL_STAGES, model_dir
-from tasks.metrics import METRICS, better
+from tasks.metrics import MAX_FORGETTING, METRICS, better
 from tasks.params import Params
 from tasks.tracking import FLOW_RUN_ENV
 
@@ -86,9 +87,92 @@ def champion_value(client: mlflow.MlflowClient, name: str, metric: str) -> tuple
     return str(champ.version), (float(value) if value is not None else None)
 
 
-def claim_champion(client: mlflow.MlflowClient, name: str, version: str, metric: str, value: float,
+# The champion gate. The register metric must beat the champion's beyond the interval, and the other headline
+# metrics (evaluate's HEADLINE: language modeling, the task, the preferences) must not regress beyond theirs: with
+# the per-item results of both on the same items, the paired 95% interval evaluate's stage checks use
+# (astrai_core.scoring.paired_difference); else, for accuracies, their own 95% intervals must not overlap; test
+# bits/char may regress by MAX_FORGETTING at most, evaluate's forgetting rule (it has no interval).
+GUARDED = ("test_bits_per_char", "task_accuracy", "preference_accuracy")
+GATE_ITEMS = "registration_items.json"  # the version's per-item results, logged with its registration run
+
+
+def gate_record(metrics: dict, items: dict, stage: str) -> dict:
+    """What the gate knows of one model: its held-out metrics with their intervals, its per-item results and which
+    items they are (evaluate's items.json)."""
+    values = {k.removeprefix(f"{stage}/"): v for k, v in metrics.items() if k.startswith(f"{stage}/")}
+    return {"values": values, "items": {m: r[stage] for m, r in items.items() if isinstance(r, dict) and stage in r
+                                         and m in METRICS},
+            "item_sets": items.get("item_sets", {})}
+
+
+def champion_record(client: mlflow.MlflowClient, name: str) -> tuple[str | None, dict | None]:
+    """(version, gate_record) of the current champion, from its tags and its registration run's GATE_ITEMS (empty
+    when it was registered without them); (None, None) without a champion."""
+    try:
+        champ = client.get_model_version_by_alias(name, "champion")
+    except MlflowException:
+        return None, None
+    record = {"values": {k: float(v) for k, v in champ.tags.items() if k in METRICS or k.rsplit("_", 1)[0] in METRICS
+                         and k.endswith(("_low", "_high"))}, "items": {}, "item_sets": {}}
+    run_id = champ.tags.get("mlflow_run_id")
+    if run_id:
+        try:
+            record |= mlflow.artifacts.load_dict(f"runs:/{run_id}/{GATE_ITEMS}")
+        except (MlflowException, OSError):
+            pass  # registered before the gate kept per-item results: intervals of their own only
+    return str(champ.version), record
+
+
+def _compare(metric: str, new: dict, old: dict) -> tuple[str, float, float | None, float | None] | None:
+    """How `new` compares with `old` on `metric`: (kind, difference new - old, low, high), kind "paired" (same
+    items), "intervals" (each one's 95% interval; low/high: the gap between them) or "values" (no interval); None
+    when either lacks the metric."""
+    a, b = new["values"].get(metric), old["values"].get(metric)
+    if a is None or b is None:
+        return None
+    same_items = (metric in new["items"] and metric in old["items"]
+                  and new["item_sets"].get(metric) is not None
+                  and new["item_sets"].get(metric) == old["item_sets"].get(metric))
+    if same_items:
+        return ("paired", *paired_difference(old["items"][metric], new["items"][metric]))
+    lows, highs = (new["values"].get(f"{metric}_low"), old["values"].get(f"{metric}_low")), \
+        (new["values"].get(f"{metric}_high"), old["values"].get(f"{metric}_high"))
+    if None not in lows + highs:  # new's interval against old's: apart, or overlapping
+        return "intervals", a - b, lows[0] - highs[1], highs[0] - lows[1]
+    return "values", a - b, None, None
+
+
+def gate(metric: str, new: dict, old: dict) -> tuple[bool, str]:
+    """(whether `new` takes alias champion from `old`, why, in words)."""
+    higher = METRICS[metric][1] == "higher"
+    kind, diff, low, high = _compare(metric, new, old) or ("values", 0.0, None, None)
+    if kind == "values":
+        beats = better(metric, new["values"][metric], old["values"][metric])
+        why = "no interval: compared by value"
+    else:
+        beats = (low > 0) if higher else (high < 0)
+        what = "paired 95% interval" if kind == "paired" else "95% intervals' gap"
+        why = f"{diff:+.4f}, {what} {low:+.4f} to {high:+.4f}: {'beyond' if beats else 'inside'} the interval"
+    reasons = [f"{metric}: {why}"]
+    regressed = []
+    for guard in GUARDED:
+        if guard == metric or (found := _compare(guard, new, old)) is None:
+            continue
+        kind, diff, low, high = found
+        if guard == "test_bits_per_char":
+            change = new["values"][guard] / old["values"][guard] - 1
+            if change > MAX_FORGETTING:
+                regressed.append(f"{guard} {change:+.1%} (more than {MAX_FORGETTING:.0%} worse)")
+        elif kind != "values" and (high < 0 if METRICS[guard][1] == "higher" else low > 0):
+            regressed.append(f"{guard} {diff:+.4f} (worse beyond the interval: {low:+.4f} to {high:+.4f})")
+    if regressed:
+        reasons.append("regresses " + ", ".join(regressed))
+    return beats and not regressed, "; ".join(reasons)
+
+
+def claim_champion(client: mlflow.MlflowClient, name: str, version: str, metric: str, new: dict,
                    settle: float = 0.5) -> tuple[bool, str]:
-    """Move alias `champion` to `version` if its `value` of `metric` beats the current champion's; returns
+    """Move alias `champion` to `version` if it passes the gate against the current champion (gate); returns
     (promoted, why).
 
     Another registration may decide at the same moment (two users, one registry), and MLflow has no
@@ -96,15 +180,21 @@ def claim_champion(client: mlflow.MlflowClient, name: str, version: str, metric:
     version took it meanwhile, the comparison is made again against that one. Both sides end agreeing with the
     registry: the better version is champion, the other says it stays candidate.
     """
-    compared: tuple[str | None, float | None] = (None, None)
+    value = new["values"][metric]
+    compared: tuple[str | None, float | None, str] = (None, None, "")
     for _ in range(20):
-        champ_version, champ_value = champion_value(client, name, metric)
+        champ_version, champ = champion_record(client, name)
         if champ_version == version:
             return True, decision_line(version, metric, value, *compared)
-        if champ_value is not None and not better(metric, value, champ_value):
-            return False, (f"version {version} stays candidate: {metric} {value:.4f} does not beat champion "
-                           f"version {champ_version}'s {champ_value:.4f}")
-        compared = (champ_version, champ_value)
+        champ_value = champ["values"].get(metric) if champ else None
+        why = ""
+        if champ_value is not None:
+            promote, why = gate(metric, new, champ)
+            if not promote:
+                verb = "beats" if better(metric, value, champ_value) else "does not beat"
+                return False, (f"version {version} stays candidate: {metric} {value:.4f} {verb} champion "
+                               f"version {champ_version}'s {champ_value:.4f} ({why})")
+        compared = (champ_version, champ_value, why)
         try:
             client.set_registered_model_alias(name, "champion", version)
         except MlflowException:  # another registration set it at the same instant (sqlite: unique constraint)
@@ -114,13 +204,14 @@ def claim_champion(client: mlflow.MlflowClient, name: str, version: str, metric:
     raise AstraiError(f"model {name!r}: alias champion keeps moving; another registration is racing this one")
 
 
-def decision_line(version: str, metric: str, value: float, old_version: str | None, old_value: float | None) -> str:
+def decision_line(version: str, metric: str, value: float, old_version: str | None, old_value: float | None,
+                  why: str = "") -> str:
     if old_version is None:
         why = " (no previous champion)"
     elif old_value is None:
         why = f" (champion version {old_version} has no {metric} to compare)"
     else:
-        why = f" beats version {old_version}'s {old_value:.4f}"
+        why = f" beats version {old_version}'s {old_value:.4f}" + (f" ({why})" if why else "")
     return f"version {version} is champion: {metric} {value:.4f}{why}"
 
 
@@ -186,7 +277,8 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
         "register_metric": metric,  # what this version was chosen by and is compared with the champion on
         "stage": stage,  # which training stage of the chain made this model
         # its held-out metrics (evaluation of this model, not of the chain's last one)
-        **{k: f"{metrics[f'{stage}/{k}']:.6f}" for k in METRICS if f"{stage}/{k}" in metrics},
+        **{k: f"{metrics[f'{stage}/{k}{end}']:.6f}" for k in METRICS for end in ("", "_low", "_high")
+           if f"{stage}/{k}{end}" in metrics},
         "hf_export": hf_export,
         "weights_sha256": weights_sha256,  # a later registration of the same weights finds this version
         "profile": profile,
@@ -196,7 +288,11 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
         client.set_model_version_tag(name, str(mv), key, text)
     client.set_registered_model_alias(name, "candidate", str(mv))
 
-    promote, decision = claim_champion(client, name, str(mv), metric, value)
+    items_path = metrics_path.with_name("items.json")
+    items = json.loads(items_path.read_text()) if items_path.is_file() else {}
+    record = gate_record(metrics, items, stage)
+    mlflow.log_dict(record, GATE_ITEMS)  # what a later version's gate compares with, item by item
+    promote, decision = claim_champion(client, name, str(mv), metric, record)
     mlflow.set_tag("astrai.registration", decision)
     mlflow.log_text(decision + "\n", "registration_decision.txt")
 

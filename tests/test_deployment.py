@@ -113,3 +113,18 @@ def test_make_stop_ends_the_worker_and_the_server_it_started(tmp_path):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert not (home / "worker.pid").exists() and not (home / "server.pid").exists()
+
+
+def test_make_server_on_another_port_serves_a_ui_that_calls_that_port(tmp_path):
+    """`make server PREFECT_PORT=P`: the UI's settings (what its pages call) name P's API, not 4200's."""
+    from conftest import PROJECT_ROOT
+
+    port = free_port()
+    make = ["make", "-s", "-C", str(PROJECT_ROOT), f"PREFECT_HOME={tmp_path / 'prefect'}", f"PREFECT_PORT={port}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "PREFECT_UI", "PREFECT_SERVER_UI"))}
+    run_ok(make + ["server"], PROJECT_ROOT, env)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ui-settings", timeout=30) as r:
+            assert json.loads(r.read())["api_url"] == f"http://127.0.0.1:{port}/api"
+    finally:
+        run_ok(make + ["stop"], PROJECT_ROOT, env)

@@ -104,3 +104,77 @@ def test_register_picks_the_best_model_and_compares_the_champion_on_the_same_met
         assert len(client.search_model_versions("name = 'm'")) == 3
     finally:
         mlflow.set_tracking_uri(previous)
+
+
+def test_champion_moves_only_beyond_the_paired_interval_and_without_regressing_bits_per_char(tmp_path, core_tiny_data,
+                                                                                              monkeypatch):
+    """The issue's case: 0.4460 against the champion's 0.4340 on the same 500 questions (inside the paired interval)
+    with test bits/char 19% worse does not take alias champion; a gain beyond the interval does, unless bits/char
+    regresses beyond 5%. Real registrations in a real MLflow store, the gate reading the champion's per-item results
+    from its registration run."""
+    import random
+
+    import mlflow
+    import torch
+
+    from astrai_core.checkpoint import save_checkpoint
+    from astrai_core.config import ModelConfig
+    from astrai_core.model import Transformer
+    from astrai_core.scoring import wilson_interval
+    from tasks.layout import model_dir
+    from tasks.params import Params
+    from tasks.register import register
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    cfg = ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    n = 500
+    base = [i < 217 for i in range(n)]  # 0.434
+    random.Random(0).shuffle(base)
+
+    def flip(right: list[bool], to_right: int, to_wrong: int) -> list[bool]:
+        out, wrong, ok = list(right), [i for i, r in enumerate(right) if not r], [i for i, r in enumerate(right) if r]
+        for i in wrong[:to_right]:
+            out[i] = True
+        for i in ok[:to_wrong]:
+            out[i] = False
+        return out
+
+    def register_version(seed: int, right: list[bool], bits: float) -> dict:
+        torch.manual_seed(seed)
+        save_checkpoint(model_dir(tmp_path, "sft"), Transformer(cfg), cfg, core_tiny_data["tokenizer"])
+        k = sum(right)
+        low, high = wilson_interval(k, n)
+        (tmp_path / "metrics.json").write_text(json.dumps({
+            "final_model": "sft", "sft/task_accuracy": k / n, "sft/task_accuracy_low": low,
+            "sft/task_accuracy_high": high, "sft/test_bits_per_char": bits}))
+        (tmp_path / "items.json").write_text(json.dumps({"task_accuracy": {"sft": [int(r) for r in right]},
+                                                         "item_sets": {"task_accuracy": "the-same-500"}}))
+        with mlflow.start_run(experiment_id=exp):
+            return register(Params(register={"model_name": "g", "metric": "task_accuracy"}), tmp_path / "metrics.json",
+                            tmp_path / "out", tmp_path)
+
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    try:
+        exp = mlflow.create_experiment("gate", artifact_location=(tmp_path / "artifacts").as_uri())
+        first = register_version(1, base, 2.0)
+        assert first["aliases"] == ["candidate", "champion"]
+        # 40 items right that were wrong, 34 the other way: 0.4460 against 0.4340, inside the paired interval; and
+        # bits/char 19% worse.
+        small = register_version(2, flip(base, 40, 34), 2.38)
+        assert small["aliases"] == ["candidate"] and small["champion_version"] == 1, small["decision"]
+        assert "stays candidate" in small["decision"] and "inside the interval" in small["decision"]
+        assert "test_bits_per_char +19.0% (more than 5% worse)" in small["decision"], small["decision"]
+        # +60 items net: beyond the paired interval, but bits/char 19% worse: still not champion.
+        regress = register_version(3, flip(base, 80, 20), 2.38)
+        assert regress["aliases"] == ["candidate"], regress["decision"]
+        assert "beyond the interval" in regress["decision"] and "regresses test_bits_per_char" in regress["decision"]
+        # +60 items and bits/char 2% worse: champion, and the line says why.
+        real = register_version(4, flip(base, 80, 20), 2.04)
+        assert real["aliases"] == ["candidate", "champion"], real["decision"]
+        assert real["decision"].startswith("version 4 is champion: task_accuracy") and "paired 95% interval" in \
+            real["decision"] and "beyond the interval" in real["decision"], real["decision"]
+        assert str(mlflow.MlflowClient().get_model_version_by_alias("g", "champion").version) == "4"
+    finally:
+        mlflow.set_tracking_uri(previous)

@@ -1,0 +1,84 @@
+"""A model reference -> a local astrai checkpoint directory: the one place every command that takes a model (serve,
+generate, export-hf) resolves it.
+
+A reference is a registry URI (models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/model, from the pipeline's
+MLflow store), an astrai checkpoint directory (e.g. data/grpo), or a Hugging Face model directory (converted with
+astrai_core.hf.import_hf, as `astrai import-hf` does).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+from astrai_core.errors import AstraiError
+
+REFERENCE_HELP = ("models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/model (from the pipeline's MLflow store), "
+                  "a checkpoint directory or a Hugging Face model directory")
+
+
+class Resolved(NamedTuple):
+    checkpoint: Path  # an astrai checkpoint directory (under `dst` when downloaded or converted)
+    model_id: str  # what the model is called: NAME/VERSION for a registered model, else the directory's name
+    aliases: list[str]  # other names it answers to: NAME, and NAME@ALIAS when asked for by alias
+
+
+def use_tracking_store() -> None:
+    """Point MLflow at the store the pipeline uses: MLFLOW_TRACKING_URI, else params.yaml's tracking.uri, else
+    mlflow/ in the current directory."""
+    import mlflow
+
+    from tasks.params import Params, load_params
+    from tasks.tracking import tracking_uri
+
+    params = load_params("params.yaml") if Path("params.yaml").is_file() else Params()
+    mlflow.set_tracking_uri(tracking_uri(params, Path.cwd()))
+
+
+def resolve_model(ref: str, dst: Path) -> Resolved:
+    """The checkpoint directory of model reference `ref` (see the module's docstring); a download or conversion is
+    written under `dst` (the caller's temporary directory). AstraiError naming the reference otherwise."""
+    if ref.startswith(("models:/", "runs:/")):
+        return _download(ref, dst)
+    path = Path(ref)
+    if (path / "model.safetensors").is_file() and (path / "manifest.json").is_file():
+        return Resolved(path, path.resolve().name, [])
+    if (path / "config.json").is_file():  # a Hugging Face directory: its weights may be sharded
+        from astrai_core.hf import import_hf
+
+        return Resolved(import_hf(path, dst / "imported"), path.resolve().name, [])
+    raise AstraiError(f"{ref}: no such model (expected {REFERENCE_HELP})")
+
+
+def _download(uri: str, dst: Path) -> Resolved:
+    """A registered model (or a run's logged model): its checkpoint artifact downloaded under dst."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per file in a server's log
+    import mlflow
+    from mlflow.exceptions import MlflowException
+    from mlflow.models import Model
+
+    use_tracking_store()
+    try:
+        if uri.startswith("runs:/"):
+            local = mlflow.artifacts.download_artifacts(uri, dst_path=str(dst))
+            model_id, aliases = uri.removeprefix("runs:/").strip("/"), []
+        else:
+            ref = uri.removeprefix("models:/")
+            name, sep, which = ref.partition("@") if "@" in ref else ref.rpartition("/")
+            if not (name and sep and which):
+                raise AstraiError(f"{uri}: expected {REFERENCE_HELP}")
+            client = mlflow.MlflowClient()
+            mv = client.get_model_version_by_alias(name, which) if sep == "@" else client.get_model_version(name, which)
+            local = mlflow.artifacts.download_artifacts(f"models:/{name}/{mv.version}", dst_path=str(dst))
+            model_id, aliases = f"{name}/{mv.version}", [name] + ([ref] if sep == "@" else [])
+    except MlflowException as e:  # no such model, version, alias or run
+        raise AstraiError(f"{uri}: {str(e.message).splitlines()[0]} (store: {mlflow.get_tracking_uri()})") from None
+    # The register stage logs the checkpoint directory as the pyfunc artifact "checkpoint"; MLmodel says where.
+    try:
+        artifacts = Model.load(local).flavors.get("python_function", {}).get("artifacts", {})
+    except (MlflowException, OSError):
+        artifacts = {}
+    if "checkpoint" not in artifacts:
+        raise AstraiError(f"{uri}: no checkpoint artifact (not a model registered by `astrai stage register`?)")
+    return Resolved(Path(local) / artifacts["checkpoint"]["path"], model_id, aliases)

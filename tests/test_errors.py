@@ -1,0 +1,97 @@
+"""A failure is one line: `astrai: error: <file>[:<line>]: <what>` last on stderr, exit non-zero, no traceback on
+the console; tracebacks, torchrun's failure report and every line a stage printed go to the log file that line
+names (tasks/runlog.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import PROJECT_ROOT, VENV_BIN, make_project
+from tasks.runlog import ConsoleFilter, crash_line
+
+LOG_NAMED = re.compile(r"\(.*full log: (\S+\.log)\)$")
+
+
+def _run(cmd, cwd, env=None, timeout=600):
+    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=env or dict(os.environ), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _one_error_line(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert "Traceback" not in out.stdout + out.stderr, out.stdout + out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("astrai: error: "), out.stderr
+    return last
+
+
+@pytest.mark.integration
+def test_a_failed_stage_in_astrai_pipeline_is_one_line_naming_the_log(tmp_path):
+    """A corpus file that is not UTF-8 (found only when the corpus stage reads it): `astrai pipeline` ends with the
+    stage's error as its last line, naming the run's log, which holds what the stage printed."""
+    repo = tmp_path / "project"
+    env = make_project(repo, tmp_path / "remote", "astrai-errors")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "good.txt").write_text("ROMEO.\nBut soft, what light through yonder window breaks?\n" * 20)
+    (corpus / "bad.txt").write_bytes(b"caf\xe9 au lait\n")
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
+    out = _run([VENV_BIN / "astrai", "pipeline", "--set", f"corpus.source={corpus}"], repo, env)
+    last = _one_error_line(out)
+    assert "bad.txt:1: not UTF-8" in last and "(stage corpus; full log: .astrai/logs/pipeline-" in last, last
+    log = repo / LOG_NAMED.search(last)[1]
+    assert "astrai stage corpus" in log.read_text() and "not UTF-8" in log.read_text()
+
+
+def test_a_failed_torchrun_is_one_line_and_its_report_goes_to_the_log(tmp_path):
+    """`astrai train` whose ranks fail: the console shows the rank's error, not its traceback nor torchrun's
+    ChildFailedError report; both are in the log the last line names."""
+    (tmp_path / "cfg.yaml").write_text(
+        f"train_data: {tmp_path}/none.h5\ntokenizer: {tmp_path}/none.json\nout_dir: {tmp_path}/out\nmax_steps: 2\n"
+        "seq_len: 32\nmodel: {vocab_size: 300, dim: 32, n_layers: 1, n_heads: 4, n_kv_heads: 2, max_seq_len: 32}\n")
+    out = _run([VENV_BIN / "astrai", "train", "--config", "cfg.yaml", "--nproc", "1"], tmp_path,
+               dict(os.environ, PYTHONPATH=str(PROJECT_ROOT)), timeout=300)
+    last = _one_error_line(out)
+    assert "none.json" in last and "ChildFailedError" not in out.stdout + out.stderr
+    log = (tmp_path / LOG_NAMED.search(last)[1]).read_text()
+    assert "Traceback (most recent call last):" in log and "ChildFailedError" in log
+
+
+def test_console_filter_hides_tracebacks_and_torchruns_report_until_the_next_error_line():
+    keep = ConsoleFilter()
+    lines = ["pretrain: step 1/10 loss 5.0", "[rank0]:Traceback (most recent call last):", '  File "x.py", line 1',
+             "ValueError: 4 validation errors", "train_data", "  Field required", "[rank0]:error: ValueError: bad",
+             "E1126 00:07:23 api.py:1002] failed (exitcode: 2)", "Traceback (most recent call last):",
+             "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "=" * 60, "astrai_core.train FAILED",
+             "Failures:", "  <NO_OTHER_FAILURES>", "=" * 60]
+    assert [line for line in lines if keep(line)] == ["pretrain: step 1/10 loss 5.0", "[rank0]:error: ValueError: bad",
+                                                      "E1126 00:07:23 api.py:1002] failed (exitcode: 2)"]
+
+
+def test_crash_line_names_the_innermost_frame_and_keeps_the_traceback(tmp_path):
+    def broken():
+        return {}["key"]
+
+    try:
+        broken()
+    except KeyError as e:
+        line = crash_line(e, tmp_path / "x.log")
+    assert re.fullmatch(rf"\S*test_errors\.py:\d+: KeyError: 'key' \(traceback: {tmp_path}/x\.log\)", line), line
+    assert "Traceback (most recent call last)" in (tmp_path / "x.log").read_text()
+
+
+def test_make_run_deployment_without_a_server_says_so_in_one_line():
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = _run(["make", "-s", "run-deployment", f"PREFECT_PORT={port}"], PROJECT_ROOT, timeout=60)
+    assert out.returncode != 0 and "Traceback" not in out.stdout + out.stderr
+    ours = [line for line in out.stderr.splitlines() if line.startswith("astrai: error: ")]
+    assert ours == [f"astrai: error: Makefile: no Prefect server on http://127.0.0.1:{port}; start one, a worker and the "
+                    "deployment with: make server worker deploy"], out.stderr
