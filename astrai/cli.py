@@ -356,6 +356,23 @@ def import_hf(hf_dir: Path = typer.Argument(..., help="A Hugging Face model dire
           f"{vocab['astrai']} (rows of added tokens: the mean of the known vocabulary's rows)")
 
 
+@app.command("lm-eval-data")
+def lm_eval_data(corpus: Path = typer.Option(Path("data/corpus"), help="The corpus stage's output (its test.jsonl "
+                                             "holds the held-out plays)."),
+                 out: Path = typer.Option(Path("evals/lm_eval_tasks/data"), help="Where the task definitions in "
+                                          "evals/lm_eval_tasks/ read their data."),
+                 limit: int = typer.Option(500, min=1, help="Items per task at most."),
+                 seed: int = typer.Option(0, help="Which items and which wrong choices.")) -> None:
+    """Write the JSONL of the lm-evaluation-harness tasks in evals/lm_eval_tasks/ (who speaks next, speech
+    perplexity) from the held-out plays; then run lm_eval against `astrai serve` (docs/serving.md,
+    "lm-evaluation-harness")."""
+    from tasks.lm_eval_data import FILES, write_lm_eval_data
+
+    counts = write_lm_eval_data(corpus, out, limit, seed)
+    for task, n in counts.items():
+        print(f"{task}: {n} items -> {out / FILES[task]}")
+
+
 def main() -> None:
     # A stage's progress lines (and a Slurm job's, which it relays) reach a pipe, a tee or a log as they happen,
     # not in 8 KiB blocks: Ctrl-C and the eta then refer to what the reader has seen.

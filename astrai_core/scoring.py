@@ -52,6 +52,20 @@ def sequence_nll(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, batch
     return total, count
 
 
+@torch.no_grad()
+def continuation_logprobs(model: torch.nn.Module, context: list[int], continuations: list[list[int]],
+                          device: str | torch.device = "cpu") -> list[float]:
+    """log p(continuation | context) of each continuation, summed over its tokens: how a multiple-choice item is
+    scored (the likeliest choice is the model's answer; lm-evaluation-harness's loglikelihood requests)."""
+    model.eval()
+    out = []
+    for continuation in continuations:
+        ids = torch.tensor([context + continuation], device=device)
+        logp = torch.log_softmax(model(ids[:, :-1]).float()[0, -len(continuation):], dim=-1)
+        out.append(logp.gather(1, ids[0, -len(continuation):, None]).sum().item())
+    return out
+
+
 def unigram_nll(tokens: np.ndarray, vocab_size: int) -> tuple[float, int]:
     """NLL (nats) of tokens[1:] under their own unigram distribution: the best any unigram model can do."""
     targets = tokens[1:]

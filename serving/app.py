@@ -4,6 +4,7 @@
     serving.server.run(app, engine, "127.0.0.1", 8000)                     # `astrai serve` does this
 
 Routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (OpenAI), POST /v1/messages (Anthropic),
+POST /tokenize, POST /detokenize, GET /tokenizer_info (vLLM's, for lm-evaluation-harness's remote tokenizer),
 GET /health (503 once the engine loop has died; astrai serve then exits), GET /metrics (Prometheus text), GET / (a
 chat page over /v1/chat/completions: static/index.html; open, as its API calls carry the key; never framed). Every
 route checks the Host header, the /v1/ routes the Origin and the key, the POST routes the Content-Type (auth.py).
@@ -21,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
 from astrai_core.chat import ChatFormat
 from astrai_core.engine import EngineClient
-from serving import anthropic, openai
+from serving import anthropic, openai, tokenize
 from serving.auth import API, Hosts, require_host
 from serving.errors import EXCEPTION_HANDLERS
 from serving.model import MAX_BODY_BYTES, ServedModel
@@ -50,6 +51,7 @@ def create_app(engine: EngineClient, chat: ChatFormat, model_id: str, api_key: s
     app.include_router(router)
     app.include_router(openai.router)
     app.include_router(anthropic.router)
+    app.include_router(tokenize.router)
     return app
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator, Sequence
 
-from astrai_core.bpe import special_id
+from astrai_core.bpe import SPECIAL_TOKENS, special_id
 from astrai_core.chat import ChatFormat
 from astrai_core.engine import EngineClient, SamplingParams
 from astrai_core.errors import AstraiError
@@ -68,16 +68,36 @@ class ServedModel:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def submit(self, prompt_ids: list[int], body: OpenAIBody | MessagesBody, max_tokens: int | None,
-               stop_ids: tuple[int, ...], field: str) -> Submission:
+               stop_ids: tuple[int, ...], field: str, logprobs: int | None = None,
+               prompt_logprobs: int | None = None) -> Submission:
+        """max_tokens None: to the end of the context; 0 (with prompt_logprobs): the prompt's logprobs only."""
         if len(prompt_ids) >= self.context:
             raise ApiError(400, f"prompt has {len(prompt_ids)} tokens; the context is {self.context} "
                                 f"(prompt and reply must fit in it)", param=field)
         temperature = body.temperature if body.temperature >= GREEDY_BELOW else 0.0
         # A reply runs at most to the end of the context (the engine ends it there with "length").
         budget = self.context - len(prompt_ids)
-        params = SamplingParams(max_tokens=min(max_tokens or budget, budget), temperature=temperature,
-                                top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop_token_ids=stop_ids)
+        params = SamplingParams(max_tokens=budget if max_tokens is None else min(max_tokens, budget),
+                                temperature=temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+                                stop_token_ids=stop_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         return Submission(self.engine, prompt_ids, params, self.relay)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, special tokens spelled out (what logprobs name a token by, as vLLM does)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def check_ids(self, ids: list[int], field: str) -> None:
+        vocab = self.tokenizer.get_vocab_size()
+        if not all(0 <= i < vocab for i in ids):
+            raise ApiError(400, f"{field}: token ids must be in [0, {vocab})", param=field)
+
+    def tokenizer_info(self) -> dict:
+        """GET /tokenizer_info: the fields of vLLM's answer that clients read (lm-evaluation-harness's remote
+        tokenizer reads the special tokens and the chat template), as in an exported tokenizer_config.json."""
+        special = {f"{name}_token": text for name, text in SPECIAL_TOKENS.items() if name in ("bos", "eos", "pad")
+                   and self.tokenizer.token_to_id(text) is not None}
+        return {"tokenizer_class": "PreTrainedTokenizerFast", **special, "chat_template": self.chat.template_text,
+                "model_max_length": self.context, "vocab_size": self.tokenizer.get_vocab_size()}
 
     def generate(self, sub: Submission, stops: list[str], started: float) -> AsyncIterator[str | Finish]:
         """The reply's text pieces as they become final, then one Finish (see streaming.run_generation)."""

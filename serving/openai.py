@@ -3,18 +3,20 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from typing import AsyncIterator, Literal
 
 from fastapi import APIRouter, Depends, Request
 
+from astrai_core.engine import TokenLogprob
 from serving.auth import API, require_json
 from serving.errors import ApiError, error_body
 from serving.model import ServedModel
 from serving.protocol.openai import ChatBody, CompletionBody, OpenAIBody
 from serving.request import open_request
-from serving.streaming import EventStream, Finish, Submission, collect, sse
+from serving.streaming import EventStream, Finish, Submission, collect, collect_all, sse
 
 router = APIRouter(dependencies=API)
 Kind = Literal["chat", "text"]  # chat completions, or plain-text completions
@@ -33,17 +35,91 @@ async def chat_completions(request: Request):
 @router.post("/v1/completions", dependencies=[Depends(require_json)])
 async def completions(request: Request):
     served, body, started = await open_request(request, CompletionBody)
-    if isinstance(body.prompt, str):
-        served.check_length([body.prompt], "prompt")
-        prompt_ids = served.text_ids(body.prompt)
-    else:
-        prompt_ids = list(body.prompt)
-        vocab = served.tokenizer.get_vocab_size()
-        if not all(0 <= i < vocab for i in prompt_ids):
-            raise ApiError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
+    check_completion_options(body)
+    prompts = [completion_prompt_ids(served, p) for p in body.prompts]
     # OpenAI's default for the legacy completions endpoint is 16 tokens.
-    sub = served.submit(prompt_ids, body, body.max_tokens or 16, served.eos, "prompt")
-    return await respond(request, served, body, prompt_ids, sub, started, "text")
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    if body.stream:
+        sub = served.submit(prompts[0], body, max_tokens, served.eos, "prompt")
+        return await respond(request, served, body, prompts[0], sub, started, "text")
+    return await complete(request, served, body, prompts, max_tokens, started)
+
+
+def check_completion_options(body: CompletionBody) -> None:
+    """What the completions route refuses in combination (each field alone is checked by CompletionBody)."""
+    if body.max_tokens == 0 and not body.echo:
+        raise ApiError(400, "max_tokens: 0 only with echo (the prompt's logprobs, nothing generated)",
+                       param="max_tokens")
+    if body.stream:
+        for field, given in (("logprobs", body.logprobs is not None), ("echo", body.echo),
+                             ("prompt", len(body.prompts) > 1)):
+            if given:
+                what = "several prompts" if field == "prompt" else field
+                raise ApiError(400, f"{field}: not supported with stream ({what} only in a whole reply)", param=field)
+
+
+def completion_prompt_ids(served: ServedModel, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        served.check_length([prompt], "prompt")
+        return served.text_ids(prompt)
+    served.check_ids(prompt, "prompt")
+    return list(prompt)
+
+
+async def complete(request: Request, served: ServedModel, body: CompletionBody, prompts: list[list[int]],
+                   max_tokens: int, started: float) -> dict:
+    """The whole reply to a completions request: one choice per prompt, with the prompt (echo) and the logprobs
+    asked for. Logprobs follow OpenAI's legacy completions API, the prompt's first token null as in vLLM."""
+    k = body.logprobs
+    # The engine's prompt logprobs: asked for with echo, and needed to run a request that generates nothing.
+    prompt_logprobs = (k or 0) if body.echo and (k is not None or max_tokens == 0) else None
+    subs: list[Submission] = []
+    try:
+        for ids in prompts:
+            subs.append(served.submit(ids, body, max_tokens, served.eos, "prompt", logprobs=k,
+                                      prompt_logprobs=prompt_logprobs))
+    except ApiError:
+        for sub in subs:
+            sub.cancel()
+        raise
+    replies = await collect_all(request, [served.generate(sub, body.stop, started) for sub in subs])
+    choices = []
+    for i, (ids, sub, (reply, finish)) in enumerate(zip(prompts, subs, replies)):
+        text, logprobs = reply, None
+        if body.echo:
+            prompt = body.prompts[i]
+            text = (prompt if isinstance(prompt, str) else served.tokenizer.decode(ids, skip_special_tokens=False)) + text
+        if k is not None:  # the engine's entries: the prompt's first with echo, then the generated tokens'
+            shown = ids if body.echo else []
+            generated = [e.token for e in sub.logprobs[len(shown):]]
+            logprobs = legacy_logprobs(served, shown + generated, sub.logprobs)
+        choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish.reason})
+    prompt_tokens = sum(map(len, prompts))
+    completion_tokens = sum(finish.completion_tokens for _, finish in replies)
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": served.model_id, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def legacy_logprobs(served: ServedModel, ids: list[int], entries: list[TokenLogprob | None]) -> dict:
+    """OpenAI's legacy `logprobs` of a choice: per token its text, log-probability (None: the prompt's first
+    token) and a dict of the most likely tokens there that always holds the token itself, and its character
+    offset in the choice's text (each token's text laid end to end, as vLLM counts them)."""
+    tokens = [served.token_text(i) for i in ids]
+    top = []
+    for text, e in zip(tokens, entries, strict=True):
+        if e is None:
+            top.append(None)
+            continue
+        # Two tokens may read the same (pieces of one UTF-8 character): the likelier keeps the key.
+        alternatives: dict[str, float] = {}
+        for token_id, logprob in e.top:
+            alternatives.setdefault(served.token_text(token_id), logprob)
+        alternatives.setdefault(text, e.logprob)
+        top.append(alternatives)
+    return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": top, "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))}
 
 
 def usage(prompt_tokens: int, finish: Finish) -> dict:

@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from prometheus_client import Histogram
 
-from astrai_core.engine import EngineClient, QueueFull, SamplingParams
+from astrai_core.engine import EngineClient, QueueFull, SamplingParams, TokenLogprob
 from serving.errors import ApiError
 from serving.text_stream import TextStream
 
@@ -72,11 +72,13 @@ class Submission:
 
     def __init__(self, engine: EngineClient, prompt_ids: list[int], params: SamplingParams, relay: EventRelay) -> None:
         self.engine, self.done = engine, False
-        self.events: asyncio.Queue[tuple[list[int], str | None]] = asyncio.Queue()
+        self.events: asyncio.Queue[tuple[list[int], str | None, list]] = asyncio.Queue()
+        # With params.logprobs or prompt_logprobs: the entries of the events taken so far (sequence.OnEvent)
+        self.logprobs: list[TokenLogprob | None] = []
         loop = asyncio.get_running_loop()
 
-        def on_event(ids: list[int], finish: str | None) -> None:  # runs on the engine thread: must not block
-            relay.put(loop, self.events, (list(ids), finish))
+        def on_event(ids: list[int], finish: str | None, logprobs: list = ()) -> None:  # on the engine thread
+            relay.put(loop, self.events, (list(ids), finish, logprobs))  # must not block
 
         if not engine.alive:
             raise ApiError(503, "the engine is not running (see /health)")
@@ -92,7 +94,9 @@ class Submission:
     async def next_event(self) -> tuple[list[int], str | None]:
         # No timeout needed: the engine ends every request it accepted with a last event, "error" included
         # when its loop dies.
-        return await self.events.get()
+        ids, finish, logprobs = await self.events.get()
+        self.logprobs += logprobs
+        return ids, finish
 
     def cancel(self) -> None:
         if not self.done:
@@ -157,7 +161,13 @@ async def wait_for_disconnect(request: Request) -> None:
 
 async def collect(request: Request, events: AsyncIterator[str | Finish]) -> tuple[str, Finish]:
     """The whole reply of a non-streaming request; cancels it if the client disconnects first."""
-    async def consume() -> tuple[str, Finish]:
+    return (await collect_all(request, [events]))[0]
+
+
+async def collect_all(request: Request, replies: list[AsyncIterator[str | Finish]]) -> list[tuple[str, Finish]]:
+    """The whole replies of several generations of one request (several prompts), running at once; all are
+    cancelled if the client disconnects first or one of them fails."""
+    async def consume(events: AsyncIterator[str | Finish]) -> tuple[str, Finish]:
         parts = []
         async for item in events:
             if isinstance(item, Finish):
@@ -165,11 +175,20 @@ async def collect(request: Request, events: AsyncIterator[str | Finish]) -> tupl
             parts.append(item)
         raise AssertionError("generation ended without a Finish")
 
-    work = asyncio.ensure_future(consume())
+    async def consume_all() -> list[tuple[str, Finish]]:
+        tasks = [asyncio.ensure_future(consume(events)) for events in replies]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # one failed (or all are cancelled): the others stop too, which cancels their engine requests
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    work = asyncio.ensure_future(consume_all())
     gone = asyncio.ensure_future(wait_for_disconnect(request))
     await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
     gone.cancel()
-    if not work.done():  # the client went away: cancelling the consumer runs run_generation's cleanup
+    if not work.done():  # the client went away: cancelling the consumers runs run_generation's cleanup
         work.cancel()
         await asyncio.gather(work, return_exceptions=True)
         raise ApiError(499, "client disconnected")

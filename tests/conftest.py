@@ -182,17 +182,21 @@ def sharp_random_model(**cfg):
 
 
 class Collector:
-    """on_event for one engine request (Engine or EngineProcess): the tokens and every finish reason it was sent."""
+    """on_event for one engine request (Engine or EngineProcess): the tokens and every finish reason it was sent,
+    and the logprobs (None unless an event carried them: a request with logprobs or prompt_logprobs)."""
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.reasons: list[str] = []
+        self.logprobs: list | None = None
         self.done = _threading.Event()
 
-    def __call__(self, tokens: list[int], reason: str | None) -> None:
+    def __call__(self, tokens: list[int], reason: str | None, *logprobs: list) -> None:
         if self.done.is_set():  # an event after the last one: the tests' exact reasons lists catch it
             reason = reason or "event after the last one"
         self.tokens += tokens
+        if logprobs:
+            self.logprobs = (self.logprobs or []) + logprobs[0]
         if reason is not None:
             self.reasons.append(reason)
             self.done.set()

@@ -270,11 +270,11 @@ def logits_trace(monkeypatch) -> dict[int, list[torch.Tensor]]:
     trace: dict[int, list[torch.Tensor]] = {}
     post = Scheduler.postprocess
 
-    def recording(self, batch, logits):
+    def recording(self, batch, logits, every=None):
         for i, (s, n) in enumerate(batch):
             if s.num_cached + n == len(s):
                 trace.setdefault(s.id, []).append(logits[i].clone())
-        return post(self, batch, logits)
+        return post(self, batch, logits, every)
 
     monkeypatch.setattr(Scheduler, "postprocess", recording)
     return trace
@@ -328,6 +328,98 @@ def test_greedy_and_sampled_requests_in_one_batch_equal_their_solo_runs():
              for p, sp in zip(prompts, params)]
     assert together == alone
     assert together[1] == generate(model, prompts[1], 10)
+
+
+# --- logprobs ---------------------------------------------------------------------------------------------------
+
+
+def reference_logprobs(model: Transformer, tokens: list[int]) -> torch.Tensor:
+    """(len(tokens) - 1,) log p(tokens[t] | tokens[:t]) for t >= 1, from one plain forward over the whole sequence."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([tokens])).float()[0], dim=-1)
+    return logp[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]
+
+
+def with_logprobs(max_tokens: int, k: int = 3) -> SamplingParams:
+    return greedy(max_tokens, logprobs=k, prompt_logprobs=k)
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_prompt_and_sampled_logprobs_equal_a_plain_forward(chunk):
+    """Prompt logprobs across prefill chunks (the prompt's first token has none), then each greedy token's, equal
+    log_softmax of one forward over prompt + reply; the top-1 at a sampled position is the sampled token. The same
+    prompt cached by an earlier request is not reused (its positions would have no logits)."""
+    model = model_for()
+    prompt = prompts_for(1, seed=11, longest=40)[0] + [3] * 20
+    engine = Engine(model, EngineConfig(kv_blocks=128, block_size=4, prefill_chunk=chunk))
+    run(engine, [prompt], greedy(1))  # fills the prefix cache with this prompt's blocks
+    hits = engine.stats()["prefix_cache_hits"]
+    out = run(engine, [prompt], with_logprobs(6))[0]
+    assert engine.stats()["prefix_cache_hits"] == hits
+    assert out.tokens == solo(model, prompt, 6) and out.reasons == ["length"]
+    entries = out.logprobs
+    assert len(entries) == len(prompt) + 6 and entries[0] is None
+    assert [e.token for e in entries[1:]] == prompt[1:] + out.tokens
+    expected = reference_logprobs(model, prompt + out.tokens)
+    assert torch.allclose(torch.tensor([e.logprob for e in entries[1:]]), expected, atol=1e-5)
+    for e in entries[1:]:
+        assert len(e.top) == 3 and [lp for _, lp in e.top] == sorted((lp for _, lp in e.top), reverse=True)
+    for e in entries[len(prompt):]:
+        assert e.top[0][0] == e.token and e.top[0][1] == e.logprob  # greedy: the chosen token is the most likely
+
+
+def test_max_tokens_0_gives_the_prompt_logprobs_only():
+    model = model_for()
+    prompt = [5, 17, 3, 88, 9]
+    out = run(Engine(model, EngineConfig(kv_blocks=32, block_size=4)), [prompt], greedy(0, prompt_logprobs=0))[0]
+    assert out.tokens == [] and out.reasons == ["length"]
+    assert out.logprobs[0] is None and [e.token for e in out.logprobs[1:]] == prompt[1:]
+    assert all(e.top == () for e in out.logprobs[1:])
+    assert torch.allclose(torch.tensor([e.logprob for e in out.logprobs[1:]]), reference_logprobs(model, prompt),
+                          atol=1e-5)
+    one = run(Engine(model, EngineConfig(kv_blocks=32, block_size=4)), [[7]], greedy(0, prompt_logprobs=2))[0]
+    assert one.logprobs == [None] and one.tokens == []
+
+
+def test_the_stop_token_has_its_logprob_though_it_is_not_sent():
+    model = model_for()
+    prompt = [5, 17, 3, 88]
+    stop = solo(model, prompt, 12)[5]
+    out = run(Engine(model, EngineConfig(kv_blocks=32, block_size=4)), [prompt],
+              greedy(12, stop_token_ids=(stop,), logprobs=1))[0]
+    assert out.reasons == ["stop"] and stop not in out.tokens
+    assert [e.token for e in out.logprobs] == out.tokens + [stop]
+
+
+def test_logprobs_survive_preemption_and_equal_the_request_alone_bit_for_bit():
+    """batch_invariant: a request's prompt and token logprobs are the same bits among others (preempted and
+    recomputed, in other chunks) as alone; without it they agree within rounding."""
+    model = model_for()
+    prompts = [p + [1] * (30 - len(p)) for p in prompts_for(8, seed=3, longest=30)]
+    params = [with_logprobs(20 + i, k=2) for i in range(8)]
+    for invariant in (True, False):
+        engine = Engine(model, EngineConfig(kv_blocks=20, block_size=4, prefill_chunk=8, max_batch_size=8,
+                                            batch_invariant=invariant))
+        together = run(engine, prompts, params)
+        assert engine.stats()["preemptions_total"] > 0
+        for p, sp, c in zip(prompts, params, together):
+            alone = run(Engine(model, EngineConfig(kv_blocks=32, block_size=4, batch_invariant=invariant)), [p], sp)[0]
+            assert len(c.logprobs) == len(alone.logprobs) == len(p) + sp.max_tokens
+            if invariant and platform_is_batch_invariant():
+                assert c.logprobs == alone.logprobs
+            else:
+                assert c.tokens == alone.tokens
+                assert torch.allclose(torch.tensor([e.logprob for e in c.logprobs[1:]]),
+                                      torch.tensor([e.logprob for e in alone.logprobs[1:]]), atol=1e-5)
+
+
+def test_bad_logprobs_params_raise():
+    with pytest.raises(ValueError, match="logprobs"):
+        greedy(1, logprobs=-1)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        greedy(1, prompt_logprobs=-2)
+    with pytest.raises(ValueError, match="max_tokens"):
+        greedy(0, logprobs=1)  # 0 tokens needs prompt_logprobs
 
 
 # --- finishing ---------------------------------------------------------------------------------------------------

@@ -62,6 +62,33 @@ def test_requests_in_the_child_equal_solo_generate_and_after_step_follows_their_
     assert not engine._proc.is_alive()
 
 
+def test_logprobs_cross_the_pipe_as_the_engine_sends_them(checkpoint):
+    """A request with logprobs gets the same TokenLogprob entries from the child as from an Engine here."""
+    from astrai_core.engine import Engine
+
+    ckpt, model = checkpoint
+    params = SamplingParams(max_tokens=5, temperature=0, logprobs=2, prompt_logprobs=2)
+    local = Collector()
+    here = Engine(model, EngineConfig(kv_blocks=64, block_size=4))
+    here.submit([5, 6, 7, 8], params, local)
+    while here.step():
+        pass
+    engine = EngineProcess(ckpt, EngineConfig(kv_blocks=64, block_size=4), threads=1)
+    engine.start()
+    try:
+        remote, plain = Collector(), Collector()
+        engine.submit([5, 6, 7, 8], params, remote)
+        engine.submit([5, 6, 7, 8], greedy(5), plain)  # no logprobs asked: two arguments, as before
+        assert remote.done.wait(60) and plain.done.wait(60)
+    finally:
+        engine.stop()
+    assert remote.tokens == local.tokens == plain.tokens and plain.logprobs is None
+    assert len(remote.logprobs) == 4 + 5 and remote.logprobs[0] is None
+    assert [e.token for e in remote.logprobs[1:]] == [e.token for e in local.logprobs[1:]]
+    assert torch.allclose(torch.tensor([e.logprob for e in remote.logprobs[1:]]),
+                          torch.tensor([e.logprob for e in local.logprobs[1:]]), atol=1e-5)
+
+
 def _wait_for(engine: EngineProcess, key: str, value: int) -> None:
     deadline = time.monotonic() + 30
     while engine.stats()[key] != value:

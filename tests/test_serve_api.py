@@ -27,6 +27,7 @@ from pathlib import Path
 
 import anthropic
 import httpx
+import numpy as np
 import openai
 import pytest
 import torch
@@ -358,6 +359,126 @@ def test_prefix_cache_hits_show_in_metrics(server, oai):
     after = _metrics(server)
     assert after["astrai_prefix_cache_hits_total"] - before["astrai_prefix_cache_hits_total"] >= 2
     assert after["astrai_time_to_first_token_seconds_count"] - before["astrai_time_to_first_token_seconds_count"] == 2
+
+
+# --- logprobs, echo and the tokenizer routes (what lm-evaluation-harness needs) -----------------------------------
+
+TEXT = "the king loves the queen and the night was in my castle"
+
+
+def _complete(url: str, **body) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"model": MODEL_ID, "temperature": 0, **body},
+                      headers={"authorization": f"Bearer {KEY}"}, timeout=60)
+
+
+def _offline_nll(served, ids: list[int]) -> float:
+    """The sum of -log p(token | what precedes it) over ids[1:], from the project's offline scoring."""
+    from astrai_core.scoring import sequence_nll
+
+    nll, count = sequence_nll(served["model"], np.array(ids), seq_len=len(ids) - 1, batch_size=1)
+    assert count == len(ids) - 1
+    return nll
+
+
+def test_echoed_prompt_logprobs_sum_to_the_offline_score(served, server):
+    tok = served["tokenizer"]
+    ids = tok.encode(TEXT, add_special_tokens=False).ids
+    r = _complete(server, prompt=TEXT, echo=True, logprobs=2, max_tokens=0)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == TEXT and choice["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 0
+    assert lp["tokens"] == [tok.decode([i]) for i in ids] and "".join(lp["tokens"]) == TEXT
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # nothing predicts the first token
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(ids))]
+    for token, logprob, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert top[token] == logprob and len(top) in (2, 3)  # the 2 likeliest, and the token itself
+    difference = abs(-sum(lp["token_logprobs"][1:]) - _offline_nll(served, ids))
+    print(f"echoed prompt logprobs vs astrai_core.scoring: {difference:.2e} nats")
+    assert difference < 1e-4
+    # lm-evaluation-harness's request: token ids, several prompts, echo with one token generated: one choice each,
+    # in order, the prompt's entries then the generated token's.
+    other = tok.encode("my lady waits for the horse", add_special_tokens=False).ids
+    r = _complete(server, prompt=[ids, other], echo=True, logprobs=1, max_tokens=1, seed=1234)
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    for c, p in zip(choices, (ids, other)):
+        assert len(c["logprobs"]["token_logprobs"]) == len(p) + 1
+        assert abs(-sum(c["logprobs"]["token_logprobs"][1:len(p)]) - _offline_nll(served, p)) < 1e-4
+        assert c["text"].startswith(tok.decode(p)) and c["logprobs"]["tokens"][-1] == tok.decode([generate(served["model"], p, 1)[0]])
+    assert r.json()["usage"]["prompt_tokens"] == len(ids) + len(other)
+
+
+def test_generated_tokens_top_logprob_is_the_greedy_token(served, server):
+    text, out = _offline_text(served, "the king", 20)
+    r = _complete(server, prompt="the king", max_tokens=20, logprobs=5)
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == text and len(lp["tokens"]) == len(out) == 20
+    spelled = [served["tokenizer"].decode([i], skip_special_tokens=False) for i in out]  # <|end_of_turn|> too
+    assert lp["tokens"] == spelled and lp["text_offset"][0] == 0
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert len(top) >= 5 and max(top, key=top.get) == token and top[token] == logprob == max(top.values())
+    reference = torch.log_softmax(served["model"](torch.tensor([served["tokenizer"].encode("the king").ids + out]))[0]
+                                  .float(), dim=-1)
+    n = len(out)
+    expected = reference[torch.arange(-n - 1, -1), torch.tensor(out)]
+    assert torch.allclose(torch.tensor(lp["token_logprobs"]), expected, atol=1e-4)
+
+
+def test_logprobs_among_concurrent_requests_equal_the_request_alone(served, server):
+    """The server runs --batch-invariant: the same bits whatever shares the batch (prefill chunks, decodes)."""
+    tok = served["tokenizer"]
+    prompts = ["the king", "my lady waits for the horse in the rain", "ghost", "the fool and the lord of the castle",
+               "your brother was in the night and the sun", TEXT]
+    # 8 at once on a server with 4 batch slots and 8 queue places
+    bodies = [dict(prompt=p, max_tokens=12, logprobs=3, echo=i % 2 == 0) for i, p in enumerate(prompts)]
+    bodies += [dict(prompt=[tok.encode(p).ids], max_tokens=0, logprobs=1, echo=True) for p in prompts[:2]]
+    alone = [_complete(server, **b).json()["choices"] for b in bodies]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60, headers={"authorization": f"Bearer {KEY}"}) as client:
+            return await asyncio.gather(*(client.post(f"{server}/v1/completions", json={"model": MODEL_ID,
+                                                                                         "temperature": 0, **b})
+                                          for b in bodies))
+
+    together = [r.json().get("choices", r.text) for r in asyncio.run(run())]
+    assert together == alone
+
+
+@pytest.mark.parametrize("value", [-1, 21, "3", True, 2.5, [1]])
+def test_a_bad_logprobs_value_is_400_naming_the_field(server, value):
+    r = _complete(server, prompt="the king", max_tokens=2, logprobs=value)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+
+
+def test_completions_options_refused_together_name_the_field(server):
+    for body, field in ((dict(max_tokens=0), "max_tokens"), (dict(stream=True, logprobs=1), "logprobs"),
+                        (dict(stream=True, echo=True), "echo"), (dict(prompt=["a", "b"], stream=True), "prompt"),
+                        (dict(prompt=["a", ""]), "prompt"), (dict(max_tokens=-1), "max_tokens"),
+                        (dict(echo="yes"), "echo"), (dict(suffix="x"), "suffix")):
+        r = _complete(server, **{"prompt": "the king", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
+
+
+def test_tokenize_detokenize_and_tokenizer_info_in_vllms_shapes(served, server):
+    tok, auth = served["tokenizer"], {"authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{server}/tokenize", json={"prompt": TEXT, "add_special_tokens": False}, headers=auth, timeout=30)
+    ids = tok.encode(TEXT, add_special_tokens=False).ids
+    assert r.status_code == 200 and r.json()["tokens"] == ids and r.json()["count"] == len(ids)
+    assert r.json()["max_model_len"] == CONTEXT
+    r = httpx.post(f"{server}/tokenize", json={"model": MODEL_ID, "prompt": "<|end_of_text|>"}, headers=auth, timeout=30)
+    assert r.json()["tokens"] == [special_id(tok, "eos")]  # how lm-eval finds the end-of-text token's id
+    r = httpx.post(f"{server}/detokenize", json={"tokens": ids}, headers=auth, timeout=30)
+    assert r.status_code == 200 and r.json() == {"prompt": TEXT}
+    info = httpx.get(f"{server}/tokenizer_info", headers=auth, timeout=30).json()
+    assert info["eos_token"] == "<|end_of_text|>" and info["bos_token"] == "<|begin_of_text|>"
+    assert info["model_max_length"] == CONTEXT and "<|assistant|>" in info["chat_template"]
+    for path, body, field in (("/detokenize", {"tokens": [10**6]}, "tokens"), ("/tokenize", {"prompt": 3}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "model": "gpt-5"}, "model")):
+        r = httpx.post(f"{server}{path}", json=body, headers=auth, timeout=30)
+        assert r.status_code in (400, 404) and r.json()["error"]["param"] == field, r.text
+    assert httpx.get(f"{server}/tokenizer_info", timeout=30).status_code == 401  # the key, as on /v1/
 
 
 def _wait_idle(url: str, timeout: float = 20) -> dict:

@@ -8,13 +8,13 @@
     process.py        EngineProcess: an Engine in a child process (astrai serve's default), over two pipes
     client.py         EngineClient: the interface both implement, exactly what a server may use
 
-The public API: Engine, EngineProcess, EngineConfig, SamplingParams, QueueFull, and EngineClient (serving/ is
-typed with it and uses nothing else of the engine).
+The public API: Engine, EngineProcess, EngineConfig, SamplingParams, TokenLogprob, QueueFull, and EngineClient
+(serving/ is typed with it and uses nothing else of the engine but the data types SamplingParams and TokenLogprob).
 """
 
 from astrai_core.engine.client import EngineClient
 from astrai_core.engine.engine import Engine, EngineConfig, QueueFull
 from astrai_core.engine.process import EngineProcess
-from astrai_core.engine.sequence import SamplingParams
+from astrai_core.engine.sequence import SamplingParams, TokenLogprob
 
-__all__ = ["Engine", "EngineClient", "EngineConfig", "EngineProcess", "QueueFull", "SamplingParams"]
+__all__ = ["Engine", "EngineClient", "EngineConfig", "EngineProcess", "QueueFull", "SamplingParams", "TokenLogprob"]

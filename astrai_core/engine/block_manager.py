@@ -55,10 +55,14 @@ class BlockManager:
         self.ref_count[block] = 1
         return block
 
+    def reuses_prefix(self, seq: Sequence) -> bool:
+        return self.prefix_cache and seq.params.prompt_logprobs is None
+
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
         """Blocks of the prefix cache that hold seq's leading full blocks (at least its last token is left to
-        compute: its logits are what the next step needs), with their chain hashes."""
-        if not self.prefix_cache:
+        compute: its logits are what the next step needs), with their chain hashes. None for a request that asked
+        for its prompt's logprobs: a cached block's positions would never be computed, so neither their logits."""
+        if not self.reuses_prefix(seq):
             return [], []
         tokens, bs = seq.tokens, self.block_size
         blocks, hashes, prev = [], [], b""
@@ -79,7 +83,7 @@ class BlockManager:
         revived = sum(1 for b in cached if self.ref_count[b] == 0)  # cached blocks leaving the LRU list
         if self.blocks_for(len(seq)) - len(cached) > self.num_free - revived:
             return False
-        if self.prefix_cache:
+        if self.reuses_prefix(seq):
             self.queries += (len(seq) - 1) // self.block_size
             self.hits += len(cached)
         for block in cached:

@@ -5,6 +5,7 @@ vLLM's HTTP layer stands on its EngineClient in the same way.
     engine: EngineClient = EngineProcess(checkpoint, config)   # or Engine(model, config)
     engine.after_step.append(flush); engine.start()
     req_id = engine.submit(prompt_ids, params, on_event)       # on_event(new_ids, finish) on the engine's thread
+    # with SamplingParams(logprobs=k) or (prompt_logprobs=k): on_event(new_ids, finish, logprobs) (sequence.OnEvent)
     engine.cancel(req_id); engine.stats(); engine.alive; engine.stop()
 """
 

@@ -2,7 +2,8 @@
 
     engine = Engine(model, EngineConfig(kv_blocks=256)); engine.start()
     req_id = engine.submit(prompt_ids, SamplingParams(max_tokens=32, temperature=0), on_event)
-    # on_event(new_token_ids, finish_reason) from the engine thread, finish_reason set on the last call only
+    # on_event(new_token_ids, finish_reason) from the engine thread, finish_reason set on the last call only;
+    # SamplingParams(logprobs=k, prompt_logprobs=k) add a third argument, the logprobs (sequence.OnEvent)
     engine.after_step.append(flush)  # called on the engine thread once each step's events are out
 
 submit and cancel only touch a locked inbox, so any thread may call them; everything else (scheduler, blocks,
@@ -225,19 +226,29 @@ class Engine:
         done = []
         for part in ([b for b in batch if b[1] == 1], [b for b in batch if b[1] > 1]):
             if part:
-                logits = self.runner.run(part)
+                every = None
+                if any(s.params.prompt_logprobs is not None and n > 1 for s, n in part):  # else the fast path
+                    every = self.runner.run(part, every_position=True)
+                    logits = every[torch.arange(len(part)), torch.tensor([n - 1 for _, n in part])]
+                else:
+                    logits = self.runner.run(part)
                 lengths = {s.id: len(s.output_ids) for s, _ in part}
-                done += self.scheduler.postprocess(part, logits)
+                done += self.scheduler.postprocess(part, logits, every)
                 now = time.perf_counter()
                 for seq, _ in part:
-                    if len(seq.output_ids) > lengths[seq.id]:
+                    if len(seq.output_ids) > lengths[seq.id] or seq.status is Status.FINISHED:
                         self._emit(seq, now)
         for seq in done:
             self._retire(seq)
         return True
 
     def _emit(self, seq: Sequence, now: float) -> None:
-        """Send the token sampled for seq this step (held back if it is a stop token)."""
+        """Send the token sampled for seq this step (held back if it is a stop token), or, for a request that
+        generates nothing (max_tokens 0), its end with the prompt's logprobs."""
+        reason = seq.finish_reason
+        if seq.params.max_tokens == 0:
+            self._send(seq, [], reason)
+            return
         self.generated_tokens_total += 1
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -245,14 +256,18 @@ class Engine:
                 self.ttft_sum += now - seq.arrival
                 self.ttft_count += 1
                 self.ttft_recent.append(now - seq.arrival)
-        token, reason = seq.output_ids[-1], seq.finish_reason
+        token = seq.output_ids[-1]
         self._send(seq, [] if reason == "stop" else [token], reason)
 
     def _send(self, seq: Sequence, tokens: list[int], reason: str | None) -> None:
-        """on_event, shielded: a callback that raises (its client is gone) cancels its own request only."""
+        """on_event, shielded: a callback that raises (its client is gone) cancels its own request only. Requests
+        that asked for logprobs get those not sent yet as a third argument (sequence.OnEvent)."""
         seq.closed = reason is not None
+        args: tuple = (tokens, reason)
+        if seq.params.logprobs is not None or seq.params.prompt_logprobs is not None:
+            args, seq.pending_logprobs = (tokens, reason, seq.pending_logprobs), []
         try:
-            seq.on_event(tokens, reason)
+            seq.on_event(*args)
         except Exception:  # noqa: BLE001
             log.exception("on_event of request %d raised", seq.id)
             if reason is None:

@@ -70,6 +70,7 @@ class Event(NamedTuple):
     rid: int
     tokens: list[int]
     finish: str | None
+    logprobs: list | None = None  # list[TokenLogprob | None], for a request that asked for logprobs (OnEvent)
 
 
 class Step(NamedTuple):
@@ -113,9 +114,9 @@ def _child(commands, events, checkpoint: str, config: EngineConfig, device: str,
             events.send(Step(out, stats, engine.alive, counted))
 
     def on_event_for(rid: int) -> OnEvent:
-        def on_event(tokens: list[int], finish: str | None) -> None:
+        def on_event(tokens: list[int], finish: str | None, logprobs: list | None = None) -> None:
             with lock:
-                batch.append(Event(rid, tokens, finish))
+                batch.append(Event(rid, tokens, finish, logprobs))
         return on_event
 
     engine.after_step.append(flush)
@@ -166,6 +167,7 @@ class EngineProcess:
         self.alive, self.error = True, None
         self._lock = threading.Lock()  # the command pipe and the callbacks, shared by the server's threads
         self._callbacks: dict[int, OnEvent] = {}
+        self._with_logprobs: set[int] = set()  # open requests that asked for logprobs
         self._sent = 0  # Submit messages sent; also the next request's id
         self._reader: threading.Thread | None = None
 
@@ -177,6 +179,8 @@ class EngineProcess:
             self.config.check_waiting(self._stats["waiting"] + self._sent - self._received)
             rid, self._sent = self._sent, self._sent + 1
             self._callbacks[rid] = on_event
+            if params.logprobs is not None or params.prompt_logprobs is not None:
+                self._with_logprobs.add(rid)  # its events carry logprobs, its "error" end an empty list
             self._commands.send(Submit(rid, list(prompt_ids), params))
         return rid
 
@@ -216,7 +220,7 @@ class EngineProcess:
                 with self._lock:  # submit reads both
                     self._stats, self._received = step.stats, step.received
                 for event in step.events:
-                    self._deliver(event.rid, event.tokens, event.finish)
+                    self._deliver(event.rid, event.tokens, event.finish, event.logprobs)
                 if not step.alive:
                     self.error = RuntimeError("the engine loop died in the engine process (see its log)")
                     raise EOFError("the engine loop died")
@@ -232,13 +236,16 @@ class EngineProcess:
                 self._deliver(rid, [], "error")
             self._after_step()
 
-    def _deliver(self, rid: int, tokens: list[int], finish: str | None) -> None:
+    def _deliver(self, rid: int, tokens: list[int], finish: str | None, logprobs: list | None = None) -> None:
         with self._lock:
             on_event = self._callbacks.get(rid) if finish is None else self._callbacks.pop(rid, None)
+            with_logprobs = rid in self._with_logprobs  # then always three arguments, as Engine sends them
+            if finish is not None:
+                self._with_logprobs.discard(rid)
         if on_event is None:
             return
         try:
-            on_event(tokens, finish)
+            on_event(tokens, finish, logprobs or []) if with_logprobs else on_event(tokens, finish)
         except Exception:  # noqa: BLE001 - its client is gone: cancel its own request only
             log.exception("on_event of request %d raised", rid)
             if finish is None:

@@ -103,9 +103,10 @@ class Runner:
         self.device = next(model.parameters()).device
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Sequence, int]]) -> torch.Tensor:
+    def run(self, batch: list[tuple[Sequence, int]], every_position: bool = False) -> torch.Tensor:
         """Compute the next n tokens of each (seq, n) (its tokens[num_cached : num_cached + n]) and store their
-        KV; -> (B, vocab) fp32 logits at each row's last computed position."""
+        KV; -> (B, vocab) fp32 logits at each row's last computed position, or with every_position (for prompt
+        logprobs) (B, T, vocab) fp32 logits at every position (row i's first n columns; the rest is padding)."""
         bs, dev = self.pool.block_size, self.device
         rows_out = len(batch)
         T = max(n for _, n in batch)
@@ -141,4 +142,6 @@ class Runner:
         cache = PagedCache(self.pool, rows, cols, write_slots, read_slots)
         with sdpa_kernel(SDPBackend.MATH) if self.batch_invariant else contextlib.nullcontext():
             logits = self.model(idx, cache, positions=positions, mask=mask)
+        if every_position:
+            return logits[:rows_out].float()
         return logits[torch.arange(rows_out, device=dev), counts[:rows_out] - 1].float()

@@ -15,7 +15,7 @@ from collections import deque
 import torch
 
 from astrai_core.engine.block_manager import BlockManager
-from astrai_core.engine.sequence import Sequence, Status
+from astrai_core.engine.sequence import Sequence, Status, TokenLogprob
 from astrai_core.generate import sample_next
 
 
@@ -59,22 +59,35 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
-    def postprocess(self, batch: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[Sequence]:
+    def postprocess(self, batch: list[tuple[Sequence, int]], logits: torch.Tensor,
+                    every: torch.Tensor | None = None) -> list[Sequence]:
         """Account for the computed tokens, sample where a prompt is complete, and return the finished sequences
-        (already out of the batch, blocks released); seq.output_ids grows by the sampled tokens."""
+        (already out of the batch, blocks released); seq.output_ids grows by the sampled tokens, and
+        seq.pending_logprobs by the logprobs asked for. every: the logits at every computed position (Runner.run's
+        every_position), needed for the rows that compute more than one prompt token with prompt_logprobs."""
         finished = []
         # Greedy rows in one call (one call per row took about 4% of a 16-row decode step).
         greedy = iter(sample_next(logits[[i for i, (s, _) in enumerate(batch) if s.params.temperature <= 0]]).tolist())
         for i, (seq, n) in enumerate(batch):
+            p = seq.params
+            if p.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_ids):
+                assert n == 1 or every is not None, "prompt logprobs need the logits of every position"
+                add_prompt_logprobs(seq, n, logits[i:i + 1] if n == 1 else every[i, :n])
             seq.num_cached += n
             self.blocks.commit(seq)
-            p = seq.params
             token = next(greedy) if p.temperature <= 0 else None  # consumed in row order, ready or not
             if seq.num_to_compute:  # more of the prompt to fill
+                continue
+            if p.max_tokens == 0:  # the prompt's logprobs were all it asked for
+                seq.finish_reason = "length"
+                self.finish(seq)
+                finished.append(seq)
                 continue
             if token is None:
                 token = int(sample_next(logits[i:i + 1], p.temperature, p.top_k, p.top_p, seq.generator)[0])
             seq.output_ids.append(token)
+            if p.logprobs is not None:
+                seq.pending_logprobs += token_logprobs(logits[i:i + 1], [token], p.logprobs)
             if token in p.stop_token_ids:
                 seq.finish_reason = "stop"
             elif len(seq.output_ids) >= p.max_tokens or len(seq) >= self.context_length:
@@ -92,3 +105,31 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.release(seq)
         seq.status = Status.FINISHED
+
+
+def token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+    """(N, vocab) logits of N positions -> the log-probability of each position's target token, with the k most
+    likely tokens there. log_softmax works on each row alone, so a row's values do not depend on the others."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp[torch.arange(len(targets)), torch.tensor(targets)].tolist()
+    if k == 0:
+        return [TokenLogprob(t, lp, ()) for t, lp in zip(targets, chosen)]
+    values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return [TokenLogprob(t, lp, tuple(zip(i, v))) for t, lp, i, v in zip(targets, chosen, ids.tolist(), values.tolist())]
+
+
+def add_prompt_logprobs(seq: Sequence, n: int, logits: torch.Tensor) -> None:
+    """Extend seq.prompt_logprobs with what this step's n positions (logits: (n, vocab)) predict of the prompt:
+    position j predicts token j + 1. Once the prompt is complete they are queued to be sent (with the first
+    sampled token, if any). A sequence recomputed after preemption has its entries already: none are added twice."""
+    prompt, start, have = seq.prompt_ids, seq.num_cached, len(seq.prompt_logprobs)
+    if have == 0:
+        seq.prompt_logprobs.append(None)  # nothing predicts the first token
+        have = 1
+    last = min(start + n, len(prompt) - 1)  # the last prompt token this step predicts
+    assert have >= start + 1, "prompt positions were skipped (a cached prefix?)"
+    if last >= have:
+        rows = logits[have - 1 - start:last - start]
+        seq.prompt_logprobs += token_logprobs(rows, prompt[have:last + 1], seq.params.prompt_logprobs)
+    if len(seq.prompt_logprobs) == len(prompt):
+        seq.pending_logprobs = list(seq.prompt_logprobs) + seq.pending_logprobs

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -24,10 +24,19 @@ class SamplingParams:
     top_k: int | None = None
     seed: int | None = None  # a per-request torch.Generator; None: the global generator (nondeterministic)
     stop_token_ids: tuple[int, ...] = ()  # ends the request with "stop"; the token itself is not sent, but counted
+    # Log-probabilities (on_event's third argument, see OnEvent): `logprobs` for each sampled token, with the
+    # `logprobs` most likely tokens at its position; `prompt_logprobs` the same for each prompt token (the first has
+    # none). Both from the model's raw distribution, before temperature, top-k or top-p. None: not computed.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens ({self.max_tokens}) must be at least 1")
+        if self.max_tokens < 1 and not (self.max_tokens == 0 and self.prompt_logprobs is not None):
+            raise ValueError(f"max_tokens ({self.max_tokens}) must be at least 1 (0 only with prompt_logprobs: "
+                             f"the prompt's logprobs and nothing generated)")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 0")
         if self.temperature < 0:
             raise ValueError(f"temperature ({self.temperature}) must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -42,8 +51,18 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-# on_event(new_token_ids, finish_reason): finish_reason is None until the last call.
-OnEvent = Callable[[list[int], "str | None"], None]
+class TokenLogprob(NamedTuple):
+    """A token's log-probability at its position, and the `k` most likely tokens there (most likely first)."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+# on_event(new_token_ids, finish_reason): finish_reason is None until the last call. A request that asked for
+# logprobs or prompt_logprobs gets a third argument, the logprobs of the positions this event covers, in order: the
+# prompt's (the first event: None for its first token) when asked, then each token sampled this step, a stop token
+# included (which new_token_ids does not carry). Requests that asked for neither get the two arguments only.
+OnEvent = Callable[..., None]
 
 
 @dataclass(eq=False)
@@ -62,6 +81,10 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     generator: torch.Generator | None = None  # seeded per request, on the logits' device (set by Engine.submit)
+    # params.prompt_logprobs: the prompt tokens' entries so far ([None] for the first token, then one per token as
+    # prefill computes them); logprobs not yet sent with an event
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:

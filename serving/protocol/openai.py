@@ -9,6 +9,8 @@ from pydantic import BaseModel, Field, field_validator
 from serving.protocol.base import MAX_MESSAGES, STRICT, Body, Message, at_most, refuse
 
 MAX_STOPS = 4  # as OpenAI documents
+MAX_LOGPROBS = 20  # top logprobs per position at most: vLLM's default max_logprobs (OpenAI's legacy API allows 5)
+MAX_PROMPTS = 256  # prompts in one completions request (each is one engine request; the default queue bound)
 
 
 def _one_stop_is_a_list(value: Any) -> Any:
@@ -34,7 +36,6 @@ class OpenAIBody(Body):
     stop: list[str] = []
     stream_options: StreamOptions | None = None
     n: int | None = 1
-    logprobs: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
@@ -42,7 +43,6 @@ class OpenAIBody(Body):
     _stop_list = field_validator("stop", mode="before")(_one_stop_is_a_list)
     _stop = field_validator("stop")(_stops)
     _n = field_validator("n")(refuse("n other than 1 (one choice per request)", 1))
-    _logprobs = field_validator("logprobs")(refuse("logprobs", False))
     _penalties = field_validator("presence_penalty", "frequency_penalty")(refuse("penalties other than 0", 0, 0.0))
     _logit_bias = field_validator("logit_bias")(refuse("logit_bias", {}))
 
@@ -57,8 +57,12 @@ class ChatBody(OpenAIBody):
     functions: Any = None
     tool_choice: Any = None
     response_format: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
 
     _count = field_validator("messages", mode="before")(at_most(MAX_MESSAGES, "messages"))
+    _logprobs = field_validator("logprobs", "top_logprobs")(refuse("logprobs in chat completions (the "
+                                                                   "completions route has them)", False, 0))
     _tools = field_validator("tools", "functions", "tool_choice")(refuse("tool calling (this model has no tools)", [], "none"))
 
     @field_validator("response_format")
@@ -70,13 +74,21 @@ class ChatBody(OpenAIBody):
 
 
 class CompletionBody(OpenAIBody):
+    """Several prompts (a list of strings or of token-id lists) get one choice each, in order. `echo` puts the
+    prompt before the reply (and its tokens' logprobs first, with `logprobs`); `max_tokens: 0` with `echo` scores
+    the prompt and generates nothing (vLLM's meaning; lm-evaluation-harness's loglikelihood requests)."""
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)
+    # OpenAI's legacy logprobs: the sampled (and with echo, the prompt's) tokens' log-probabilities, and the
+    # `logprobs` most likely tokens at each position. OpenAI allows up to 5; vLLM up to its max_logprobs (20).
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
-    _echo = field_validator("echo", "suffix")(refuse("echo and suffix", False, ""))
+    _suffix = field_validator("suffix")(refuse("suffix", ""))
     _best_of = field_validator("best_of")(refuse("best_of other than 1", 1))
+    _count = field_validator("prompt", mode="before")(at_most(MAX_PROMPTS, "prompts"))
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -92,11 +104,13 @@ class CompletionBody(OpenAIBody):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) != 1:
-                raise ValueError("one prompt per request (a list of several prompts is not supported)")
-            value = value[0]
-        if not value:
+    def _not_empty(cls, value: Any) -> Any:
+        if not value or isinstance(value, list) and isinstance(value[0], (str, list)) and not all(value):
             raise ValueError("empty prompt")
         return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a string or a list of token ids."""
+        value = self.prompt
+        return value if isinstance(value, list) and isinstance(value[0], (str, list)) else [value]
