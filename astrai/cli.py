@@ -132,6 +132,7 @@ def train(config: Path = typer.Option(..., help="TrainConfig JSON or YAML (see a
 
     from astrai_core.config import TrainConfig
     from astrai_core.distributed import launch, resolve_nproc
+    from astrai_core.train import check_train_inputs
     from tasks.params import load_raw, validation_message
 
     try:
@@ -142,6 +143,7 @@ def train(config: Path = typer.Option(..., help="TrainConfig JSON or YAML (see a
         _fail(str(e))
     with command_log(Path(), "train") as log:
         try:
+            check_train_inputs(cfg)
             launch(cfg, resolve_nproc(int(nproc) if nproc != "auto" else "auto", cfg.device))
         except AstraiError as e:
             _fail(_with_log(str(e), log))

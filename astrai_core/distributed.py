@@ -217,49 +217,11 @@ def run_torchrun(
         shutil.rmtree(rdzv_dir, ignore_errors=True)
 
 
-def check_inputs(cfg: TrainConfig) -> None:
-    """What the ranks read first, checked where a run is launched, before torchrun (or Slurm) starts: a missing or
-    corrupt file is then one line naming it, not every rank's failure and torchrun's report. The tokenizer, the
-    packed files (against the tokenizer's sha256), the other inputs' presence, and the training state a resumed
-    run would load."""
-    import warnings
-
-    from astrai_core.checkpoint import load_train_state, resumable_checkpoint
-    from astrai_core.data import PackedTokens
-    from astrai_core.errors import AstraiError
-    from astrai_core.io import sha256_file
-
-    if not Path(cfg.tokenizer).is_file():
-        raise AstraiError(f"{cfg.tokenizer}: tokenizer file not found; run the tokenizer stage")
-    if cfg.strategy == "grpo":  # JSONL prompts
-        for path in filter(None, (cfg.train_data, cfg.val_data)):
-            if not Path(path).is_file():
-                raise AstraiError(f"{path}: GRPO prompts not found; run the chat_data stage")
-    else:
-        sha = sha256_file(cfg.tokenizer)
-        mix = (cfg.two_stage.stage2_data or {}) if cfg.two_stage else {}
-        for path in dict.fromkeys(filter(None, (cfg.train_data, cfg.val_data, *mix))):
-            PackedTokens(path, expected_tokenizer_sha256=sha).close()
-    if cfg.strategy == "dpo" and not Path(cfg.dpo.reference_logps).is_file():
-        raise AstraiError(f"{cfg.dpo.reference_logps}: reference log-probabilities not found; run the dpo_reference "
-                          "stage")
-    if cfg.init_from and not (Path(cfg.init_from) / "manifest.json").is_file():
-        raise AstraiError(f"{cfg.init_from}: not a checkpoint (manifest.json missing); init_from needs a trained "
-                          "model directory")
-    if cfg.resume == "auto":
-        with warnings.catch_warnings():  # rank 0 says which checkpoints it skips, and why
-            warnings.simplefilter("ignore")
-            ckpt = resumable_checkpoint(cfg)
-        if ckpt is not None:
-            load_train_state(ckpt / "train_state.pt", mmap=True)  # mapped: tensors are not read into memory
-
-
 def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0, *, run_id: str | None = None,
            on_line: Callable[[str], None] = print) -> dict:
     """Run the training core under torchrun with `cfg` (every training stage and `astrai train` do); returns the
     summary of the checkpoint it wrote to cfg.out_dir. Metrics go to MLflow run `run_id` (rank 0 only). A failure
     raises TrainingError with the failing rank's one-line error."""
-    check_inputs(cfg)
     out_dir = Path(cfg.out_dir)
     config_path = out_dir.parent / f"{out_dir.name}.train_config.json"
     write_json(config_path, cfg.model_dump(mode="json"))

@@ -49,6 +49,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,10 +57,12 @@ import torch
 import torch.distributed as dist
 
 from astrai_core.callbacks import Callback, ProgressBar, RunState
-from astrai_core.checkpoint import Checkpointer
+from astrai_core.checkpoint import Checkpointer, load_train_state, resumable_checkpoint
 from astrai_core.config import TrainConfig
+from astrai_core.data import PackedTokens
 from astrai_core.distributed import ERROR_PREFIX, DataGroup, Dist, cleanup, init_distributed
 from astrai_core.errors import AstraiError, TrainingError
+from astrai_core.io import sha256_file
 from astrai_core.metric_log import MetricLogger
 from astrai_core.parallel import Trainee, build, grad_sync, total_grad_norm
 
@@ -229,6 +232,35 @@ def sigterm_stops(stop: StopFlag):
 
 
 # ---- the loop ----------------------------------------------------------------------------------------------------
+
+def check_train_inputs(cfg: TrainConfig) -> None:
+    """What the ranks read first, checked where a run is launched, before torchrun (or Slurm) starts: a missing or
+    corrupt file is then one line naming it, not every rank's failure and torchrun's report. The tokenizer, the
+    packed files (against the tokenizer's sha256), the other inputs' presence, and the training state a resumed
+    run would load. The stage (tasks/training.py) and `astrai train` call it before either launcher."""
+    if not Path(cfg.tokenizer).is_file():
+        raise AstraiError(f"{cfg.tokenizer}: tokenizer file not found; run the tokenizer stage")
+    if cfg.strategy == "grpo":  # JSONL prompts
+        for path in filter(None, (cfg.train_data, cfg.val_data)):
+            if not Path(path).is_file():
+                raise AstraiError(f"{path}: GRPO prompts not found; run the chat_data stage")
+    else:
+        sha = sha256_file(cfg.tokenizer)
+        mix = (cfg.two_stage.stage2_data or {}) if cfg.two_stage else {}
+        for path in dict.fromkeys(filter(None, (cfg.train_data, cfg.val_data, *mix))):
+            PackedTokens(path, expected_tokenizer_sha256=sha).close()
+    if cfg.strategy == "dpo" and not Path(cfg.dpo.reference_logps).is_file():
+        raise AstraiError(f"{cfg.dpo.reference_logps}: reference log-probabilities not found; run the dpo_reference "
+                          "stage")
+    if cfg.init_from and not (Path(cfg.init_from) / "manifest.json").is_file():
+        raise AstraiError(f"{cfg.init_from}: not a checkpoint (manifest.json missing); init_from needs a trained "
+                          "model directory")
+    if cfg.resume == "auto":
+        with warnings.catch_warnings():  # rank 0 says which checkpoints it skips, and why
+            warnings.simplefilter("ignore")
+            ckpt = resumable_checkpoint(cfg)
+        if ckpt is not None:
+            load_train_state(ckpt / "train_state.pt", mmap=True)  # mapped: tensors are not read into memory
 
 def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
     """Train (resuming if cfg.resume == "auto" finds a checkpoint of this run); rank 0 writes the final checkpoint

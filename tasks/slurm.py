@@ -103,9 +103,6 @@ def launch_slurm(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
                  run_id: str | None = None, on_line: Callable[[str], None] = print) -> dict:
     """Run the training core as one Slurm job with `cfg`; returns the summary rank 0 wrote to cfg.out_dir, like
     astrai_core.distributed.launch. A failure raises TrainingError with the failing rank's one-line error."""
-    from astrai_core.distributed import check_inputs
-
-    check_inputs(cfg)
     stage = Path(cfg.out_dir).name
     shared = cluster.shared_path(root)
     shared.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from astrai_core.distributed import launch, resolve_nproc
+from astrai_core.train import check_train_inputs
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, write_json
 from tasks.layout import MODEL_STAGES, TOKENIZER, model_dir
@@ -55,6 +56,7 @@ def train_stage(params: Params, stage: str, root: Path, *, run_id: str | None = 
         write_skipped(model_dir(root, stage), f"{stage}.enabled is false")
         on_line(f"{stage}: disabled; the next stage starts from {previous_model(root, stage)}")
         return None
+    check_train_inputs(params.train_config(stage))  # a missing or corrupt input: one line, before torchrun or sbatch
     if params.cluster.launcher == "slurm":
         from tasks.params import check_cluster
         from tasks.slurm import launch_slurm
