@@ -335,14 +335,16 @@ def _serve_threads(choice: str) -> tuple[int, str]:
 
 @app.command("export-hf")
 def export_hf(checkpoint: Path = typer.Argument(..., help="An astrai checkpoint directory (e.g. data/pretrain)."),
-              out: Path = typer.Argument(..., help="Directory to write (replaced if it exists).")) -> None:
+              out: Path = typer.Argument(..., help="Directory to write: a new or empty one, or an earlier export "
+                                          "(replaced); never inside or around CHECKPOINT."),
+              force: bool = typer.Option(False, "--force", help="Replace OUT even if it holds other files.")) -> None:
     """Write CHECKPOINT as a Hugging Face model directory OUT (config.json, model.safetensors, tokenizer files,
     generation_config.json) that transformers' AutoModelForCausalLM / AutoTokenizer load. Options with no
     matching transformers architecture are refused."""
     from astrai_core.hf import export_hf as export
 
     try:
-        path = export(checkpoint, out)
+        path = export(checkpoint, out, force=force)
     except AstraiError as e:
         _fail(str(e))
     print(f"wrote {path} ({json.loads((path / 'config.json').read_text())['architectures'][0]})")
@@ -350,14 +352,16 @@ def export_hf(checkpoint: Path = typer.Argument(..., help="An astrai checkpoint 
 
 @app.command("import-hf")
 def import_hf(hf_dir: Path = typer.Argument(..., help="A Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, ...)."),
-              out: Path = typer.Argument(..., help="Checkpoint directory to write (replaced if it exists).")) -> None:
+              out: Path = typer.Argument(..., help="Checkpoint directory to write: a new or empty one, or an earlier "
+                                          "import (replaced); never inside or around HF_DIR."),
+              force: bool = typer.Option(False, "--force", help="Replace OUT even if it holds other files.")) -> None:
     """Convert the Hugging Face model in HF_DIR into an astrai checkpoint directory OUT, a starting point for
     any stage (safetensors weights and tokenizer.json needed; nothing is downloaded). astrai's special tokens
     that the tokenizer lacks are added (summary.json in OUT records them), growing vocab_size if needed."""
     from astrai_core.hf import import_hf as import_
 
     try:
-        path = import_(hf_dir, out)
+        path = import_(hf_dir, out, force=force)
     except AstraiError as e:
         _fail(str(e))
     report = json.loads((path / "summary.json").read_text())  # what import added to the HF tokenizer and model

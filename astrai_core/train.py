@@ -67,7 +67,7 @@ from astrai_core.checkpoint import (clear_resumable, find_resumable, load_weight
 from astrai_core.config import TrainConfig, check_ranks
 from astrai_core.distributed import ERROR_PREFIX, DataGroup, Dist, cleanup, init_distributed, uses_bf16
 from astrai_core.errors import AstraiError, TrainingError
-from astrai_core.io import sha256_file
+from astrai_core.io import OUTPUT_MARK, sha256_file
 from astrai_core.metric_log import MetricLogger
 from astrai_core.model import Transformer
 from astrai_core.optim import Chain, build_optimizer
@@ -248,7 +248,7 @@ def save_final(cfg: TrainConfig, weights: dict[str, torch.Tensor], state: dict[s
             adapter_dir = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "adapter"
             save_adapters(model, adapter_dir, targets=cfg.lora.targets, rank=cfg.lora.rank, alpha=cfg.lora.alpha,
                           dropout=cfg.lora.dropout)
-            files += sorted(adapter_dir.iterdir())
+            files += sorted(p for p in adapter_dir.iterdir() if p.name != OUTPUT_MARK)  # the checkpoint has its own
             merge_lora(model)
             weights = model.state_dict()
         save_checkpoint(cfg.out_dir, model, cfg.model, cfg.tokenizer, extra=summary, train_config=cfg,

@@ -97,7 +97,7 @@ def test_a_sigkilled_writer_leaves_no_temporary_path_behind_the_next_one(tmp_pat
 
     target = tmp_path / "chat"
     code = ("import os, signal; from astrai_core.io import atomic_path\n"
-            f"with atomic_path({str(target)!r}) as tmp:\n"
+            f"with atomic_path({str(target)!r}, 'test') as tmp:\n"
             "    tmp.mkdir(); (tmp / 'half.jsonl').write_text('{')\n"
             "    os.kill(os.getpid(), signal.SIGKILL)\n")
     killed = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT)
@@ -108,7 +108,7 @@ def test_a_sigkilled_writer_leaves_no_temporary_path_behind_the_next_one(tmp_pat
     try:
         running = tmp_path / f".chat.{_OWNER}{alive.pid}.x1y2.tmp"
         running.mkdir()  # the temporary path of a writer that still runs
-        with atomic_path(target) as tmp:
+        with atomic_path(target, "test") as tmp:
             tmp.mkdir()
             (tmp / "whole.jsonl").write_text("{}")
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["chat", running.name])
