@@ -45,18 +45,25 @@ def pipeline(
     """Run the whole pipeline as a Prefect flow in this process (a temporary Prefect server starts when
     PREFECT_API_URL is unset), then print where the results are."""
     from tasks.params import params_of_run, restore_user_params
+    from tasks.run_lock import checkout_lock
 
     overrides = dict(_parse_override(s) for s in set_)
     try:
-        if note := restore_user_params(Path()):  # a killed run's params.yaml is not the user's: theirs back first
-            typer.echo(f"{note} (left by an interrupted run)")
-        resolved = params_of_run(Path(), str(params), overrides, profile)  # a bad key stops here, before Prefect
-        from flows.pipeline import pipeline as flow
+        # One run per checkout, taken before params.yaml is touched: a second run stops here naming the first.
+        with checkout_lock(Path(), log=_note, dvc_free=True):
+            if note := restore_user_params(Path()):  # a killed run's params.yaml is not the user's: theirs back first
+                typer.echo(f"{note} (left by an interrupted run)")
+            resolved = params_of_run(Path(), str(params), overrides, profile)  # a bad key stops here, before Prefect
+            from flows.pipeline import pipeline as flow
 
-        result = flow(params_path=str(params), overrides=overrides or None, profile=profile, resolved=resolved)
+            result = flow(params_path=str(params), overrides=overrides or None, profile=profile, resolved=resolved)
     except AstraiError as e:
         _fail(str(e))
     _print_summary(result)
+
+
+def _note(msg: str) -> None:
+    typer.echo(f"astrai: {msg}", err=True)
 
 
 def _print_summary(result: dict) -> None:
@@ -91,12 +98,14 @@ def stage(name: str = typer.Argument(..., help="corpus | tokenizer | pack | pret
           params: Path = typer.Option(Path("params.yaml"), help="Params file.")) -> None:
     """Run one stage in the current directory (this is what dvc.yaml calls)."""
     from tasks.params import load_params
+    from tasks.run_lock import checkout_lock
     from tasks.stages import STAGES, run_stage
 
     if name not in STAGES:
         _fail(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
     try:
-        run_stage(name, load_params(params))
+        with checkout_lock(Path(), log=_note):  # the pipeline's own stages pass: they carry its token
+            run_stage(name, load_params(params))
     except AstraiError as e:
         _fail(str(e))
 

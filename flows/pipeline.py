@@ -31,9 +31,10 @@ from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
 
-from astrai_core.proc import stream_process
+from astrai_core.proc import record, stream_process
 from tasks import stages as S
 from tasks.params import Params, RunParams, run_params
+from tasks.run_lock import checkout_lock, note_prefect_server
 from tasks.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, PROFILE_ENV, flatten, setup
 
 STAGE_ORDER = list(S.STAGES)
@@ -117,8 +118,12 @@ def pipeline(params_path: str = "params.yaml", overrides: dict[str, Any] | None 
     params of these arguments, already parsed by the caller (`astrai pipeline` checks them before Prefect starts).
     """
     root = Path(project_dir or os.getcwd()).resolve()
-    with run_params(root, params_path, overrides, get_run_logger().info, profile, resolved) as params:
-        return _run_stages(root, params, profile)
+    log = get_run_logger().info
+    # `astrai pipeline` holds the lock already (its token passes); a deployment's flow run takes it here.
+    with checkout_lock(root, f"flow run {flow_run.get_name()} (astrai-pipeline)", log=log, dvc_free=True):
+        note_prefect_server()
+        with run_params(root, params_path, overrides, log, profile, resolved) as params:
+            return _run_stages(root, params, profile)
 
 
 def _run_stages(root: Path, params: Params, profile: str | None) -> dict[str, Any]:
@@ -133,6 +138,7 @@ def _run_stages(root: Path, params: Params, profile: str | None) -> dict[str, An
     env[PROFILE_ENV] = profile or "default"  # the register stage names and tags the model by it
     with mlflow.start_run(run_name=f"pipeline {flow_run.get_name() or ''}".strip(),
                           tags={"astrai.stage": "pipeline", "prefect.flow_run_id": env[FLOW_RUN_ENV]}) as parent:
+        record({"mlflow_run": parent.info.run_id, "tracking_uri": mlflow.get_tracking_uri()})
         mlflow.log_params(flatten(params.model_dump(mode="json")))
         env[PARENT_RUN_ENV] = parent.info.run_id
         status = {}

@@ -259,14 +259,9 @@ def test_the_quick_profile_runs_the_whole_chain(tmp_path):
     import sys
     import time
 
-    from conftest import make_project
+    from conftest import make_quick_project
 
-    repo = tmp_path / "project"
-    env = make_project(repo, tmp_path / "remote", "unused")
-    shutil.copy(PROJECT_ROOT / "params.yaml", repo / "params.yaml")
-    shutil.copytree(PROJECT_ROOT / "profiles", repo / "profiles")
-    env.update({"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "PYTHONPATH": str(repo)})
-    env.pop("PREFECT_API_URL", None)
+    repo, env = make_quick_project(tmp_path)
     start = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "astrai.cli", "pipeline", "--profile", "quick"], cwd=repo, env=env,
                          capture_output=True, text=True, timeout=900)
