@@ -99,10 +99,22 @@ def restore_last_good_outputs(stage: str, project_dir: str, env: dict[str, str])
     """`dvc checkout` the stage's outputs that dvc.lock records; returns one line saying what happened."""
     out = subprocess.run(dvc_command() + ["checkout", "--force", stage], cwd=project_dir, env=env,
                          capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if out.returncode == 0:
-        return f"{stage}: the last good outputs (dvc.lock) are back in place"
-    why = ((out.stderr or out.stdout).strip().splitlines() or ["dvc checkout failed"])[-1]
-    return f"{stage}: no earlier outputs restored ({why})"
+    if out.returncode != 0:
+        why = ((out.stderr or out.stdout).strip().splitlines() or ["dvc checkout failed"])[-1]
+        return f"{stage}: no earlier outputs restored ({why})"
+    # `dvc checkout` succeeds without restoring an output DVC does not cache (`cache: false`, e.g. register's
+    # registration.json): say "back in place" only when `dvc status` finds every output as dvc.lock records it.
+    status = subprocess.run(dvc_command() + ["status", "--json", stage], cwd=project_dir, env=env,
+                            capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    try:
+        changes = json.loads(status.stdout or "{}").get(stage, [])
+        missing = [f"{path} {how}" for c in changes if isinstance(c, dict)
+                   for path, how in c.get("changed outs", {}).items()]
+    except (ValueError, AttributeError):
+        missing = [f"dvc status: {status.stdout.strip()[-200:] or status.stderr.strip()[-200:]}"]
+    if missing:
+        return f"{stage}: the last good outputs are not all back: {', '.join(missing)} (not in DVC's cache)"
+    return f"{stage}: the last good outputs (dvc.lock) are back in place"
 
 
 @flow(name="astrai-pipeline", log_prints=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import tempfile
 import time
@@ -38,6 +39,9 @@ from tasks.metrics import METRICS, better
 from tasks.params import Params
 from tasks.tracking import FLOW_RUN_ENV, PROFILE_ENV
 
+# A version's tag `registration`: "pending" from its creation until its aliases are decided, then "done". A version
+# left pending (the stage was killed in between) is finished by the next registration of the same weights.
+REGISTRATION, PENDING = "registration", "pending"
 PREDICT_PARAMS = {"max_new_tokens": 64, "temperature": 0.0, "top_k": 0, "seed": 0}
 
 
@@ -144,10 +148,16 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
                                  "champion_version": None, "decision": "register.enabled is false: nothing registered"})
     client = mlflow.MlflowClient()
     weights_sha256 = sha256_file(checkpoint_dir / "model.safetensors")
+    # weights_sha256 is written with the version itself (one transaction), so this finds every version of these
+    # weights, also one whose registration a kill cut short before its aliases: that one is finished here.
     same = client.search_model_versions(f"name = '{name}' and tags.weights_sha256 = '{weights_sha256}'")
     if same:
         # search_model_versions leaves aliases empty: the version itself has them
         mv = client.get_model_version(name, min(same, key=lambda v: int(v.version)).version)
+        if mv.tags.get(REGISTRATION) == PENDING:
+            print(f"register: version {mv.version} holds these weights but its registration was cut short "
+                  f"(run {mv.tags.get('mlflow_run_id')}): finishing it", flush=True)
+            return _decide(client, name, str(mv.version), metric, value, base, dict(mv.tags), out_dir)
         decision = (f"version {mv.version} already holds these weights (sha256 {weights_sha256[:12]}): not "
                     "registered again; the aliases stay where they are")
         mlflow.set_tag("astrai.registration", decision)
@@ -175,9 +185,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
             # MLflow's warnings; MLflow runs predict on it once, so the logged model is known to load and answer.
             input_example=(["ROMEO.\n"], PREDICT_PARAMS),
             pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "safetensors", "tokenizers", "numpy", "pydantic")],
-            registered_model_name=name,
         )
-    mv = info.registered_model_version
     tags = {
         "git_commit": git_commit(project_dir),
         "params_hash": params.digest(),
@@ -192,14 +200,22 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
         "profile": profile,
         **dvc_hashes(project_dir),
     }
-    for key, text in tags.items():
-        client.set_model_version_tag(name, str(mv), key, text)
-    client.set_registered_model_alias(name, "candidate", str(mv))
+    # The version and all its tags in one step (one transaction in the store): never a version without them.
+    mv = mlflow.register_model(info.model_uri, name, tags={**tags, REGISTRATION: PENDING}).version
+    if os.environ.get("ASTRAI_TEST_SIGKILL_AT") == "register:version-created":  # tests: a kill at the worst moment
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _decide(client, name, str(mv), metric, value, base, tags, out_dir)
 
-    promote, decision = claim_champion(client, name, str(mv), metric, value)
+
+def _decide(client: mlflow.MlflowClient, name: str, mv: str, metric: str, value: float, base: dict, tags: dict,
+            out_dir: Path) -> dict:
+    """A new version's aliases: candidate, and champion if it beats the champion; then its registration is done."""
+    client.set_registered_model_alias(name, "candidate", mv)
+    promote, decision = claim_champion(client, name, mv, metric, value)
+    client.set_model_version_tag(name, mv, REGISTRATION, "done")
     mlflow.set_tag("astrai.registration", decision)
     mlflow.log_text(decision + "\n", "registration_decision.txt")
-
+    tags = {k: v for k, v in tags.items() if k != REGISTRATION}
     return _report(out_dir, {**base, "registered": True, "version": int(mv), "model_uri": f"models:/{name}/{mv}",
                              "aliases": ["candidate"] + (["champion"] if promote else []),
                              "champion_version": int(mv) if promote else int(champion_value(client, name, metric)[0]),
