@@ -57,22 +57,29 @@ def pipeline(
     """Run the whole pipeline as a Prefect flow in this process (a temporary Prefect server starts when
     PREFECT_API_URL is unset), then print where the results are."""
     from tasks.params import check_cluster, params_of_run, restore_user_params
+    from tasks.run_lock import checkout_lock
 
     overrides = dict(_parse_override(s) for s in set_)
     try:
-        if note := restore_user_params(Path()):  # a killed run's params.yaml is not the user's: theirs back first
-            typer.echo(f"{note} (left by an interrupted run)")
-        resolved = params_of_run(Path(), str(params), overrides, profile)  # a bad key stops here, before Prefect
-        check_cluster(resolved.params, Path.cwd(), str(params))  # and what launcher slurm needs of this machine
-        from flows.pipeline import pipeline as flow
+        # One run per checkout, taken before params.yaml is touched: a second run stops here naming the first.
+        with checkout_lock(Path(), log=_note, dvc_free=True):
+            if note := restore_user_params(Path()):  # a killed run's params.yaml is not the user's: theirs back first
+                typer.echo(f"{note} (left by an interrupted run)")
+            resolved = params_of_run(Path(), str(params), overrides, profile)  # a bad key stops here, before Prefect
+            check_cluster(resolved.params, Path.cwd(), str(params))  # and what launcher slurm needs of this machine
+            from flows.pipeline import pipeline as flow
 
-        # The temporary server stops at exit, after the error line, which must stay the last: its "Stopping
-        # temporary server" line (logger "prefect") is left out.
-        logging.getLogger("prefect").addFilter(lambda r: not r.getMessage().startswith("Stopping temporary server"))
-        result = flow(params_path=str(params), overrides=overrides or None, profile=profile, resolved=resolved)
+            # The temporary server stops at exit, after the error line, which must stay the last: its "Stopping
+            # temporary server" line (logger "prefect") is left out.
+            logging.getLogger("prefect").addFilter(lambda r: not r.getMessage().startswith("Stopping temporary server"))
+            result = flow(params_path=str(params), overrides=overrides or None, profile=profile, resolved=resolved)
     except AstraiError as e:
         _fail(str(e))
     _print_summary(result)
+
+
+def _note(msg: str) -> None:
+    typer.echo(f"astrai: {msg}", err=True)
 
 
 def _print_summary(result: dict) -> None:
@@ -107,6 +114,7 @@ def stage(name: str = typer.Argument(..., help="corpus | tokenizer | pack | pret
           params: Path = typer.Option(Path("params.yaml"), help="Params file.")) -> None:
     """Run one stage in the current directory (this is what dvc.yaml calls)."""
     from tasks.params import load_params
+    from tasks.run_lock import checkout_lock
     from tasks.stages import STAGES, run_stage
 
     if name not in STAGES:
@@ -117,7 +125,8 @@ def stage(name: str = typer.Argument(..., help="corpus | tokenizer | pack | pret
         _fail(str(e))
     with command_log(Path(), f"stage-{name}") as log:
         try:
-            run_stage(name, loaded)
+            with checkout_lock(Path(), log=_note):  # the pipeline's own stages pass: they carry its token
+                run_stage(name, loaded)
         except AstraiError as e:
             _fail(_with_log(str(e), log))
 
@@ -321,7 +330,9 @@ def _serve_threads(choice: str) -> tuple[int, str]:
 
 @app.command("export-hf")
 def export_hf(model: str = typer.Argument(..., help=f"The model: {REFERENCE_HELP}."),
-              out: Path = typer.Argument(..., help="Directory to write (replaced if it exists).")) -> None:
+              out: Path = typer.Argument(..., help="Directory to write: a new or empty one, or an earlier export "
+                                          "(replaced); never inside or around the model's checkpoint."),
+              force: bool = typer.Option(False, "--force", help="Replace OUT even if it holds other files.")) -> None:
     """Write MODEL as a Hugging Face model directory OUT (config.json, model.safetensors, tokenizer files,
     generation_config.json) that transformers' AutoModelForCausalLM / AutoTokenizer load. Options with no
     matching transformers architecture are refused."""
@@ -332,7 +343,7 @@ def export_hf(model: str = typer.Argument(..., help=f"The model: {REFERENCE_HELP
 
     with tempfile.TemporaryDirectory(prefix="astrai-export-") as tmp:  # a registry download
         try:
-            path = export(resolve_model(model, Path(tmp)).checkpoint, out)
+            path = export(resolve_model(model, Path(tmp)).checkpoint, out, force=force)
         except AstraiError as e:
             _fail(str(e))
     print(f"wrote {path} ({json.loads((path / 'config.json').read_text())['architectures'][0]})")
@@ -340,14 +351,16 @@ def export_hf(model: str = typer.Argument(..., help=f"The model: {REFERENCE_HELP
 
 @app.command("import-hf")
 def import_hf(hf_dir: Path = typer.Argument(..., help="A Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, ...)."),
-              out: Path = typer.Argument(..., help="Checkpoint directory to write (replaced if it exists).")) -> None:
+              out: Path = typer.Argument(..., help="Checkpoint directory to write: a new or empty one, or an earlier "
+                                          "import (replaced); never inside or around HF_DIR."),
+              force: bool = typer.Option(False, "--force", help="Replace OUT even if it holds other files.")) -> None:
     """Convert the Hugging Face model in HF_DIR into an astrai checkpoint directory OUT, a starting point for
     any stage (safetensors weights and tokenizer.json needed; nothing is downloaded). astrai's special tokens
     that the tokenizer lacks are added (summary.json in OUT records them), growing vocab_size if needed."""
     from astrai_core.hf import import_hf as import_
 
     try:
-        path = import_(hf_dir, out)
+        path = import_(hf_dir, out, force=force)
     except AstraiError as e:
         _fail(str(e))
     report = json.loads((path / "summary.json").read_text())  # what import added to the HF tokenizer and model

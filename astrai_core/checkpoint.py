@@ -59,7 +59,7 @@ from tokenizers import Tokenizer
 from astrai_core.bpe import read_tokenizer
 from astrai_core.config import ModelConfig, TrainConfig
 from astrai_core.errors import AstraiError
-from astrai_core.io import atomic_path, sha256_file
+from astrai_core.io import CHECKPOINT, OUTPUT_MARK, atomic_path, sha256_file
 from astrai_core.model import Transformer, estimated_params
 
 if TYPE_CHECKING:
@@ -85,6 +85,9 @@ def save_checkpoint(
     files: Iterable[str | os.PathLike] = (),
     model_state: Mapping[str, torch.Tensor] | None = None,
     shards: str | os.PathLike | None = None,
+    kind: str = CHECKPOINT,
+    force: bool = False,
+    inputs: Iterable[str | os.PathLike] = (),
 ) -> Path:
     """Write the checkpoint directory `out_dir` (replacing any previous one) and return its path.
 
@@ -92,8 +95,9 @@ def save_checkpoint(
     `model_state` (e.g. a sharded model's gathered full state dict) replaces model.state_dict() when given.
     `shards`: a directory of torch.distributed.checkpoint files (every rank's shards of the model and optimizer,
     written beside `out_dir` by dcp.save); it is moved in as dcp/ and no model.safetensors is written.
+    `kind`, `force`, `inputs`: whether an existing `out_dir` may be replaced (astrai_core.io.check_output).
     """
-    with atomic_path(out_dir) as tmp:
+    with atomic_path(out_dir, kind, force=force, inputs=inputs) as tmp:
         tmp.mkdir()
         if shards is not None:
             Path(shards).rename(tmp / "dcp")  # the same filesystem: both live beside out_dir
@@ -130,7 +134,7 @@ def save_resumable(root: str | os.PathLike, step: int, keep: int, **checkpoint) 
     all but the newest `keep` checkpoints. A crash at any point leaves `latest` naming a complete checkpoint."""
     root = Path(root)
     path = save_checkpoint(root / f"step_{step:08d}", **checkpoint)
-    with atomic_path(root / "latest") as tmp:
+    with atomic_path(root / "latest", "checkpoint pointer") as tmp:
         tmp.write_text(path.name + "\n")
     for old in _step_dirs(root)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
@@ -507,7 +511,7 @@ class Checkpointer:
                 adapter_dir = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "adapter"
                 save_adapters(self.model, adapter_dir, targets=cfg.lora.targets, rank=cfg.lora.rank,
                               alpha=cfg.lora.alpha, dropout=cfg.lora.dropout)
-                files += sorted(adapter_dir.iterdir())
+                files += sorted(p for p in adapter_dir.iterdir() if p.name != OUTPUT_MARK)  # the checkpoint has its own
                 merge_lora(self.model)
                 weights = self.model.state_dict()
             save_checkpoint(cfg.out_dir, self.model, cfg.model, cfg.tokenizer, extra=run.summary, train_config=cfg,

@@ -86,7 +86,7 @@ class PackedWriter:
     def __enter__(self) -> "PackedWriter":
         with contextlib.ExitStack() as stack:
             # Exit order is the reverse: the HDF5 file is closed before atomic_path renames (or removes) it.
-            tmp = stack.enter_context(atomic_path(self.path))
+            tmp = stack.enter_context(atomic_path(self.path, "HDF5 dataset"))
             self._file = stack.enter_context(h5py.File(tmp, "w"))
             self._file.attrs.update(self._attrs)
             self._tokens = self._file.create_dataset(

@@ -40,7 +40,7 @@ def reference_logps(model: Transformer, data_path: str, tokenizer_sha256: str, b
 
 
 def save_reference_logps(path: str | Path, logps: np.ndarray, data_path: str | Path, reference_weights: str | Path) -> None:
-    with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+    with atomic_path(path, "reference log-probabilities") as tmp, h5py.File(tmp, "w") as f:
         f.create_dataset("logps", data=logps)
         f.attrs["data_sha256"] = sha256_file(data_path)
         f.attrs["reference_sha256"] = sha256_file(reference_weights)

@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 from astrai_core.chat import DEFAULT_TEMPLATE
 from astrai_core.config import ModelConfig
 from astrai_core.errors import AstraiError
-from astrai_core.io import atomic_path, check_output_dir, write_json
+from astrai_core.io import atomic_path, check_output, write_json
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -384,12 +384,17 @@ def _tokenizer_config(ckpt: Path, cfg: ModelConfig, ids: dict[str, int | None]) 
 
 # ---- export / import ----
 
-def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """Write the HF model directory `out_dir` (atomically) from the astrai checkpoint `ckpt_dir`."""
+EXPORT = "astrai export-hf"  # what export_hf and import_hf write, for astrai_core.io.check_output
+IMPORT = "astrai import-hf"
+
+
+def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False) -> Path:
+    """Write the HF model directory `out_dir` (atomically) from the astrai checkpoint `ckpt_dir`. An existing
+    `out_dir` is replaced only if it holds an earlier export, or with `force`; never the checkpoint itself."""
     from astrai_core.checkpoint import load_model
 
     ckpt_dir = Path(ckpt_dir)
-    check_output_dir(out_dir, ckpt_dir)
+    check_output(out_dir, EXPORT, force=force, inputs=[ckpt_dir], force_option="--force", folder=True)  # before work
     model, _, cfg = load_model(ckpt_dir)
     hf_model_type(cfg)  # refuse before writing anything
     ids = _special_ids(ckpt_dir / "tokenizer.json")
@@ -400,7 +405,7 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
         generation = json.loads((ckpt_dir / "generation_config.json").read_text())
         ids = {**ids, **{k: generation.get(f"{k}_token_id") for k in ("bos", "eos", "pad")}}
     config = hf_config(cfg, ids)
-    with atomic_path(out_dir) as tmp:
+    with atomic_path(out_dir, EXPORT, force=force, inputs=[ckpt_dir], force_option="--force") as tmp:
         tmp.mkdir()
         save_file(to_hf_state(cfg, model.state_dict()), tmp / "model.safetensors", metadata={"format": "pt"})
         write_json(tmp / "config.json", config)
@@ -410,15 +415,16 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     return Path(out_dir)
 
 
-def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """Write an astrai checkpoint directory `out_dir` from the HF model directory `hf_dir`."""
+def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False) -> Path:
+    """Write an astrai checkpoint directory `out_dir` from the HF model directory `hf_dir`. An existing `out_dir`
+    is replaced only if it holds an earlier import, or with `force`; never the HF directory itself."""
     from astrai_core.checkpoint import save_checkpoint
     from astrai_core.model import Transformer
 
     from astrai_core.checkpoint import check_fits_in_memory
 
     hf_dir = Path(hf_dir)
-    check_output_dir(out_dir, hf_dir)
+    check_output(out_dir, IMPORT, force=force, inputs=[hf_dir], force_option="--force", folder=True)  # before work
     if not (hf_dir / "config.json").is_file():
         raise AstraiError(f"{hf_dir}: not a Hugging Face model directory (config.json missing)")
     if not (hf_dir / "tokenizer.json").is_file():
@@ -459,6 +465,6 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
         if tok.to_str() != _load_hf_tokenizer(tokenizer_path).to_str():
             tokenizer_path = Path(tmp) / "tokenizer.json"
             tok.save(str(tokenizer_path))
-        return save_checkpoint(out_dir, model, cfg, tokenizer_path,
+        return save_checkpoint(out_dir, model, cfg, tokenizer_path, kind=IMPORT, force=force, inputs=[hf_dir],
                                extra={"imported_from": str(hf_dir.resolve()), "hf_model_type": hf["model_type"],
                                       **report}, files=extra_files)

@@ -11,7 +11,7 @@ import shutil
 import socket
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from astrai_core.errors import AstraiError
 
@@ -24,15 +24,65 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-@contextlib.contextmanager
-def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside `target`; on success rename it onto `target`, on error remove it.
+OUTPUT_MARK = ".astrai-output"  # inside every folder atomic_path writes: which command wrote it ({"written_by": kind})
+CHECKPOINT = "astrai checkpoint"  # the kind of a training run's model folder (save_checkpoint's default)
 
-    Works for files and directories alike (the caller decides what to create at the yielded path).
-    An existing `target` is replaced only after the new one is complete. The temporary path names its process;
-    one left by a process of this host that no longer runs (SIGKILL: no cleanup ran) is removed here.
+
+def written_by(folder: str | os.PathLike) -> str | None:
+    """The kind of output `folder` holds (what atomic_path recorded in it), or None (not written by it)."""
+    try:
+        return json.loads((Path(folder) / OUTPUT_MARK).read_text())["written_by"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_output(target: str | os.PathLike, kind: str, *, force: bool = False,
+                 inputs: Iterable[str | os.PathLike] = (), force_option: str | None = None,
+                 folder: bool = False) -> None:
+    """The one rule for writing over `target`; AstraiError naming it when the write must not happen.
+
+    An output equal to, inside or containing one of `inputs`, or the current directory or one holding it, is
+    refused (even with `force`): writing it would replace what is being read or worked in. An existing folder that
+    is not empty is replaced only if it holds an earlier output of the same `kind` (its OUTPUT_MARK says so), or
+    with `force`; a file, a symlink or an empty folder is simply replaced, except that a `folder` output never
+    replaces a file. `force_option` names the command's option that forces, for the message.
     """
     target = Path(target)
+    where = target.resolve()
+    cwd = Path.cwd().resolve()
+    if where == cwd or where in cwd.parents:
+        raise AstraiError(f"{target}: is the current directory (or holds it), which would be replaced; give the path "
+                          "of a new directory")
+    if folder and target.exists() and not target.is_dir():
+        raise AstraiError(f"{target}: is a file, not a directory; give the path of a directory to write")
+    for source in inputs:
+        source = Path(source).resolve()
+        if where == source or source in where.parents or where in source.parents:
+            relation = "is" if where == source else "is inside" if source in where.parents else "contains"
+            raise AstraiError(f"{target}: the output folder {relation} the input {source}; write it elsewhere")
+    if force or target.is_symlink() or not target.is_dir() or not any(target.iterdir()):
+        return
+    found = written_by(target)
+    if found == kind:
+        return
+    holds = f"holds an output of {found}" if found else f"holds files not written by {kind} (no {OUTPUT_MARK})"
+    raise AstraiError(f"{target}: exists, is not empty and {holds}; nothing was changed: choose a new or empty "
+                      f"folder{f', or pass {force_option} to replace it' if force_option else ''}")
+
+
+@contextlib.contextmanager
+def atomic_path(target: str | os.PathLike, kind: str, *, force: bool = False,
+                inputs: Iterable[str | os.PathLike] = (), force_option: str | None = None) -> Iterator[Path]:
+    """Yield a temporary path beside `target`; on success rename it onto `target`, on error remove it.
+
+    Works for files and directories alike (the caller decides what to create at the yielded path). `kind` names
+    what is written (e.g. "stage corpus", "astrai export-hf"): a folder gets it in OUTPUT_MARK, and an existing
+    `target` is replaced only as check_output allows (checked first, and again before the rename), and only after
+    the new one is complete. The temporary path names its process; one left by a process of this host that no
+    longer runs (SIGKILL: no cleanup ran) is removed here.
+    """
+    target = Path(target)
+    check_output(target, kind, force=force, inputs=inputs, force_option=force_option)
     target.parent.mkdir(parents=True, exist_ok=True)
     for stale in _orphaned_temps(target):
         _remove(stale)
@@ -40,6 +90,9 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     tmp.rmdir()  # the caller creates a file or a directory here
     try:
         yield tmp
+        if tmp.is_dir():
+            (tmp / OUTPUT_MARK).write_text(json.dumps({"written_by": kind}) + "\n")
+        check_output(target, kind, force=force, force_option=force_option)  # nothing else appeared there meanwhile
         if target.is_dir() and not target.is_symlink():
             old = target.with_name(f".{target.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -51,21 +104,6 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         _remove(tmp)
         raise
-
-
-def check_output_dir(out: str | os.PathLike, *inputs: str | os.PathLike) -> None:
-    """A directory a command writes whole, replacing what is there (atomic_path): refuse, before any work, a path
-    that is a file, the current directory or one holding it, or one that is or holds one of the `inputs`."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise AstraiError(f"{out}: is a file, not a directory; give the path of a directory to write")
-    resolved, cwd = out.resolve(), Path.cwd().resolve()
-    if resolved == cwd or resolved in cwd.parents:
-        raise AstraiError(f"{out}: is the current directory (or holds it), which would be replaced; give the path "
-                          "of a new directory")
-    for src in inputs:
-        if resolved == Path(src).resolve() or resolved in Path(src).resolve().parents:
-            raise AstraiError(f"{out}: is or holds the input {src}, which would be replaced; give another directory")
 
 
 def _remove(path: Path) -> None:
@@ -99,5 +137,5 @@ def _running(pid: int) -> bool:
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-    with atomic_path(path) as tmp:
+    with atomic_path(path, "json") as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")

@@ -105,7 +105,7 @@ def save_adapters(model: nn.Module, out_dir: str | os.PathLike, *, targets: Sequ
     state = {k: v.detach().cpu().contiguous() for k, v in lora_state_dict(model).items()}
     targets = sorted({name.rsplit(".", 1)[-1] for name in modules}) if targets is None else list(targets)
     config = {"targets": targets, "rank": rank, "alpha": alpha, "dropout": dropout, "modules": modules}
-    with atomic_path(out_dir) as tmp:
+    with atomic_path(out_dir, "lora adapters") as tmp:
         tmp.mkdir()
         save_file(state, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

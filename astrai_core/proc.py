@@ -3,11 +3,35 @@
 from __future__ import annotations
 
 import collections
+import json
 import os
 import signal
 import subprocess
 import threading
 from typing import Callable, Mapping, Sequence
+
+
+# The file where a run notes what it started (tasks/run_lock.py sets it): a run killed outright cannot stop its
+# children, so the next run in the checkout reads this and stops them.
+RECORD_ENV = "ASTRAI_RUN_RECORD"
+
+
+def record(entry: dict) -> None:
+    """Append `entry` (one JSON line) to the run's record, if this process belongs to a run that keeps one."""
+    path = os.environ.get(RECORD_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat), or None if it does not exist: with the
+    pid, it names one process, not whichever later reuses its number."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
@@ -50,6 +74,7 @@ def stream_process(
         bufsize=1,
         start_new_session=True,
     )
+    record({"pid": proc.pid, "start": start_ticks(proc.pid), "group": True, "what": what or os.path.basename(cmd[0])})
     tail: collections.deque[str] = collections.deque(maxlen=20)
     # SIGTERM to this process (a Prefect worker cancelling the flow run, `kill`, a batch scheduler) must not
     # orphan the child's group: kill the group first, then do what this process would have done anyway.

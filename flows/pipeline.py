@@ -33,9 +33,10 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled, Failed, State
 
 from astrai_core.errors import AstraiError
-from astrai_core.proc import stream_process
+from astrai_core.proc import record, stream_process
 from tasks import stages as S
 from tasks.params import Params, RunParams, check_cluster, run_params
+from tasks.run_lock import checkout_lock, note_prefect_server
 from tasks.runlog import RUN_LOG_ENV, ConsoleFilter, crash_line, log_file, shown
 from tasks.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, flatten, setup
 
@@ -136,10 +137,22 @@ def restore_last_good_outputs(stage: str, project_dir: str, env: dict[str, str])
     """`dvc checkout` the stage's outputs that dvc.lock records; returns one line saying what happened."""
     out = subprocess.run(dvc_command() + ["checkout", "--force", stage], cwd=project_dir, env=env,
                          capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if out.returncode == 0:
-        return f"{stage}: the last good outputs (dvc.lock) are back in place"
-    why = ((out.stderr or out.stdout).strip().splitlines() or ["dvc checkout failed"])[-1]
-    return f"{stage}: no earlier outputs restored ({why})"
+    if out.returncode != 0:
+        why = ((out.stderr or out.stdout).strip().splitlines() or ["dvc checkout failed"])[-1]
+        return f"{stage}: no earlier outputs restored ({why})"
+    # `dvc checkout` succeeds without restoring an output DVC does not cache (`cache: false`, e.g. register's
+    # registration.json): say "back in place" only when `dvc status` finds every output as dvc.lock records it.
+    status = subprocess.run(dvc_command() + ["status", "--json", stage], cwd=project_dir, env=env,
+                            capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    try:
+        changes = json.loads(status.stdout or "{}").get(stage, [])
+        missing = [f"{path} {how}" for c in changes if isinstance(c, dict)
+                   for path, how in c.get("changed outs", {}).items()]
+    except (ValueError, AttributeError):
+        missing = [f"dvc status: {status.stdout.strip()[-200:] or status.stderr.strip()[-200:]}"]
+    if missing:
+        return f"{stage}: the last good outputs are not all back: {', '.join(missing)} (not in DVC's cache)"
+    return f"{stage}: the last good outputs (dvc.lock) are back in place"
 
 
 @flow(name="astrai-pipeline", log_prints=True)
@@ -158,9 +171,13 @@ def pipeline(params_path: str = "params.yaml", overrides: dict[str, Any] | None 
     log = log_file(root, f"pipeline-{flow_run.get_name() or 'local'}")
     get_run_logger().info(f"full log of this run: {shown(log)}")
     try:
-        with run_params(root, params_path, overrides, get_run_logger().info, profile, resolved) as params:
-            check_cluster(params, root)  # before any stage: what launcher slurm needs of this machine
-            return _run_stages(root, params, log)
+        # `astrai pipeline` holds the lock already (its token passes); a deployment's flow run takes it here.
+        with checkout_lock(root, f"flow run {flow_run.get_name()} (astrai-pipeline)", log=get_run_logger().info,
+                           dvc_free=True):
+            note_prefect_server()
+            with run_params(root, params_path, overrides, get_run_logger().info, profile, resolved) as params:
+                check_cluster(params, root)  # before any stage: what launcher slurm needs of this machine
+                return _run_stages(root, params, log)
     except AstraiError as e:  # the one line (astrai pipeline prints it), no traceback in Prefect's log
         return Failed(message=str(e), data=e)
     except Exception as e:  # noqa: BLE001 - a bug: one line naming where, the traceback in the run's log
@@ -180,6 +197,7 @@ def _run_stages(root: Path, params: Params, log: Path) -> dict[str, Any]:
     env[FLOW_RUN_ENV] = str(flow_run.get_id() or "none")
     with mlflow.start_run(run_name=f"pipeline {flow_run.get_name() or ''}".strip(),
                           tags={"astrai.stage": "pipeline", "prefect.flow_run_id": env[FLOW_RUN_ENV]}) as parent:
+        record({"mlflow_run": parent.info.run_id, "tracking_uri": mlflow.get_tracking_uri()})
         mlflow.log_params(flatten(params.model_dump(mode="json")))
         env[PARENT_RUN_ENV] = parent.info.run_id
         status = {}

@@ -163,7 +163,7 @@ def build_chat_data(params: ChatDataParams, corpus_dir: Path, out_dir: Path, ena
                           for split in records for kind in records[split]}
 
     stats["files"] = {}
-    with atomic_path(out_dir) as tmp:
+    with atomic_path(out_dir, "stage chat_data") as tmp:
         tmp.mkdir()
         for kind in KINDS:
             for split in ("train", "test"):
@@ -299,7 +299,7 @@ def pack_dpo(chat: ChatFormat, path: Path, writer: PackedWriter, limit: int, on_
 def build_chat(params: Params, corpus_dir: Path, tokenizer_path: Path, out_dir: Path, replay_from: Path | None = None
                ) -> dict:
     """The chat_data stage: records/ (JSONL + stats.json) and the tokenized files, all or nothing."""
-    with atomic_path(out_dir) as tmp:
+    with atomic_path(out_dir, "stage chat_data") as tmp:
         tmp.mkdir()
         records = build_chat_data(params.chat_data, corpus_dir, tmp / "records",
                                   tuple(kind for kind in KINDS if getattr(params, kind).enabled))

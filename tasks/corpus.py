@@ -64,7 +64,7 @@ def build_corpus(params: CorpusParams, out_dir: Path, cache_dir: Path | None = N
                               f"(3 or more) or set corpus.{key}: 0")
 
     stats = {s: {"documents": 0, "characters": 0, "bytes": 0, "ids": []} for s in SPLITS}
-    with atomic_path(out_dir) as tmp:
+    with atomic_path(out_dir, "stage corpus") as tmp:
         tmp.mkdir()
         files = {s: open(tmp / f"{s}.jsonl", "w", encoding="utf-8") for s in SPLITS}
         try:

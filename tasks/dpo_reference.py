@@ -64,12 +64,12 @@ def dpo_reference(params: Params, root: Path, on_line: Callable[[str], None] = p
     and the reference's log-probabilities of the training pairs."""
     out_dir = root / DPO_REFERENCE
     if not params.dpo.enabled:
-        write_skipped(out_dir, "dpo.enabled is false")
+        write_skipped(out_dir, "dpo.enabled is false", "stage dpo_reference")
         return None
     ref = start_model(params, root, "dpo")  # what the dpo stage starts from
     model, _, _ = load_model(ref)
     info: dict = {"reference": str(ref.relative_to(root)), "rejected": params.dpo.rejected, "dtype": params.dpo.dtype}
-    with atomic_path(out_dir) as tmp:
+    with atomic_path(out_dir, "stage dpo_reference") as tmp:
         tmp.mkdir()
         if params.dpo.rejected == "on_policy":
             info["on_policy"] = _write_on_policy_pairs(params, root, model, ref, tmp, on_line)

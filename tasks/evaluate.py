@@ -161,7 +161,7 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> tuple[dict, list[Chec
 
     from tasks.evaluation_plots import plot_chain, plot_curves
 
-    with atomic_path(out_dir) as tmp:
+    with atomic_path(out_dir, "stage evaluate") as tmp:
         tmp.mkdir()
         write_json(tmp / "metrics.json", metrics)
         write_json(tmp / "headline.json", headline(metrics))

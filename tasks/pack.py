@@ -43,7 +43,7 @@ def pack(params: PackParams, corpus_dir: Path, tokenizer_path: Path, out_dir: Pa
     )
 
     stats = {}
-    with atomic_path(out_dir) as tmp:
+    with atomic_path(out_dir, "stage pack") as tmp:
         tmp.mkdir()
         for split in SPLITS:
             st = stats[split] = {"documents": 0, "tokens": 0, "characters": 0}

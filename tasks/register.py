@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import tempfile
 import time
@@ -39,6 +40,9 @@ from tasks.metrics import MAX_FORGETTING, METRICS, better
 from tasks.params import Params
 from tasks.tracking import FLOW_RUN_ENV
 
+# A version's tag `registration`: "pending" from its creation until its aliases are decided, then "done". A version
+# left pending (the stage was killed in between) is finished by the next registration of the same weights.
+REGISTRATION, PENDING = "registration", "pending"
 PREDICT_PARAMS = {"max_new_tokens": 64, "temperature": 0.0, "top_k": 0, "seed": 0}
 
 
@@ -234,11 +238,20 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
         return _report(out_dir, {**base, "registered": False, "version": None, "model_uri": None, "aliases": [],
                                  "champion_version": None, "decision": "register.enabled is false: nothing registered"})
     client = mlflow.MlflowClient()
+    items_path = metrics_path.with_name("items.json")
+    items = json.loads(items_path.read_text()) if items_path.is_file() else {}
+    record = gate_record(metrics, items, stage)  # what the gate compares, item by item
     weights_sha256 = sha256_file(checkpoint_dir / "model.safetensors")
+    # weights_sha256 is written with the version itself (one transaction), so this finds every version of these
+    # weights, also one whose registration a kill cut short before its aliases: that one is finished here.
     same = client.search_model_versions(f"name = '{name}' and tags.weights_sha256 = '{weights_sha256}'")
     if same:
         # search_model_versions leaves aliases empty: the version itself has them
         mv = client.get_model_version(name, min(same, key=lambda v: int(v.version)).version)
+        if mv.tags.get(REGISTRATION) == PENDING:
+            print(f"register: version {mv.version} holds these weights but its registration was cut short "
+                  f"(run {mv.tags.get('mlflow_run_id')}): finishing it", flush=True)
+            return _decide(client, name, str(mv.version), metric, record, base, dict(mv.tags), out_dir)
         decision = (f"version {mv.version} already holds these weights (sha256 {weights_sha256[:12]}): not "
                     "registered again; the aliases stay where they are")
         mlflow.set_tag("astrai.registration", decision)
@@ -266,9 +279,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
             # MLflow's warnings; MLflow runs predict on it once, so the logged model is known to load and answer.
             input_example=(["ROMEO.\n"], PREDICT_PARAMS),
             pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "safetensors", "tokenizers", "numpy", "pydantic")],
-            registered_model_name=name,
         )
-    mv = info.registered_model_version
     tags = {
         "git_commit": git_commit(project_dir),
         "params_hash": params.digest(),
@@ -284,18 +295,25 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
         "profile": profile,
         **dvc_hashes(project_dir),
     }
-    for key, text in tags.items():
-        client.set_model_version_tag(name, str(mv), key, text)
-    client.set_registered_model_alias(name, "candidate", str(mv))
+    mlflow.log_dict(record, GATE_ITEMS)  # in the version's run before the version exists: a later gate reads it
+    # The version and all its tags in one step (one transaction in the store): never a version without them.
+    mv = mlflow.register_model(info.model_uri, name, tags={**tags, REGISTRATION: PENDING}).version
+    if os.environ.get("ASTRAI_TEST_SIGKILL_AT") == "register:version-created":  # tests: a kill at the worst moment
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _decide(client, name, str(mv), metric, record, base, tags, out_dir)
 
-    items_path = metrics_path.with_name("items.json")
-    items = json.loads(items_path.read_text()) if items_path.is_file() else {}
-    record = gate_record(metrics, items, stage)
-    mlflow.log_dict(record, GATE_ITEMS)  # what a later version's gate compares with, item by item
-    promote, decision = claim_champion(client, name, str(mv), metric, record)
+
+
+def _decide(client: mlflow.MlflowClient, name: str, mv: str, metric: str, record: dict, base: dict, tags: dict,
+            out_dir: Path) -> dict:
+    """A new version's aliases: candidate, and champion if it passes the gate against the champion; then its
+    registration is done."""
+    client.set_registered_model_alias(name, "candidate", mv)
+    promote, decision = claim_champion(client, name, mv, metric, record)
+    client.set_model_version_tag(name, mv, REGISTRATION, "done")
     mlflow.set_tag("astrai.registration", decision)
     mlflow.log_text(decision + "\n", "registration_decision.txt")
-
+    tags = {k: v for k, v in tags.items() if k != REGISTRATION}
     return _report(out_dir, {**base, "registered": True, "version": int(mv), "model_uri": f"models:/{name}/{mv}",
                              "aliases": ["candidate"] + (["champion"] if promote else []),
                              "champion_version": int(mv) if promote else int(champion_value(client, name, metric)[0]),

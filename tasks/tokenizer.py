@@ -36,7 +36,7 @@ def build_tokenizer(params: TokenizerParams, corpus_dir: Path, out_dir: Path) ->
         raise AstraiError(f"{train_file}: not found; run the corpus stage first")
     tok = train_tokenizer(pieces(iter_texts(train_file), PIECE_CHARACTERS), params.vocab_size, params.min_frequency)
     out_dir = Path(out_dir)
-    with atomic_path(out_dir) as tmp:
+    with atomic_path(out_dir, "stage tokenizer") as tmp:
         tmp.mkdir()
         tok.save(str(tmp / "tokenizer.json"))
         (tmp / TEMPLATE_FILE).write_text(DEFAULT_TEMPLATE)  # the chat format travels with the tokenizer
@@ -58,7 +58,7 @@ def copy_tokenizer(source: str, out_dir: Path) -> Path:
         raise AstraiError(f"tokenizer.source: {why} (`astrai import-hf` adds the special tokens to a Hugging Face "
                           "model's tokenizer)") from None
     template = path.with_name(TEMPLATE_FILE)
-    with atomic_path(out_dir) as tmp:
+    with atomic_path(out_dir, "stage tokenizer") as tmp:
         tmp.mkdir()
         shutil.copyfile(path, tmp / "tokenizer.json")  # byte for byte: init_from compares the sha256
         if template.is_file():

@@ -20,6 +20,7 @@ import mlflow
 import yaml
 
 from astrai_core.metric_log import mlflow_params as flatten  # the MLflow params of a config tree
+from astrai_core.proc import record
 from tasks.params import Params
 
 PARENT_RUN_ENV = "ASTRAI_PARENT_RUN_ID"
@@ -81,6 +82,7 @@ def stage_run(stage: str, params: Params, project_dir: Path) -> Iterator[mlflow.
     if os.environ.get(FLOW_RUN_ENV):
         tags["prefect.flow_run_id"] = os.environ[FLOW_RUN_ENV]
     with mlflow.start_run(run_name=stage, parent_run_id=parent, nested=parent is not None, tags=tags) as run:
+        record({"mlflow_run": run.info.run_id, "tracking_uri": mlflow.get_tracking_uri()})  # a kill: marked KILLED
         section = params.model_dump(mode="json").get(stage)
         if isinstance(section, dict):
             mlflow.log_params(flatten(section, f"{stage}."))

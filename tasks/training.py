@@ -18,7 +18,7 @@ from typing import Callable
 from astrai_core.distributed import launch, resolve_nproc
 from astrai_core.train import check_train_inputs
 from astrai_core.errors import AstraiError
-from astrai_core.io import atomic_path, write_json
+from astrai_core.io import CHECKPOINT, atomic_path, write_json
 from tasks.layout import MODEL_STAGES, TOKENIZER, model_dir
 from tasks.params import Params
 
@@ -38,8 +38,9 @@ def final_model(root: Path) -> Path:
         else model_dir(root, "grpo")
 
 
-def write_skipped(out_dir: Path, why: str) -> None:
-    with atomic_path(out_dir) as tmp:
+def write_skipped(out_dir: Path, why: str, kind: str = CHECKPOINT) -> None:
+    """A disabled stage's output folder: skipped.json says why (`kind`: what the stage writes there otherwise)."""
+    with atomic_path(out_dir, kind) as tmp:
         tmp.mkdir()
         write_json(tmp / "skipped.json", {"skipped": why})
 

@@ -71,6 +71,18 @@ def make_project(repo: _Path, remote: _Path, model_name: str) -> dict:
     return env
 
 
+
+def make_quick_project(tmp_path: _Path) -> tuple[_Path, dict]:
+    """A project for `astrai pipeline --profile quick`: the real params.yaml and profiles/, MLflow in tmp_path, a
+    temporary Prefect server per run. Returns (repo, env)."""
+    repo = tmp_path / "project"
+    env = make_project(repo, tmp_path / "remote", "unused")
+    _shutil.copy(PROJECT_ROOT / "params.yaml", repo / "params.yaml")
+    _shutil.copytree(PROJECT_ROOT / "profiles", repo / "profiles")
+    env.update({"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "PYTHONPATH": str(repo)})
+    env.pop("PREFECT_API_URL", None)
+    return repo, env
+
 # --- data stages (corpus, tokenizer, pack): fixtures prefixed data_ ---------------------------------------------
 
 import json

@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from astrai_core.errors import AstraiError
+from astrai_core.io import OUTPUT_MARK
 from tasks.chat_data import build_chat_data
 from astrai_core.rewards import exact_answer as reward_exact
 from astrai_core.rewards import valid_option as reward_in_options
@@ -120,7 +121,7 @@ def test_asking_for_more_demo_records_than_the_plays_give_is_said(corpus, tmp_pa
 def test_demo_build_from_synthetic_corpus(corpus, tmp_path):
     out = tmp_path / "chat"
     stats = build_chat_data(ChatDataParams(**SMALL), corpus, out)
-    assert sorted(p.name for p in out.iterdir()) == sorted(FILES + ["stats.json"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(FILES + ["stats.json", OUTPUT_MARK])
     assert json.loads((out / "stats.json").read_text()) == stats
     assert stats["files"] == {"sft_train.jsonl": 30, "sft_test.jsonl": 10, "dpo_train.jsonl": 20,
                               "dpo_test.jsonl": 10, "grpo_train.jsonl": 15, "grpo_test.jsonl": 10}

@@ -23,7 +23,7 @@ import astrai_core.data as data_mod
 import tasks.corpus as corpus_mod
 from astrai_core.data import FORMAT_VERSION, PackedTokens, PackedWriter
 from astrai_core.errors import AstraiError
-from astrai_core.io import sha256_file
+from astrai_core.io import OUTPUT_MARK, sha256_file
 from astrai_core.bpe import SPECIAL_TOKENS, load_tokenizer, piece_bounds, special_id, train_tokenizer
 from conftest import PROJECT_ROOT
 from tasks.corpus import assign_splits, build_corpus
@@ -244,7 +244,8 @@ def read_jsonl(path: Path) -> list[dict]:
 def test_corpus_from_directory(tmp_path, data_source_dir):
     out = tmp_path / "out" / "corpus"
     manifest = build_corpus(CorpusParams(source=str(data_source_dir), seed=3), out)
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "test.jsonl", "train.jsonl", "validation.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == [OUTPUT_MARK, "manifest.json", "test.jsonl", "train.jsonl",
+                                                     "validation.jsonl"]
     assert json.loads((out / "manifest.json").read_text()) == manifest
     assert manifest["source"] == str(data_source_dir)
 
@@ -473,7 +474,8 @@ def test_build_tokenizer_trains_on_train_only(tmp_path):
     (corpus / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (corpus / "validation.jsonl").write_text(json.dumps({"id": "v", "text": "你好" * 500}) + "\n")
     path = build_tokenizer(TokenizerParams(vocab_size=400, min_frequency=2), corpus, tmp_path / "tok")
-    assert path == tmp_path / "tok" / "tokenizer.json" and leftovers(tmp_path / "tok") == ["chat_template.jinja", "tokenizer.json"]
+    assert path == tmp_path / "tok" / "tokenizer.json" and leftovers(tmp_path / "tok") == [OUTPUT_MARK, "chat_template.jinja",
+                                                                                   "tokenizer.json"]
     tok = load_tokenizer(path)
     assert len(tok.encode("你好").ids) == 6  # only bytes: no merges learned from the validation text
     assert len(tok.encode("plain english").ids) <= 3
@@ -491,7 +493,7 @@ def test_pack_end_to_end(tmp_path, data_corpus_dir):
     eos = special_id(tok, "eos")
     stats = pack(PackParams(batch_documents=2), data_corpus_dir, tok_path, tmp_path / "packed")
     out = tmp_path / "packed"
-    assert sorted(p.name for p in out.iterdir()) == ["stats.json", "test.h5", "train.h5", "validation.h5"]
+    assert sorted(p.name for p in out.iterdir()) == [OUTPUT_MARK, "stats.json", "test.h5", "train.h5", "validation.h5"]
     assert json.loads((out / "stats.json").read_text()) == stats
     for split in ("train", "validation", "test"):
         rows = read_jsonl(data_corpus_dir / f"{split}.jsonl")

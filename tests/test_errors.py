@@ -8,7 +8,6 @@ import os
 import re
 import socket
 import subprocess
-from pathlib import Path
 
 import pytest
 

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from astrai_core.config import ModelConfig
 from astrai_core.errors import AstraiError
+from astrai_core.io import OUTPUT_MARK
 from astrai_core.lora import (LoRALinear, apply_lora, count_trainable, load_adapters, lora_state_dict, merge_lora,
                               save_adapters)
 from astrai_core.model import Transformer, cross_entropy_loss
@@ -128,7 +129,7 @@ def test_save_load_roundtrip(tmp_path, kw, targets):
     randomize_adapters(model)
     out = save_adapters(model, tmp_path / "adapter", targets=targets, **LORA)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]  # no staging directory left behind
-    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [OUTPUT_MARK, "adapter_config.json", "adapter_model.safetensors"]
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["targets"] == targets and config["rank"] == 4 and len(config["modules"]) == 2 * len(targets)
 

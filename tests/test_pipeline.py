@@ -208,7 +208,7 @@ def test_a_disabled_stage_passes_its_input_on(flow_result):
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     out = run([str(BIN / "dvc"), "repro"], repo, env)
     assert {s for s in STAGES if f"Running stage '{s}'" in out} == {"dpo_reference", "dpo", "grpo", "evaluate", "register"}
-    assert sorted(p.name for p in (repo / "data/dpo").iterdir()) == ["skipped.json"]
+    assert sorted(p.name for p in (repo / "data/dpo").iterdir()) == [".astrai-output", "skipped.json"]
     config = json.loads((repo / "data/grpo/train_config.json").read_text())
     assert config["init_from"] == str(repo / "data/sft")
     metrics = json.loads((repo / "data/evaluate/metrics.json").read_text())

@@ -43,11 +43,11 @@ def test_register_picks_the_best_model_and_compares_the_champion_on_the_same_met
         save_checkpoint(model_dir(tmp_path, stage), Transformer(cfg), cfg, core_tiny_data["tokenizer"])
     evaluation = tmp_path / "metrics.json"
 
-    def register_with(metric: str, profile: str = "default", **values: float) -> dict:
+    def register_with(metric: str, **values: float) -> dict:
         evaluation.write_text(json.dumps({"final_model": "sft", **{k.replace("__", "/"): v for k, v in values.items()}}))
         with mlflow.start_run(experiment_id=exp):
-            return register(Params(register={"model_name": "m", "metric": metric, "profile": profile}), evaluation,
-                            tmp_path / "out", tmp_path)
+            return register(Params(register={"model_name": "m", "metric": metric}), evaluation, tmp_path / "out",
+                            tmp_path)
 
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -86,10 +86,10 @@ def test_register_picks_the_best_model_and_compares_the_champion_on_the_same_met
         assert "test_bits_per_char 2.0000 beats version 1's 2.5000" in third["decision"]
         assert str(client.get_model_version_by_alias("m", "champion").version) == "3"
         # A profile's run registers under a name of its own, tagged with the profile: m's aliases stay put.
+        monkeypatch.setenv("ASTRAI_PROFILE", "quick")
         torch.manual_seed(8)
         save_checkpoint(model_dir(tmp_path, "pretrain"), Transformer(cfg), cfg, core_tiny_data["tokenizer"])
-        quick = register_with("test_bits_per_char", "quick", pretrain__test_bits_per_char=1.0,
-                              sft__test_bits_per_char=2.2)
+        quick = register_with("test_bits_per_char", pretrain__test_bits_per_char=1.0, sft__test_bits_per_char=2.2)
         assert (quick["model_name"], quick["version"], quick["aliases"]) == ("m-quick", 1, ["candidate", "champion"])
         assert client.get_model_version("m-quick", "1").tags["profile"] == "quick"
         assert str(client.get_model_version_by_alias("m", "champion").version) == "3"
@@ -178,3 +178,82 @@ def test_champion_moves_only_beyond_the_paired_interval_and_without_regressing_b
         assert str(mlflow.MlflowClient().get_model_version_by_alias("g", "champion").version) == "4"
     finally:
         mlflow.set_tracking_uri(previous)
+
+
+@pytest.mark.integration
+def test_a_registration_killed_after_the_version_is_created_is_finished_not_repeated(tmp_path, core_tiny_data):
+    """SIGKILL of `astrai stage register` right after MLflow creates the version (a test hook kills it there): the
+    version already has every tag (weights_sha256 first), and the rerun finishes it (aliases) instead of
+    registering the same weights again."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    import mlflow
+    import torch
+
+    from astrai_core.checkpoint import save_checkpoint
+    from astrai_core.config import ModelConfig
+    from astrai_core.model import Transformer
+    from conftest import PROJECT_ROOT
+
+    shutil.copy(PROJECT_ROOT / "params.yaml", tmp_path / "params.yaml")
+    cfg = ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "data/pretrain", Transformer(cfg), cfg, core_tiny_data["tokenizer"])
+    (tmp_path / "data/evaluate").mkdir(parents=True)
+    (tmp_path / "data/evaluate/metrics.json").write_text(json.dumps({"pretrain/task_accuracy": 0.25}))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(PROJECT_ROOT)}
+    env.pop("MLFLOW_RUN_ID", None)
+    register = [sys.executable, "-m", "astrai.cli", "stage", "register"]
+
+    killed = subprocess.run(register, cwd=tmp_path, env={**env, "ASTRAI_TEST_SIGKILL_AT": "register:version-created"},
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    client = mlflow.MlflowClient(uri)
+    [half] = client.search_model_versions("name = 'astrai'")
+    assert half.tags["weights_sha256"] and half.tags["registration"] == "pending" and "stage" in half.tags
+    assert not client.get_model_version("astrai", half.version).aliases
+
+    again = subprocess.run(register, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert "registration was cut short" in again.stdout
+    [done] = client.search_model_versions("name = 'astrai'")  # the same weights are not registered twice
+    done = client.get_model_version("astrai", done.version)
+    assert (done.version, sorted(done.aliases), done.tags["registration"]) == (half.version, ["candidate", "champion"],
+                                                                                "done")
+    report = json.loads((tmp_path / "data/register/registration.json").read_text())
+    assert (report["registered"], report["version"], report["aliases"]) == (True, 1, ["candidate", "champion"])
+    runs = client.search_runs([client.get_experiment_by_name("astrai").experiment_id])
+    assert sorted(r.info.status for r in runs) == ["FINISHED", "KILLED"]  # the killed run is not left RUNNING
+
+
+@pytest.mark.integration
+def test_a_failed_stage_says_its_outputs_are_back_only_when_they_are(tmp_path):
+    """register's registration.json is `cache: false`: `dvc checkout` cannot bring it back, so the flow must not
+    say the last good outputs are in place (it did, and the file was missing)."""
+    import os
+
+    from conftest import VENV_BIN, run_ok
+    from flows.pipeline import restore_last_good_outputs
+
+    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"}
+    (tmp_path / "dvc.yaml").write_text(
+        "stages:\n"
+        "  cached:\n    cmd: mkdir -p out && echo a > out/a.json\n    outs:\n      - out/a.json\n"
+        "  register:\n    cmd: mkdir -p reg && echo r > reg/registration.json\n    outs:\n"
+        "      - reg/registration.json:\n          cache: false\n")
+    run_ok(["git", "init", "-q"], tmp_path, env)
+    run_ok([VENV_BIN / "dvc", "init", "-q"], tmp_path, env)
+    run_ok([VENV_BIN / "dvc", "repro", "-q"], tmp_path, env)
+    (tmp_path / "out/a.json").unlink()  # what DVC does before it runs a stage
+    (tmp_path / "reg/registration.json").unlink()
+    assert restore_last_good_outputs("cached", str(tmp_path), env) == \
+        "cached: the last good outputs (dvc.lock) are back in place"
+    assert (tmp_path / "out/a.json").read_text() == "a\n"
+    line = restore_last_good_outputs("register", str(tmp_path), env)
+    assert line == "register: the last good outputs are not all back: reg/registration.json deleted (not in DVC's " \
+                   "cache)", line

@@ -97,7 +97,7 @@ def test_a_sigkilled_writer_leaves_no_temporary_path_behind_the_next_one(tmp_pat
 
     target = tmp_path / "chat"
     code = ("import os, signal; from astrai_core.io import atomic_path\n"
-            f"with atomic_path({str(target)!r}) as tmp:\n"
+            f"with atomic_path({str(target)!r}, 'test') as tmp:\n"
             "    tmp.mkdir(); (tmp / 'half.jsonl').write_text('{')\n"
             "    os.kill(os.getpid(), signal.SIGKILL)\n")
     killed = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT)
@@ -108,7 +108,7 @@ def test_a_sigkilled_writer_leaves_no_temporary_path_behind_the_next_one(tmp_pat
     try:
         running = tmp_path / f".chat.{_OWNER}{alive.pid}.x1y2.tmp"
         running.mkdir()  # the temporary path of a writer that still runs
-        with atomic_path(target) as tmp:
+        with atomic_path(target, "test") as tmp:
             tmp.mkdir()
             (tmp / "whole.jsonl").write_text("{}")
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["chat", running.name])
@@ -267,14 +267,9 @@ def test_the_quick_profile_runs_the_whole_chain(tmp_path):
     import sys
     import time
 
-    from conftest import make_project
+    from conftest import make_quick_project
 
-    repo = tmp_path / "project"
-    env = make_project(repo, tmp_path / "remote", "unused")
-    shutil.copy(PROJECT_ROOT / "params.yaml", repo / "params.yaml")
-    shutil.copytree(PROJECT_ROOT / "profiles", repo / "profiles")
-    env.update({"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "PYTHONPATH": str(repo)})
-    env.pop("PREFECT_API_URL", None)
+    repo, env = make_quick_project(tmp_path)
     start = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "astrai.cli", "pipeline", "--profile", "quick"], cwd=repo, env=env,
                          capture_output=True, text=True, timeout=900)

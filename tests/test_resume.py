@@ -95,9 +95,9 @@ def test_sharded_checkpoints_hash_every_shard_file_and_skip_corrupt(tmp_path, co
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004", "step_00000006"]  # staging gone
     newest = root / "step_00000006"
     files = sorted(p.relative_to(newest).as_posix() for p in newest.rglob("*") if p.is_file())
-    assert files == ["config.json", "dcp/.metadata", "dcp/__0_0.distcp", "manifest.json", "tokenizer.json",
+    assert files == [".astrai-output", "config.json", "dcp/.metadata", "dcp/__0_0.distcp", "manifest.json", "tokenizer.json",
                      "train_state.pt"]  # no model.safetensors: nothing gathered
-    assert sorted(verify_checkpoint(newest)) == [f for f in files if f != "manifest.json"]
+    assert sorted(verify_checkpoint(newest)) == [f for f in files if f not in ("manifest.json", ".astrai-output")]
     assert find_resumable(root) == newest
     # A sharded checkpoint is for resuming only: serving and init_from are told to use the final model directory.
     with pytest.raises(AstraiError, match="sharded training checkpoint"):
