@@ -25,7 +25,7 @@ $(BIN)/astrai: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(UV)
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode $(addprefix --find-links ,$(FIND_LINKS)) \
-	  -c requirements.lock -e '.[dev]'
+	  -c requirements.lock -e '.[dev,team]'
 	touch $@
 
 setup: $(BIN)/astrai  ## create .venv with every dependency
