@@ -16,6 +16,8 @@ transformers too. Alone: `astrai stage register`.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import random
@@ -24,6 +26,7 @@ import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
+from typing import Iterator
 
 import mlflow
 import yaml
@@ -38,6 +41,7 @@ from tasks.metrics import METRICS, better
 from tasks.params import Params
 from tasks.tracking import FLOW_RUN_ENV, PROFILE_ENV
 
+REGISTRY_LOCK_ENV = "ASTRAI_REGISTRY_LOCK_URI"  # wins over tracking.registry_lock_uri, as MLFLOW_TRACKING_URI does
 PREDICT_PARAMS = {"max_new_tokens": 64, "temperature": 0.0, "top_k": 0, "seed": 0}
 
 
@@ -114,6 +118,36 @@ def claim_champion(client: mlflow.MlflowClient, name: str, version: str, metric:
     raise AstraiError(f"model {name!r}: alias champion keeps moving; another registration is racing this one")
 
 
+@contextlib.contextmanager
+def registry_lock(uri: str | None, name: str) -> Iterator[bool]:
+    """While held, no other registration of model `name` holds it, on any machine: a PostgreSQL advisory lock on
+    `uri` (libpq form, postgresql://USER:PASS@HOST:PORT/DB; any database of a server every registration reaches).
+    Yields True while held, False at once without a `uri`.
+
+    MLflow's API has no compare-and-set for aliases, and a client reaches only that API; so the compare and the set
+    are made one step by a lock every registration takes. An advisory lock is the session's: when the holder's
+    connection ends (the stage finished, crashed or was killed), the server lets it go, so no stale lock remains
+    for anyone to break by hand, unlike a lock file or a create-if-absent marker in the registry.
+    """
+    if not uri:
+        yield False
+        return
+    import psycopg2  # the team extra (pyproject.toml)
+
+    key = int.from_bytes(hashlib.sha256(f"astrai.register:{name}".encode()).digest()[:8], "big", signed=True)
+    conn = psycopg2.connect(uri.replace("postgresql+psycopg2://", "postgresql://", 1))
+    conn.autocommit = True  # session-level lock, no transaction held open while it is
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_try_advisory_lock(%s)", (key,))
+            if not cur.fetchone()[0]:
+                print(f"register: waiting for another registration of {name!r} to finish (registry lock)", flush=True)
+                cur.execute("SELECT pg_advisory_lock(%s)", (key,))
+        yield True
+    finally:
+        conn.close()  # the session ends, and the lock with it
+
+
 def decision_line(version: str, metric: str, value: float, old_version: str | None, old_value: float | None) -> str:
     if old_version is None:
         why = " (no previous champion)"
@@ -143,67 +177,72 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
         return _report(out_dir, {**base, "registered": False, "version": None, "model_uri": None, "aliases": [],
                                  "champion_version": None, "decision": "register.enabled is false: nothing registered"})
     client = mlflow.MlflowClient()
-    weights_sha256 = sha256_file(checkpoint_dir / "model.safetensors")
-    same = client.search_model_versions(f"name = '{name}' and tags.weights_sha256 = '{weights_sha256}'")
-    if same:
-        # search_model_versions leaves aliases empty: the version itself has them
-        mv = client.get_model_version(name, min(same, key=lambda v: int(v.version)).version)
-        decision = (f"version {mv.version} already holds these weights (sha256 {weights_sha256[:12]}): not "
-                    "registered again; the aliases stay where they are")
+    # Under the lock, "same weights already registered?", the new version and the champion decision are one step for
+    # every registration of this name on any machine (see registry_lock); without one, claim_champion looks again.
+    with registry_lock(os.environ.get(REGISTRY_LOCK_ENV) or params.tracking.registry_lock_uri, name) as locked:
+        weights_sha256 = sha256_file(checkpoint_dir / "model.safetensors")
+        same = client.search_model_versions(f"name = '{name}' and tags.weights_sha256 = '{weights_sha256}'")
+        if same:
+            # search_model_versions leaves aliases empty: the version itself has them
+            mv = client.get_model_version(name, min(same, key=lambda v: int(v.version)).version)
+            decision = (f"version {mv.version} already holds these weights (sha256 {weights_sha256[:12]}): not "
+                        "registered again; the aliases stay where they are")
+            mlflow.set_tag("astrai.registration", decision)
+            champion = champion_value(client, name, metric)[0]
+            return _report(out_dir, {**base, "registered": False, "version": int(mv.version),
+                                     "model_uri": f"models:/{name}/{mv.version}", "aliases": sorted(mv.aliases),
+                                     "champion_version": int(champion) if champion else None, "decision": decision})
+
+        # The Hugging Face export travels with the version as the model artifact "hf" (transformers loads it directly:
+        # download_artifacts("models:/NAME@champion") has artifacts/hf). Options transformers lacks are registered
+        # without it, and the tag hf_export says why.
+        with tempfile.TemporaryDirectory() as tmp:
+            artifacts = {"checkpoint": str(checkpoint_dir)}
+            try:
+                artifacts["hf"] = str(export_hf(checkpoint_dir, Path(tmp) / "hf"))
+                hf_export = json.loads((Path(tmp) / "hf" / "config.json").read_text())["architectures"][0]
+            except AstraiError as e:
+                hf_export = f"none: {e}"
+            info = mlflow.pyfunc.log_model(
+                name="model",
+                python_model=str(Path(__file__).with_name("pyfunc_model.py")),
+                artifacts=artifacts,
+                code_paths=[str(Path(astrai_core.__file__).parent)],
+                # An input example (and predict's type hints) give the signature, params included, and spare the log
+                # MLflow's warnings; MLflow runs predict on it once, so the logged model is known to load and answer.
+                input_example=(["ROMEO.\n"], PREDICT_PARAMS),
+                pip_requirements=[f"{p}=={version(p)}"
+                                  for p in ("torch", "safetensors", "tokenizers", "numpy", "pydantic")],
+                registered_model_name=name,
+            )
+        mv = info.registered_model_version
+        tags = {
+            "git_commit": git_commit(project_dir),
+            "params_hash": params.digest(),
+            "prefect_flow_run_id": os.environ.get(FLOW_RUN_ENV, "none"),
+            "mlflow_run_id": mlflow.active_run().info.run_id,
+            "register_metric": metric,  # what this version was chosen by and is compared with the champion on
+            "stage": stage,  # which training stage of the chain made this model
+            # its held-out metrics (evaluation of this model, not of the chain's last one)
+            **{k: f"{metrics[f'{stage}/{k}']:.6f}" for k in METRICS if f"{stage}/{k}" in metrics},
+            "hf_export": hf_export,
+            "weights_sha256": weights_sha256,  # a later registration of the same weights finds this version
+            "profile": profile,
+            **dvc_hashes(project_dir),
+        }
+        for key, text in tags.items():
+            client.set_model_version_tag(name, str(mv), key, text)
+        client.set_registered_model_alias(name, "candidate", str(mv))
+
+        # Under the lock nothing else moves champion: the compare and the set are one step, no need to look again.
+        promote, decision = claim_champion(client, name, str(mv), metric, value, settle=0.0 if locked else 0.5)
         mlflow.set_tag("astrai.registration", decision)
-        champion = champion_value(client, name, metric)[0]
-        return _report(out_dir, {**base, "registered": False, "version": int(mv.version),
-                                 "model_uri": f"models:/{name}/{mv.version}", "aliases": sorted(mv.aliases),
-                                 "champion_version": int(champion) if champion else None, "decision": decision})
+        mlflow.log_text(decision + "\n", "registration_decision.txt")
 
-    # The Hugging Face export travels with the version as the model artifact "hf" (transformers loads it directly:
-    # download_artifacts("models:/NAME@champion") has artifacts/hf). Options transformers lacks are registered
-    # without it, and the tag hf_export says why.
-    with tempfile.TemporaryDirectory() as tmp:
-        artifacts = {"checkpoint": str(checkpoint_dir)}
-        try:
-            artifacts["hf"] = str(export_hf(checkpoint_dir, Path(tmp) / "hf"))
-            hf_export = json.loads((Path(tmp) / "hf" / "config.json").read_text())["architectures"][0]
-        except AstraiError as e:
-            hf_export = f"none: {e}"
-        info = mlflow.pyfunc.log_model(
-            name="model",
-            python_model=str(Path(__file__).with_name("pyfunc_model.py")),
-            artifacts=artifacts,
-            code_paths=[str(Path(astrai_core.__file__).parent)],
-            # An input example (and predict's type hints) give the signature, params included, and spare the log
-            # MLflow's warnings; MLflow runs predict on it once, so the logged model is known to load and answer.
-            input_example=(["ROMEO.\n"], PREDICT_PARAMS),
-            pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "safetensors", "tokenizers", "numpy", "pydantic")],
-            registered_model_name=name,
-        )
-    mv = info.registered_model_version
-    tags = {
-        "git_commit": git_commit(project_dir),
-        "params_hash": params.digest(),
-        "prefect_flow_run_id": os.environ.get(FLOW_RUN_ENV, "none"),
-        "mlflow_run_id": mlflow.active_run().info.run_id,
-        "register_metric": metric,  # what this version was chosen by and is compared with the champion on
-        "stage": stage,  # which training stage of the chain made this model
-        # its held-out metrics (evaluation of this model, not of the chain's last one)
-        **{k: f"{metrics[f'{stage}/{k}']:.6f}" for k in METRICS if f"{stage}/{k}" in metrics},
-        "hf_export": hf_export,
-        "weights_sha256": weights_sha256,  # a later registration of the same weights finds this version
-        "profile": profile,
-        **dvc_hashes(project_dir),
-    }
-    for key, text in tags.items():
-        client.set_model_version_tag(name, str(mv), key, text)
-    client.set_registered_model_alias(name, "candidate", str(mv))
-
-    promote, decision = claim_champion(client, name, str(mv), metric, value)
-    mlflow.set_tag("astrai.registration", decision)
-    mlflow.log_text(decision + "\n", "registration_decision.txt")
-
-    return _report(out_dir, {**base, "registered": True, "version": int(mv), "model_uri": f"models:/{name}/{mv}",
-                             "aliases": ["candidate"] + (["champion"] if promote else []),
-                             "champion_version": int(mv) if promote else int(champion_value(client, name, metric)[0]),
-                             "decision": decision, "tags": tags})
+        return _report(out_dir, {**base, "registered": True, "version": int(mv), "model_uri": f"models:/{name}/{mv}",
+                                 "aliases": ["candidate"] + (["champion"] if promote else []),
+                                 "champion_version": int(mv) if promote else int(champion_value(client, name, metric)[0]),
+                                 "decision": decision, "tags": tags})
 
 
 def _report(out_dir: Path, result: dict) -> dict:
