@@ -71,6 +71,9 @@ def start_postgres(d: Path, host: str, port: int) -> str:
         secret.chmod(0o600)
         if os.geteuid() == 0:
             subprocess.run(["chown", "-R", PG_USER, str(pg)], check=True)
+            if subprocess.run(["runuser", "-u", PG_USER, "--", "test", "-w", str(pg)]).returncode != 0:
+                raise AstraiError(f"{pg}: user {PG_USER} cannot reach it (a parent directory closed to other users?); "
+                                  "give a DIR it can reach, e.g. under /srv or /tmp")
         _pg("initdb", "-D", str(data), "-U", "astrai", "--auth=scram-sha-256", f"--pwfile={secret}", "-E", "UTF8",
             "--locale=C.UTF-8", log=pg / "initdb.log")
     # The socket goes in the data directory: /var/run/postgresql may not exist or be writable.
