@@ -114,7 +114,8 @@ def _run(cmd: list, env: dict[str, str], what: str) -> None:
         raise AstraiError(f"{what} failed:\n{(out.stdout + out.stderr)[-3000:]}")
 
 
-def _wait_healthy(url: str, pid: int, log: Path, timeout: float = 180) -> None:
+def wait_healthy(url: str, pid: int, log: Path, timeout: float = 180) -> None:
+    """Until `url` answers 200; AstraiError with the end of `log` if process `pid` exits first, or on timeout."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
@@ -183,8 +184,8 @@ def start(d: Path, host: str = "127.0.0.1", postgres: str | None = None, pg_port
                                                          "--port", str(prefect_port)], prefect_env)
         state["prefect_api_url"] = f"http://{reach}:{prefect_port}/api"
         save(d, state)
-        _wait_healthy(f"{state['mlflow_url']}/health", state["pids"]["mlflow"], d / "mlflow.log")
-        _wait_healthy(f"{state['prefect_api_url']}/health", state["pids"]["prefect"], d / "prefect.log")
+        wait_healthy(f"{state['mlflow_url']}/health", state["pids"]["mlflow"], d / "mlflow.log")
+        wait_healthy(f"{state['prefect_api_url']}/health", state["pids"]["prefect"], d / "prefect.log")
 
         worker_env = {**env, **client_env(state)}  # flow runs inherit it: they log to the server, lock the registry
         _run([VENV_BIN / "prefect", "work-pool", "create", pool, "--type", "process", "--overwrite"], worker_env,

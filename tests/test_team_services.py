@@ -135,6 +135,8 @@ def deployment_run(services, tmp_path_factory):
 def test_pipeline_runs_register_and_serve_through_the_servers(services, deployment_run, tmp_path):
     import mlflow
 
+    from astrai.services import wait_healthy
+
     client = mlflow.MlflowClient(services["env"]["MLFLOW_TRACKING_URI"])
     name = f"{MODEL}-quick"  # a profile's run registers under NAME-PROFILE
     mv = client.get_model_version_by_alias(name, "champion")
@@ -169,13 +171,7 @@ def test_pipeline_runs_register_and_serve_through_the_servers(services, deployme
                              str(port), "--engine-thread"], cwd=tmp_path, env=serve_env,
                             stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        for _ in range(240):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-                time.sleep(0.5)
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc.pid, tmp_path / "serve.log", timeout=300)
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
                                      headers={"Content-Type": "application/json"},
                                      data=json.dumps({"model": name, "prompt": "ROMEO.\n", "max_tokens": 8}).encode())
@@ -187,66 +183,96 @@ def test_pipeline_runs_register_and_serve_through_the_servers(services, deployme
         proc.wait(timeout=30)
 
 
-def test_two_registrations_race_into_one_registry(services, deployment_run, tmp_path):
-    """Two register stages at once, on the pipeline's models: A registers the chain's best, B (metrics edited so
-    another stage is better still) registers that one. Both versions exist, once each, and B's is champion,
-    whichever decided first; each decision says what the registry shows."""
+def test_registrations_race_into_one_registry(services, deployment_run, tmp_path):
+    """Three register stages at once on the pipeline's models: A and A2 register the chain's best (the same
+    weights), B (metrics edited so another stage's model is better still) registers that one. Two versions exist,
+    once each, and B's is champion, whichever decided first; each decision says what the registry shows."""
+    from astrai_core.io import sha256_file
+    from tasks.layout import MODEL_STAGES, model_dir
+    from tasks.metrics import better
+    from tasks.params import load_params
+    from tasks.register import best_model
+
     repo, env = deployment_run["repo"], deployment_run["env"]
     metrics = json.loads((repo / "data" / "evaluate" / "metrics.json").read_text())
-    metric = "test_bits_per_char"
-    scored = sorted((metrics[k], k.split("/")[0]) for k in metrics if k.endswith(f"/{metric}"))
-    best_value = scored[0][0]
-    other = next(stage for value, stage in scored if value > best_value)  # not A's pick, even on a tie
-    better = dict(metrics, **{f"{other}/{metric}": best_value - 0.5})  # B: another stage's weights, better
-    (tmp_path / "b.json").write_text(json.dumps(better))
+    metric = load_params(repo / "params.yaml").register.metric  # what register compares on
+    a_stage = best_model(metrics, metric)
+    a_sha = sha256_file(model_dir(repo, a_stage) / "model.safetensors")
+    other = next(s for s in MODEL_STAGES if f"{s}/{metric}" in metrics
+                 and sha256_file(model_dir(repo, s) / "model.safetensors") != a_sha)
+    step = 0.5 if better(metric, 1.0, 0.0) else -0.5  # which way is better for this metric
+    b_metrics = dict(metrics, **{f"{other}/{metric}": metrics[f"{a_stage}/{metric}"] + step})  # B: better still
+    (tmp_path / "b.json").write_text(json.dumps(b_metrics))
     code = ("import sys; from pathlib import Path; from tasks.params import load_params; "
             "from tasks.tracking import stage_run; from tasks.register import register; "
             "p = load_params('params.yaml');\n"
             "with stage_run('register', p, Path('.')): register(p, Path(sys.argv[1]), Path(sys.argv[2]), Path('.'))")
     race_env = {**env, "ASTRAI_PROFILE": "race", "PYTHONPATH": str(repo)}  # registers as MODEL-race
+    a_metrics = repo / "data" / "evaluate" / "metrics.json"
     procs = {who: subprocess.Popen([sys.executable, "-c", code, str(path), str(tmp_path / who)], cwd=repo,
                                    env=race_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for who, path in (("a", repo / "data" / "evaluate" / "metrics.json"), ("b", tmp_path / "b.json"))}
+             for who, path in (("a", a_metrics), ("a2", a_metrics), ("b", tmp_path / "b.json"))}
     outs = {who: p.communicate(timeout=600)[0] for who, p in procs.items()}
     assert all(p.returncode == 0 for p in procs.values()), outs
     reports = {who: json.loads((tmp_path / who / "registration.json").read_text()) for who in procs}
+    print("waited for the lock:", {who: "waiting for another registration" in out for who, out in outs.items()},
+          file=sys.stderr)
 
     import mlflow
 
     client = mlflow.MlflowClient(services["env"]["MLFLOW_TRACKING_URI"])
     name = f"{MODEL}-race"
     versions = client.search_model_versions(f"name = '{name}'")
-    assert len(versions) == 2, [(v.version, v.tags.get("stage")) for v in versions]  # both there, none doubled
-    assert {v.tags["stage"] for v in versions} == {reports["a"]["stage"], other}
+    assert sorted(v.tags["stage"] for v in versions) == sorted([a_stage, other]), reports  # none doubled
+    assert sorted(r["registered"] for r in reports.values()) == [False, True, True], reports
+    assert reports["a"]["version"] == reports["a2"]["version"]
     champion = client.get_model_version_by_alias(name, "champion")
     assert champion.tags["stage"] == other and str(champion.version) == str(reports["b"]["version"])
     assert reports["b"]["aliases"] == ["candidate", "champion"]
-    first, second = sorted(reports.values(), key=lambda r: r["version"])
+    first, second = sorted((r for r in reports.values() if r["registered"]), key=lambda r: r["version"])
     assert "no previous champion" in first["decision"] and "no previous champion" not in second["decision"], reports
-    print("overlapped:", ["waiting for another registration" in out for out in outs.values()], file=sys.stderr)
 
 
-def test_champion_decisions_are_one_step_under_the_lock(services):
-    """The compare-and-set alone, made to race: in each round two clients pass a barrier together and decide at
-    once, each with its own session on PostgreSQL. Under the lock one decides first ("no previous champion"), the other compares with it."""
+def test_champion_decisions_are_one_step_under_the_lock(services, monkeypatch):
+    """The compare-and-set alone, made to race: two clients, each with its own session on PostgreSQL, decide at
+    once. Each one's first read of the champion waits (up to 1 s) for the other's, then the worse one (version 2)
+    is slower to act on it: without the lock both would read "no champion", the better one claim it and see it
+    held, then the worse one claim it and see it held, both winning and the worse ending champion. Under the lock
+    one decides first ("no previous champion"), the other compares with it."""
     import mlflow
 
+    import tasks.register as register
     from tasks.register import claim_champion, registry_lock
 
     client = mlflow.MlflowClient(services["env"]["MLFLOW_TRACKING_URI"])
     lock_uri = services["env"]["ASTRAI_REGISTRY_LOCK_URI"]
     run = client.create_run("0")  # the versions' source: the server takes only sources of a run it knows
-    for round_ in range(4):
+    read, first_read = register.champion_value, threading.local()
+
+    def read_together(*args):
+        value = read(*args)
+        if not getattr(first_read, "done", False):
+            first_read.done = True
+            try:
+                reads_met.wait(timeout=1)
+            except threading.BrokenBarrierError:  # the other is waiting for the lock (or has decided)
+                pass
+            if first_read.version == "2":
+                time.sleep(0.5)
+        return value
+
+    monkeypatch.setattr(register, "champion_value", read_together)
+    for round_ in range(2):
         name = f"cas-{round_}"
         client.create_registered_model(name)
-        bpc = {"1": 2.5, "2": 2.4}
+        bpc = {"1": 2.4, "2": 2.5}  # version 1 is better (bits per char: lower)
         for v, value in bpc.items():
             client.create_model_version(name, source=f"{run.info.artifact_uri}/model", run_id=run.info.run_id)
             client.set_model_version_tag(name, v, "test_bits_per_char", f"{value:.6f}")
-        barrier, results = threading.Barrier(2), {}
+        reads_met, results = threading.Barrier(2), {}
 
         def decide(version):
-            barrier.wait()
+            first_read.done, first_read.version = False, version
             with registry_lock(lock_uri, name) as locked:
                 assert locked
                 results[version] = claim_champion(client, name, version, "test_bits_per_char", bpc[version], settle=0)
@@ -256,6 +282,6 @@ def test_champion_decisions_are_one_step_under_the_lock(services):
             t.start()
         for t in threads:
             t.join()
-        assert str(client.get_model_version_by_alias(name, "champion").version) == "2", (round_, results)
         assert sum("no previous champion" in why for _, why in results.values()) == 1, (round_, results)
-        assert results["2"][0] is True, (round_, results)
+        assert str(client.get_model_version_by_alias(name, "champion").version) == "1", (round_, results)
+        assert results["1"][0] is True, (round_, results)
