@@ -15,7 +15,8 @@ PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 POOL ?= astrai-local
 
-.PHONY: setup demo test pipeline repro serve server worker deploy run-deployment stop mlflow-ui mlflow-server bench clean
+.PHONY: setup demo test pipeline repro serve server worker deploy run-deployment stop mlflow-ui mlflow-server \
+  team-services team-services-stop bench clean
 
 # uv installs the lock in about a quarter of pip's time (1 min against 3.7 on 2 cores). It reads no pip.conf, so it
 # gets pip's configured find-links (where a machine keeps local wheels, e.g. a CPU build of torch).
@@ -25,7 +26,7 @@ $(BIN)/astrai: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(UV)
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode $(addprefix --find-links ,$(FIND_LINKS)) \
-	  -c requirements.lock -e '.[dev,eval]'
+	  -c requirements.lock -e '.[dev,eval,team]'
 	touch $@
 
 setup: $(BIN)/astrai  ## create .venv with every dependency
@@ -98,6 +99,19 @@ MLFLOW_ARTIFACTS ?= $(CURDIR)/mlflow/artifacts
 mlflow-server: setup  ## MLflow tracking server for the cluster: MLFLOW_BACKEND, MLFLOW_ARTIFACTS, MLFLOW_HOST
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow server --host $(MLFLOW_HOST) --port $(MLFLOW_PORT) \
 	  --workers 1 --backend-store-uri $(MLFLOW_BACKEND) --artifacts-destination $(MLFLOW_ARTIFACTS)
+
+# The team services on PostgreSQL (docs/scaling-out.md, "Team setup"): a trial PostgreSQL in TEAM_DIR, or the team's
+# with TEAM_POSTGRES=postgresql://USER:PASS@HOST:PORT; the MLflow and Prefect servers on it and a process worker.
+# Then `eval "$$(.venv/bin/astrai services env TEAM_DIR)"` points a shell at them.
+TEAM_DIR ?= $(CURDIR)/.astrai/team
+TEAM_HOST ?= 127.0.0.1
+TEAM_POSTGRES ?=
+team-services: setup  ## PostgreSQL + MLflow + Prefect + worker for a team: TEAM_DIR, TEAM_HOST, TEAM_POSTGRES
+	$(BIN)/astrai services start $(TEAM_DIR) --host $(TEAM_HOST) --mlflow-port $(MLFLOW_PORT) \
+	  --prefect-port $(PREFECT_PORT) --pool $(POOL) $(if $(TEAM_POSTGRES),--postgres '$(TEAM_POSTGRES)')
+
+team-services-stop:  ## stop what team-services started (the trial database's data stays in TEAM_DIR)
+	$(BIN)/astrai services stop $(TEAM_DIR)
 
 bench: setup
 	$(BIN)/python bench/throughput.py

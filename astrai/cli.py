@@ -388,6 +388,68 @@ def lm_eval_data(corpus: Path = typer.Option(Path("data/corpus"), help="The corp
         print(f"{task}: {n} items -> {out / FILES[task]}")
 
 
+services_app = typer.Typer(help="The team services: PostgreSQL, the MLflow and Prefect servers on it, a process "
+                             "worker (docs/scaling-out.md, Team setup).", no_args_is_help=True)
+app.add_typer(services_app, name="services")
+
+
+@services_app.command("start")
+def services_start(
+    directory: Path = typer.Argument(..., help="Where the services keep their state, logs and artifacts."),
+    postgres: Optional[str] = typer.Option(None, help="A running PostgreSQL (postgresql://USER:PASSWORD@HOST:PORT) "
+                                           "where USER may create databases; default: a trial one in DIR/postgres."),
+    host: str = typer.Option("127.0.0.1", help="Address the servers listen on (0.0.0.0: every interface, for "
+                             "compute nodes; nothing here authenticates, so a trusted network only)."),
+    pg_port: int = typer.Option(5432, help="Port of the trial PostgreSQL."),
+    mlflow_port: int = typer.Option(5000, help="Port of the MLflow tracking server."),
+    prefect_port: int = typer.Option(4200, help="Port of the Prefect server."),
+    pool: str = typer.Option("astrai-local", help="The process work pool the worker serves (prefect.yaml's)."),
+) -> None:
+    """Start PostgreSQL (or use --postgres), the MLflow server with proxied artifacts, the Prefect server, a process
+    work pool and its worker; print the settings a checkout needs."""
+    from astrai import services
+
+    try:
+        state = services.start(directory, host, postgres, pg_port, mlflow_port, prefect_port, pool)
+    except AstraiError as e:
+        _fail(str(e))
+    typer.echo(f"MLflow: {state['mlflow_url']}  Prefect: {state['prefect_api_url'].removesuffix('/api')}  "
+               f"pool: {state['pool']}  (stop: astrai services stop {directory})", err=True)
+    _print_env(state)
+
+
+@services_app.command("env")
+def services_env(directory: Path = typer.Argument(..., help="The directory given to `astrai services start`.")) -> None:
+    """Print the settings that point a shell at the services: eval "$(astrai services env DIR)"."""
+    from astrai import services
+
+    try:
+        _print_env(services.load(directory))
+    except AstraiError as e:
+        _fail(str(e))
+
+
+def _print_env(state: dict) -> None:
+    import shlex
+
+    from astrai import services
+
+    for key, value in services.client_env(state).items():
+        print(f"export {key}={shlex.quote(value)}")
+
+
+@services_app.command("stop")
+def services_stop(directory: Path = typer.Argument(..., help="The directory given to `astrai services start`.")) -> None:
+    """Stop the worker, the servers and the trial PostgreSQL (its data stays; start again reuses it)."""
+    from astrai import services
+
+    try:
+        services.stop(directory)
+    except AstraiError as e:
+        _fail(str(e))
+    typer.echo("stopped", err=True)
+
+
 def main() -> None:
     # A stage's progress lines (and a Slurm job's, which it relays) reach a pipe, a tee or a log as they happen,
     # not in 8 KiB blocks: Ctrl-C and the eta then refer to what the reader has seen.

@@ -162,6 +162,10 @@ class TrackingParams(Strict):
     # None: sqlite store under mlflow/ in the project (MLFLOW_TRACKING_URI in the environment wins)
     uri: str | None = None
     experiment: str = "astrai"
+    # A PostgreSQL every registration reaches (postgresql://USER:PASS@HOST:PORT/DB): the register stage takes an
+    # advisory lock there, so two registrations decide the champion one after the other (tasks/register.py
+    # registry_lock). None: no lock (ASTRAI_REGISTRY_LOCK_URI in the environment wins; `astrai services env` sets it)
+    registry_lock_uri: str | None = None
 
 
 class ClusterParams(Strict):

@@ -4,7 +4,9 @@ register a version, move the aliases.
 The metric is `register.metric` in params (tasks/metrics.py says which way is better): the registered model is the
 best of the chain on it in the evaluation's metrics.json (a tie goes to the later stage), not blindly the last one.
 Every new version gets alias `candidate`. Alias `champion` moves to it only if its value of the same metric beats
-the current champion's (or there is no champion, or the champion was registered without that metric). Weights
+the current champion's (or there is no champion, or the champion was registered without that metric); with a
+registry lock (ASTRAI_REGISTRY_LOCK_URI / tracking.registry_lock_uri, a PostgreSQL advisory lock: registry_lock)
+registrations of one name, on any machine, go one after the other, so that decision is a compare-and-set. Weights
 already registered (the same sha256 of model.safetensors under the same name) are not registered again: the stage
 reports that version and moves no alias. A flow run with a profile registers under "<model_name>-<profile>" (the
 quick profile's throwaway models never become `astrai@candidate`), and every version is tagged with its profile;
@@ -16,6 +18,8 @@ transformers too. Alone: `astrai stage register`.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import random
@@ -25,6 +29,7 @@ import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
+from typing import Iterator
 
 import mlflow
 import yaml
@@ -43,6 +48,7 @@ from tasks.tracking import FLOW_RUN_ENV
 # A version's tag `registration`: "pending" from its creation until its aliases are decided, then "done". A version
 # left pending (the stage was killed in between) is finished by the next registration of the same weights.
 REGISTRATION, PENDING = "registration", "pending"
+REGISTRY_LOCK_ENV = "ASTRAI_REGISTRY_LOCK_URI"  # wins over tracking.registry_lock_uri, as MLFLOW_TRACKING_URI does
 PREDICT_PARAMS = {"max_new_tokens": 64, "temperature": 0.0, "top_k": 0, "seed": 0}
 
 
@@ -208,6 +214,36 @@ def claim_champion(client: mlflow.MlflowClient, name: str, version: str, metric:
     raise AstraiError(f"model {name!r}: alias champion keeps moving; another registration is racing this one")
 
 
+@contextlib.contextmanager
+def registry_lock(uri: str | None, name: str) -> Iterator[bool]:
+    """While held, no other registration of model `name` holds it, on any machine: a PostgreSQL advisory lock on
+    `uri` (libpq form, postgresql://USER:PASS@HOST:PORT/DB; any database of a server every registration reaches).
+    Yields True while held, False at once without a `uri`.
+
+    MLflow's API has no compare-and-set for aliases, and a client reaches only that API; so the compare and the set
+    are made one step by a lock every registration takes. An advisory lock is the session's: when the holder's
+    connection ends (the stage finished, crashed or was killed), the server lets it go, so no stale lock remains
+    for anyone to break by hand, unlike a lock file or a create-if-absent marker in the registry.
+    """
+    if not uri:
+        yield False
+        return
+    import psycopg2  # the team extra (pyproject.toml)
+
+    key = int.from_bytes(hashlib.sha256(f"astrai.register:{name}".encode()).digest()[:8], "big", signed=True)
+    conn = psycopg2.connect(uri.replace("postgresql+psycopg2://", "postgresql://", 1))
+    conn.autocommit = True  # session-level lock, no transaction held open while it is
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_try_advisory_lock(%s)", (key,))
+            if not cur.fetchone()[0]:
+                print(f"register: waiting for another registration of {name!r} to finish (registry lock)", flush=True)
+                cur.execute("SELECT pg_advisory_lock(%s)", (key,))
+        yield True
+    finally:
+        conn.close()  # the session ends, and the lock with it
+
+
 def decision_line(version: str, metric: str, value: float, old_version: str | None, old_value: float | None,
                   why: str = "") -> str:
     if old_version is None:
@@ -241,75 +277,79 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
     items_path = metrics_path.with_name("items.json")
     items = json.loads(items_path.read_text()) if items_path.is_file() else {}
     record = gate_record(metrics, items, stage)  # what the gate compares, item by item
-    weights_sha256 = sha256_file(checkpoint_dir / "model.safetensors")
-    # weights_sha256 is written with the version itself (one transaction), so this finds every version of these
-    # weights, also one whose registration a kill cut short before its aliases: that one is finished here.
-    same = client.search_model_versions(f"name = '{name}' and tags.weights_sha256 = '{weights_sha256}'")
-    if same:
-        # search_model_versions leaves aliases empty: the version itself has them
-        mv = client.get_model_version(name, min(same, key=lambda v: int(v.version)).version)
-        if mv.tags.get(REGISTRATION) == PENDING:
-            print(f"register: version {mv.version} holds these weights but its registration was cut short "
-                  f"(run {mv.tags.get('mlflow_run_id')}): finishing it", flush=True)
-            return _decide(client, name, str(mv.version), metric, record, base, dict(mv.tags), out_dir)
-        decision = (f"version {mv.version} already holds these weights (sha256 {weights_sha256[:12]}): not "
-                    "registered again; the aliases stay where they are")
-        mlflow.set_tag("astrai.registration", decision)
-        champion = champion_value(client, name, metric)[0]
-        return _report(out_dir, {**base, "registered": False, "version": int(mv.version),
-                                 "model_uri": f"models:/{name}/{mv.version}", "aliases": sorted(mv.aliases),
-                                 "champion_version": int(champion) if champion else None, "decision": decision})
+    # Under the lock, "same weights already registered?", the new version and the champion decision are one step for
+    # every registration of this name on any machine (see registry_lock); without one, claim_champion looks again.
+    with registry_lock(os.environ.get(REGISTRY_LOCK_ENV) or params.tracking.registry_lock_uri, name) as locked:
+        weights_sha256 = sha256_file(checkpoint_dir / "model.safetensors")
+        # weights_sha256 is written with the version itself (one transaction), so this finds every version of these
+        # weights, also one whose registration a kill cut short before its aliases: that one is finished here.
+        same = client.search_model_versions(f"name = '{name}' and tags.weights_sha256 = '{weights_sha256}'")
+        if same:
+            # search_model_versions leaves aliases empty: the version itself has them
+            mv = client.get_model_version(name, min(same, key=lambda v: int(v.version)).version)
+            if mv.tags.get(REGISTRATION) == PENDING:
+                print(f"register: version {mv.version} holds these weights but its registration was cut short "
+                      f"(run {mv.tags.get('mlflow_run_id')}): finishing it", flush=True)
+                return _decide(client, name, str(mv.version), metric, record, base, dict(mv.tags), out_dir, locked)
+            decision = (f"version {mv.version} already holds these weights (sha256 {weights_sha256[:12]}): not "
+                        "registered again; the aliases stay where they are")
+            mlflow.set_tag("astrai.registration", decision)
+            champion = champion_value(client, name, metric)[0]
+            return _report(out_dir, {**base, "registered": False, "version": int(mv.version),
+                                     "model_uri": f"models:/{name}/{mv.version}", "aliases": sorted(mv.aliases),
+                                     "champion_version": int(champion) if champion else None, "decision": decision})
 
-    # The Hugging Face export travels with the version as the model artifact "hf" (transformers loads it directly:
-    # download_artifacts("models:/NAME@champion") has artifacts/hf). Options transformers lacks are registered
-    # without it, and the tag hf_export says why.
-    with tempfile.TemporaryDirectory() as tmp:
-        artifacts = {"checkpoint": str(checkpoint_dir)}
-        try:
-            artifacts["hf"] = str(export_hf(checkpoint_dir, Path(tmp) / "hf"))
-            hf_export = json.loads((Path(tmp) / "hf" / "config.json").read_text())["architectures"][0]
-        except AstraiError as e:
-            hf_export = f"none: {e}"
-        info = mlflow.pyfunc.log_model(
-            name="model",
-            python_model=str(Path(__file__).with_name("pyfunc_model.py")),
-            artifacts=artifacts,
-            code_paths=[str(Path(astrai_core.__file__).parent)],
-            # An input example (and predict's type hints) give the signature, params included, and spare the log
-            # MLflow's warnings; MLflow runs predict on it once, so the logged model is known to load and answer.
-            input_example=(["ROMEO.\n"], PREDICT_PARAMS),
-            pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "safetensors", "tokenizers", "numpy", "pydantic")],
-        )
-    tags = {
-        "git_commit": git_commit(project_dir),
-        "params_hash": params.digest(),
-        "prefect_flow_run_id": os.environ.get(FLOW_RUN_ENV, "none"),
-        "mlflow_run_id": mlflow.active_run().info.run_id,
-        "register_metric": metric,  # what this version was chosen by and is compared with the champion on
-        "stage": stage,  # which training stage of the chain made this model
-        # its held-out metrics (evaluation of this model, not of the chain's last one)
-        **{k: f"{metrics[f'{stage}/{k}{end}']:.6f}" for k in METRICS for end in ("", "_low", "_high")
-           if f"{stage}/{k}{end}" in metrics},
-        "hf_export": hf_export,
-        "weights_sha256": weights_sha256,  # a later registration of the same weights finds this version
-        "profile": profile,
-        **dvc_hashes(project_dir),
-    }
-    mlflow.log_dict(record, GATE_ITEMS)  # in the version's run before the version exists: a later gate reads it
-    # The version and all its tags in one step (one transaction in the store): never a version without them.
-    mv = mlflow.register_model(info.model_uri, name, tags={**tags, REGISTRATION: PENDING}).version
-    if os.environ.get("ASTRAI_TEST_SIGKILL_AT") == "register:version-created":  # tests: a kill at the worst moment
-        os.kill(os.getpid(), signal.SIGKILL)
-    return _decide(client, name, str(mv), metric, record, base, tags, out_dir)
+        # The Hugging Face export travels with the version as the model artifact "hf" (transformers loads it directly:
+        # download_artifacts("models:/NAME@champion") has artifacts/hf). Options transformers lacks are registered
+        # without it, and the tag hf_export says why.
+        with tempfile.TemporaryDirectory() as tmp:
+            artifacts = {"checkpoint": str(checkpoint_dir)}
+            try:
+                artifacts["hf"] = str(export_hf(checkpoint_dir, Path(tmp) / "hf"))
+                hf_export = json.loads((Path(tmp) / "hf" / "config.json").read_text())["architectures"][0]
+            except AstraiError as e:
+                hf_export = f"none: {e}"
+            info = mlflow.pyfunc.log_model(
+                name="model",
+                python_model=str(Path(__file__).with_name("pyfunc_model.py")),
+                artifacts=artifacts,
+                code_paths=[str(Path(astrai_core.__file__).parent)],
+                # An input example (and predict's type hints) give the signature, params included, and spare the log
+                # MLflow's warnings; MLflow runs predict on it once, so the logged model is known to load and answer.
+                input_example=(["ROMEO.\n"], PREDICT_PARAMS),
+                pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "safetensors", "tokenizers", "numpy", "pydantic")],
+            )
+        tags = {
+            "git_commit": git_commit(project_dir),
+            "params_hash": params.digest(),
+            "prefect_flow_run_id": os.environ.get(FLOW_RUN_ENV, "none"),
+            "mlflow_run_id": mlflow.active_run().info.run_id,
+            "register_metric": metric,  # what this version was chosen by and is compared with the champion on
+            "stage": stage,  # which training stage of the chain made this model
+            # its held-out metrics (evaluation of this model, not of the chain's last one)
+            **{k: f"{metrics[f'{stage}/{k}{end}']:.6f}" for k in METRICS for end in ("", "_low", "_high")
+               if f"{stage}/{k}{end}" in metrics},
+            "hf_export": hf_export,
+            "weights_sha256": weights_sha256,  # a later registration of the same weights finds this version
+            "profile": profile,
+            **dvc_hashes(project_dir),
+        }
+        mlflow.log_dict(record, GATE_ITEMS)  # in the version's run before the version exists: a later gate reads it
+        # The version and all its tags in one step (one transaction in the store): never a version without them.
+        mv = mlflow.register_model(info.model_uri, name, tags={**tags, REGISTRATION: PENDING}).version
+        if os.environ.get("ASTRAI_TEST_SIGKILL_AT") == "register:version-created":  # tests: a kill at the worst moment
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _decide(client, name, str(mv), metric, record, base, tags, out_dir, locked)
 
 
 
 def _decide(client: mlflow.MlflowClient, name: str, mv: str, metric: str, record: dict, base: dict, tags: dict,
-            out_dir: Path) -> dict:
+            out_dir: Path, locked: bool) -> dict:
     """A new version's aliases: candidate, and champion if it passes the gate against the champion; then its
     registration is done."""
     client.set_registered_model_alias(name, "candidate", mv)
-    promote, decision = claim_champion(client, name, mv, metric, record)
+    # Under the registry lock nothing else moves champion: the compare and the set are one step, no look again.
+    promote, decision = claim_champion(client, name, mv, metric, record, settle=0.0 if locked else 0.5)
     client.set_model_version_tag(name, mv, REGISTRATION, "done")
     mlflow.set_tag("astrai.registration", decision)
     mlflow.log_text(decision + "\n", "registration_decision.txt")

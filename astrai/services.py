@@ -1,0 +1,241 @@
+"""The team services: PostgreSQL, the MLflow tracking server and the Prefect server on it, a process work pool and
+its worker; what `astrai services start|stop|env` runs (docs/scaling-out.md, "Team setup").
+
+    astrai services start DIR                      # a trial PostgreSQL in DIR/postgres (Debian's postgresql-15)
+    astrai services start DIR --postgres URI       # or the team's PostgreSQL: postgresql://USER:PASS@HOST:PORT
+    eval "$(astrai services env DIR)"              # MLFLOW_TRACKING_URI, PREFECT_API_URL, ASTRAI_REGISTRY_LOCK_URI
+    astrai services stop DIR
+
+Each service is a process of its own session (it outlives the command that started it), with its log and pid in
+DIR; DIR/services.json says what runs and where (mode 0600: it holds the database password). MLflow and Prefect
+get a database each on the PostgreSQL, `mlflow` and `prefect`, and their schemas are migrated before the servers
+start. MLflow serves the artifacts itself (--serve-artifacts from DIR/artifacts): clients, compute nodes included,
+read and write them over HTTP (`mlflow-artifacts:/` URIs) and need no shared path to them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from astrai_core.errors import AstraiError
+
+PG_BIN = Path(os.environ.get("ASTRAI_PG_BIN", "/usr/lib/postgresql/15/bin"))  # Debian's postgresql-15
+PG_USER = "postgres"  # PostgreSQL refuses to run as root: as root, the trial server runs as this system user
+DATABASES = ("mlflow", "prefect")
+VENV_BIN = Path(sys.executable).parent  # mlflow and prefect from the environment astrai runs in
+
+
+def with_driver(uri: str, driver: str | None) -> str:
+    """postgresql://... with SQLAlchemy's driver written out (postgresql+psycopg2://...), or none for libpq.
+    SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3 (2.0 mapped it to psycopg2), so the driver is explicit."""
+    scheme, rest = uri.split("://", 1)
+    if scheme.split("+")[0] not in ("postgresql", "postgres"):
+        raise AstraiError(f"--postgres {uri}: expected postgresql://USER:PASSWORD@HOST:PORT")
+    return f"postgresql{'+' + driver if driver else ''}://{rest}"
+
+
+def database(uri: str, name: str) -> str:
+    """The server URI `uri` with its database path set to `name`."""
+    parts = urllib.parse.urlsplit(uri)
+    return urllib.parse.urlunsplit(parts._replace(path=f"/{name}"))
+
+
+def _pg(tool: str, *args: str, log: Path) -> None:
+    cmd = [str(PG_BIN / tool), *args]
+    if os.geteuid() == 0:
+        cmd = ["runuser", "-u", PG_USER, "--", *cmd]
+    with open(log, "ab") as out:
+        if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
+            raise AstraiError(f"{tool} failed; see {log}")
+
+
+def start_postgres(d: Path, host: str, port: int) -> str:
+    """initdb (first time only) and start a PostgreSQL in d/postgres; returns its server URI (password auth)."""
+    if not (PG_BIN / "initdb").exists():
+        raise AstraiError(f"no PostgreSQL in {PG_BIN} (apt-get install postgresql-15, or set ASTRAI_PG_BIN); or give "
+                          "a running one with --postgres URI")
+    pg = d / "postgres"
+    data, secret = pg / "data", pg / "password"
+    if not data.exists():
+        pg.mkdir(parents=True)
+        secret.write_text(secrets.token_hex(16))
+        secret.chmod(0o600)
+        if os.geteuid() == 0:
+            subprocess.run(["chown", "-R", PG_USER, str(pg)], check=True)
+            if subprocess.run(["runuser", "-u", PG_USER, "--", "test", "-w", str(pg)]).returncode != 0:
+                raise AstraiError(f"{pg}: user {PG_USER} cannot reach it (a parent directory closed to other users?); "
+                                  "give a DIR it can reach, e.g. under /srv or /tmp")
+        _pg("initdb", "-D", str(data), "-U", "astrai", "--auth=scram-sha-256", f"--pwfile={secret}", "-E", "UTF8",
+            "--locale=C.UTF-8", log=pg / "initdb.log")
+    # The socket goes in the data directory: /var/run/postgresql may not exist or be writable.
+    _pg("pg_ctl", "-D", str(data), "-l", str(pg / "server.log"), "-w", "-t", "120", "-o",
+        f"-p {port} -c listen_addresses={host} -k {data}", "start", log=pg / "pg_ctl.log")
+    return f"postgresql://astrai:{secret.read_text().strip()}@{'127.0.0.1' if host in ('0.0.0.0', '*') else host}:{port}"
+
+
+def create_databases(server_uri: str) -> None:
+    """The mlflow and prefect databases on the server, where missing."""
+    import psycopg2
+
+    try:
+        conn = psycopg2.connect(database(with_driver(server_uri, None), "postgres"))
+    except psycopg2.OperationalError as e:
+        raise AstraiError(f"PostgreSQL at {urllib.parse.urlsplit(server_uri).hostname}: {str(e).strip()}") from None
+    conn.autocommit = True  # CREATE DATABASE cannot run in a transaction
+    try:
+        with conn.cursor() as cur:
+            for name in DATABASES:
+                cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,))
+                if cur.fetchone() is None:
+                    cur.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        conn.close()
+
+
+def _spawn(d: Path, name: str, cmd: list[str], env: dict[str, str]) -> int:
+    log = open(d / f"{name}.log", "ab")
+    proc = subprocess.Popen([str(c) for c in cmd], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=d)
+    return proc.pid
+
+
+def _run(cmd: list, env: dict[str, str], what: str) -> None:
+    out = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise AstraiError(f"{what} failed:\n{(out.stdout + out.stderr)[-3000:]}")
+
+
+def wait_healthy(url: str, pid: int, log: Path, timeout: float = 180) -> None:
+    """Until `url` answers 200; AstraiError with the end of `log` if process `pid` exits first, or on timeout."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if not _alive(pid):
+            raise AstraiError(f"{url}: the server exited; its log {log} ends:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    raise AstraiError(f"{url}: no answer after {timeout:.0f} s; see {log}")
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie (exited, not yet reaped by whoever adopted it) counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def base_env(d: Path) -> dict[str, str]:
+    return {**os.environ, "PREFECT_HOME": str(d / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1", "DVC_NO_ANALYTICS": "1"}
+
+
+def client_env(state: dict) -> dict[str, str]:
+    """What a checkout needs to use the services: the tracking server, the Prefect API and the registry lock."""
+    return {"MLFLOW_TRACKING_URI": state["mlflow_url"], "PREFECT_API_URL": state["prefect_api_url"],
+            "ASTRAI_REGISTRY_LOCK_URI": state["lock_uri"]}
+
+
+def start(d: Path, host: str = "127.0.0.1", postgres: str | None = None, pg_port: int = 5432,
+          mlflow_port: int = 5000, prefect_port: int = 4200, pool: str = "astrai-local") -> dict:
+    """Start every service (on failure, stop what started, then raise); returns the state in d/services.json."""
+    d = d.resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    if (d / "services.json").exists() and any(_alive(p) for p in json.loads((d / "services.json").read_text())
+                                              .get("pids", {}).values()):
+        raise AstraiError(f"{d}: services already run from here; `astrai services stop {d}` first")
+    state: dict = {"dir": str(d), "pids": {}, "trial_postgres": postgres is None}
+    save(d, state)  # first: a failed start stops what it started from here
+    try:
+        server = postgres or start_postgres(d, host, pg_port)
+        state["postgres"] = server
+        save(d, state)
+        create_databases(server)
+        state["lock_uri"] = database(with_driver(server, None), "mlflow")
+        env = base_env(d)
+
+        mlflow_db = database(with_driver(server, "psycopg2"), "mlflow")
+        _run([VENV_BIN / "mlflow", "db", "upgrade", mlflow_db], env, "mlflow db upgrade")
+        (d / "artifacts").mkdir(exist_ok=True)
+        # No job execution and one worker: ~500 MB instead of 2.4 GB (DESIGN.md, measured here).
+        state["pids"]["mlflow"] = _spawn(d, "mlflow", [
+            VENV_BIN / "mlflow", "server", "--host", host, "--port", str(mlflow_port), "--workers", "1",
+            "--backend-store-uri", mlflow_db, "--artifacts-destination", d / "artifacts", "--serve-artifacts"],
+            {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+        reach = "127.0.0.1" if host in ("0.0.0.0", "*") else host  # where this machine reaches them
+        state["mlflow_url"] = f"http://{reach}:{mlflow_port}"
+        save(d, state)
+
+        prefect_env = {**env, "PREFECT_API_DATABASE_CONNECTION_URL": database(with_driver(server, "asyncpg"), "prefect")}
+        _run([VENV_BIN / "prefect", "server", "database", "upgrade", "-y"], prefect_env, "prefect server database upgrade")
+        state["pids"]["prefect"] = _spawn(d, "prefect", [VENV_BIN / "prefect", "server", "start", "--host", host,
+                                                         "--port", str(prefect_port)], prefect_env)
+        state["prefect_api_url"] = f"http://{reach}:{prefect_port}/api"
+        save(d, state)
+        wait_healthy(f"{state['mlflow_url']}/health", state["pids"]["mlflow"], d / "mlflow.log")
+        wait_healthy(f"{state['prefect_api_url']}/health", state["pids"]["prefect"], d / "prefect.log")
+
+        worker_env = {**env, **client_env(state)}  # flow runs inherit it: they log to the server, lock the registry
+        _run([VENV_BIN / "prefect", "work-pool", "create", pool, "--type", "process", "--overwrite"], worker_env,
+             f"prefect work-pool create {pool}")
+        state["pids"]["worker"] = _spawn(d, "worker", [VENV_BIN / "prefect", "worker", "start", "--pool", pool],
+                                         worker_env)
+        state["pool"] = pool
+        save(d, state)
+    except BaseException:
+        stop(d)
+        raise
+    return state
+
+
+def save(d: Path, state: dict) -> None:
+    path = d / "services.json"
+    path.touch(mode=0o600)
+    path.write_text(json.dumps(state, indent=2))
+
+
+def load(d: Path) -> dict:
+    path = d.resolve() / "services.json"
+    if not path.is_file():
+        raise AstraiError(f"{d}: no services.json (start them with `astrai services start {d}`)")
+    return json.loads(path.read_text())
+
+
+def _stop_pid(pid: int, *signals: int) -> None:
+    """Each signal in turn to the process group, 10 s for it to end; then SIGKILL."""
+    for sig in (*signals, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        for _ in range(100):
+            if not _alive(pid):
+                return
+            time.sleep(0.1)
+
+
+def stop(d: Path) -> None:
+    """Stop what d/services.json says runs: the worker (SIGTERM, then SIGINT: an idle worker needs both), the
+    servers, then the trial PostgreSQL (its data stays in d/postgres; `start` again reuses it)."""
+    d = d.resolve()
+    state = load(d)
+    for name, sigs in (("worker", (signal.SIGTERM, signal.SIGINT)), ("prefect", (signal.SIGTERM,)),
+                       ("mlflow", (signal.SIGTERM,))):
+        if name in state["pids"]:
+            _stop_pid(state["pids"][name], *sigs)
+    state["pids"] = {}
+    if state.get("trial_postgres") and (d / "postgres" / "data" / "postmaster.pid").exists():
+        _pg("pg_ctl", "-D", str(d / "postgres" / "data"), "-m", "fast", "-w", "stop", log=d / "postgres" / "pg_ctl.log")
+    save(d, state)

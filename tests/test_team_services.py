@@ -1,0 +1,288 @@
+"""The team services on PostgreSQL (`astrai services start|stop`, astrai/services.py): a real PostgreSQL 15 in a temp
+directory, the MLflow tracking server on it with proxied artifacts, the Prefect server on it and a process worker,
+all on loopback ports. A checkout pointed at them by settings alone runs the quick pipeline as a deployment run;
+its runs, registered version, tags and aliases are then in PostgreSQL, and `astrai serve` pulls the champion
+through the MLflow server. Two registrations racing into one registry decide the champion one after the other
+(tasks/register.py registry_lock).
+
+Skipped with the reason where Debian's postgresql-15 or root (PostgreSQL then runs as user postgres) is missing;
+ASTRAI_REQUIRE_POSTGRES=1 (set by .ci/run) turns the skip into a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import PROJECT_ROOT, VENV_BIN, make_project, run_ok
+
+pytestmark = pytest.mark.integration
+
+MODEL = "astrai-team-test"
+
+
+def _require_postgres() -> None:
+    from astrai.services import PG_BIN, PG_USER
+
+    why = None
+    if not (PG_BIN / "initdb").exists():
+        why = f"no PostgreSQL in {PG_BIN} (apt-get install postgresql-15)"
+    elif os.geteuid() != 0:
+        why = f"the test PostgreSQL runs as user {PG_USER}, which needs root"
+    elif subprocess.run(["id", PG_USER], capture_output=True).returncode != 0:
+        why = f"no user {PG_USER} to run PostgreSQL as"
+    if why:
+        if os.environ.get("ASTRAI_REQUIRE_POSTGRES") == "1":
+            pytest.fail(f"ASTRAI_REQUIRE_POSTGRES=1 but {why}")
+        pytest.skip(why)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def services():
+    """`astrai services start DIR` on free loopback ports; `astrai services stop DIR` afterwards, failed or not."""
+    _require_postgres()
+    d = Path(tempfile.mkdtemp(prefix="astrai-team-"))  # /tmp: user postgres must reach DIR/postgres
+    d.chmod(0o755)
+    astrai = str(VENV_BIN / "astrai")
+    t0 = time.time()
+    try:
+        out = subprocess.run([astrai, "services", "start", str(d), "--pg-port", str(_free_port()), "--mlflow-port",
+                              str(_free_port()), "--prefect-port", str(_free_port())],
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stdout + out.stderr
+        print(f"services up in {time.time() - t0:.0f} s", file=sys.stderr)
+        env = dict(line.removeprefix("export ").split("=", 1) for line in out.stdout.splitlines())
+        yield {"dir": d, "env": env, "state": json.loads((d / "services.json").read_text())}
+    finally:
+        subprocess.run([astrai, "services", "stop", str(d)], capture_output=True, timeout=300)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _sql(uri: str, query: str) -> list[tuple]:
+    import psycopg2
+
+    conn = psycopg2.connect(uri)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(query)
+            return cur.fetchall()
+    finally:
+        conn.close()
+
+
+def _db(services, name: str) -> str:
+    from astrai.services import database
+
+    return database(services["state"]["postgres"], name)
+
+
+def test_services_run_on_postgres(services):
+    """Every process up, listening on loopback only, the two schemas migrated, the process pool there."""
+    from astrai.services import _alive
+
+    assert set(services["state"]["pids"]) == {"mlflow", "prefect", "worker"}
+    assert all(_alive(pid) for pid in services["state"]["pids"].values())
+    version = _sql(_db(services, "postgres"), "SHOW server_version")[0][0]
+    assert version.startswith("15."), version
+    assert _sql(_db(services, "mlflow"), "SELECT count(*) FROM alembic_version")[0][0] == 1
+    assert _sql(_db(services, "prefect"), "SELECT name, type FROM work_pool WHERE name = 'astrai-local'") == \
+        [("astrai-local", "process")]
+    # `pg_ctl -o "-c listen_addresses=127.0.0.1"`: nothing else answers
+    assert _sql(_db(services, "postgres"), "SHOW listen_addresses") == [("127.0.0.1",)]
+
+
+@pytest.fixture(scope="module")
+def deployment_run(services, tmp_path_factory):
+    """The quick pipeline as `prefect deployment run` on the services' worker, from a checkout that knows them by
+    environment alone (MLFLOW_TRACKING_URI, PREFECT_API_URL, ASTRAI_REGISTRY_LOCK_URI)."""
+    root = tmp_path_factory.mktemp("team-project")
+    repo = root / "project"
+    env = make_project(repo, root / "remote", MODEL)
+    shutil.copytree(PROJECT_ROOT / "profiles", repo / "profiles")
+    run_ok(["git", "add", "-A"], repo, env)
+    run_ok(["git", "commit", "-q", "-m", "profiles"], repo, env)
+    env.update(services["env"])
+    env.update({"PREFECT_HOME": str(root / "prefect"), "ASTRAI_PROJECT_DIR": str(repo)})
+    prefect = str(VENV_BIN / "prefect")
+    run_ok([prefect, "--no-prompt", "deploy", "--all"], repo, env)
+    t0 = time.time()
+    out = subprocess.run([prefect, "deployment", "run", "astrai-pipeline/default", "-p", "profile=quick", "--watch",
+                          "--watch-timeout", "900"], cwd=repo, env=env, capture_output=True, text=True)
+    worker_log = (services["dir"] / "worker.log").read_text()
+    assert out.returncode == 0, f"{out.stdout}\n{out.stderr}\n--- worker log ---\n{worker_log[-5000:]}"
+    print(f"deployment run (quick profile) took {time.time() - t0:.0f} s", file=sys.stderr)
+    return {"repo": repo, "env": env}
+
+
+def test_pipeline_runs_register_and_serve_through_the_servers(services, deployment_run, tmp_path):
+    import mlflow
+
+    from astrai.services import wait_healthy
+
+    client = mlflow.MlflowClient(services["env"]["MLFLOW_TRACKING_URI"])
+    name = f"{MODEL}-quick"  # a profile's run registers under NAME-PROFILE
+    mv = client.get_model_version_by_alias(name, "champion")
+    assert sorted(mv.aliases) == ["candidate", "champion"]
+    for tag in ("git_commit", "weights_sha256", "params_hash", "mlflow_run_id", "register_metric"):
+        assert mv.tags.get(tag, "unknown") != "unknown", (tag, mv.tags)
+    assert mv.tags["profile"] == "quick"
+    assert mv.tags["prefect_flow_run_id"] != "none"
+
+    # Runs and artifacts: every stage's run is a child of the flow's run, artifacts proxied by the server.
+    exp = client.get_experiment_by_name("astrai")
+    runs = client.search_runs([exp.experiment_id])
+    stages = {r.data.tags.get("astrai.stage") for r in runs}
+    assert {"pretrain", "sft", "dpo", "grpo", "evaluate", "register"} <= stages, stages
+    assert all(r.info.artifact_uri.startswith("mlflow-artifacts:/") for r in runs), [r.info.artifact_uri for r in runs]
+    assert client.download_artifacts(mv.run_id, "registration_decision.txt", str(tmp_path)).endswith(".txt")
+    pretrain = next(r for r in runs if r.data.tags.get("astrai.stage") == "pretrain")
+    assert len(client.get_metric_history(pretrain.info.run_id, "train/loss")) >= 2  # the ranks logged over HTTP
+
+    # The same facts in PostgreSQL: the server wrote them there, not to a file of this machine.
+    mlflow_db = _db(services, "mlflow")
+    assert _sql(mlflow_db, f"SELECT alias, version FROM registered_model_aliases WHERE name = '{name}' ORDER BY alias") \
+        == [("candidate", int(mv.version)), ("champion", int(mv.version))]
+    assert _sql(mlflow_db, f"SELECT count(*) FROM runs WHERE experiment_id = {exp.experiment_id}")[0][0] == len(runs)
+    assert _sql(_db(services, "prefect"), "SELECT state_type FROM flow_run") == [("COMPLETED",)]
+    assert not (deployment_run["repo"] / "mlflow" / "mlflow.db").exists()  # no local store on the side
+
+    # astrai serve pulls the champion's weights through the MLflow server and answers.
+    port = _free_port()
+    serve_env = {**deployment_run["env"], "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([str(VENV_BIN / "astrai"), "serve", "--model", f"models:/{name}@champion", "--port",
+                             str(port), "--engine-thread"], cwd=tmp_path, env=serve_env,
+                            stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc.pid, tmp_path / "serve.log", timeout=300)
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
+                                     headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"model": name, "prompt": "ROMEO.\n", "max_tokens": 8}).encode())
+        with urllib.request.urlopen(req, timeout=60) as r:
+            answer = json.loads(r.read())
+        assert answer["model"] == f"{name}/{mv.version}" and answer["choices"][0]["text"], answer
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_registrations_race_into_one_registry(services, deployment_run, tmp_path):
+    """Three register stages at once on the pipeline's models: A and A2 register the chain's best (the same
+    weights), B (metrics edited so another stage's model is better still) registers that one. Two versions exist,
+    once each, and B's is champion, whichever decided first; each decision says what the registry shows."""
+    from astrai_core.io import sha256_file
+    from tasks.layout import MODEL_STAGES, model_dir
+    from tasks.metrics import better
+    from tasks.params import load_params
+    from tasks.register import best_model
+
+    repo, env = deployment_run["repo"], deployment_run["env"]
+    metrics = json.loads((repo / "data" / "evaluate" / "metrics.json").read_text())
+    metric = load_params(repo / "params.yaml").register.metric  # what register compares on
+    a_stage = best_model(metrics, metric)
+    a_sha = sha256_file(model_dir(repo, a_stage) / "model.safetensors")
+    other = next(s for s in MODEL_STAGES if f"{s}/{metric}" in metrics
+                 and sha256_file(model_dir(repo, s) / "model.safetensors") != a_sha)
+    step = 0.5 if better(metric, 1.0, 0.0) else -0.5  # which way is better for this metric
+    b_metrics = dict(metrics, **{f"{other}/{metric}": metrics[f"{a_stage}/{metric}"] + step})  # B: better still
+    (tmp_path / "b.json").write_text(json.dumps(b_metrics))
+    code = ("import sys; from pathlib import Path; from tasks.params import load_params; "
+            "from tasks.tracking import stage_run; from tasks.register import register; "
+            "p = load_params('params.yaml');\n"
+            "with stage_run('register', p, Path('.')): register(p, Path(sys.argv[1]), Path(sys.argv[2]), Path('.'))")
+    race_env = {**env, "ASTRAI_PROFILE": "race", "PYTHONPATH": str(repo)}  # registers as MODEL-race
+    a_metrics = repo / "data" / "evaluate" / "metrics.json"
+    procs = {who: subprocess.Popen([sys.executable, "-c", code, str(path), str(tmp_path / who)], cwd=repo,
+                                   env=race_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for who, path in (("a", a_metrics), ("a2", a_metrics), ("b", tmp_path / "b.json"))}
+    outs = {who: p.communicate(timeout=600)[0] for who, p in procs.items()}
+    assert all(p.returncode == 0 for p in procs.values()), outs
+    reports = {who: json.loads((tmp_path / who / "registration.json").read_text()) for who in procs}
+    print("waited for the lock:", {who: "waiting for another registration" in out for who, out in outs.items()},
+          file=sys.stderr)
+
+    import mlflow
+
+    client = mlflow.MlflowClient(services["env"]["MLFLOW_TRACKING_URI"])
+    name = f"{MODEL}-race"
+    versions = client.search_model_versions(f"name = '{name}'")
+    assert sorted(v.tags["stage"] for v in versions) == sorted([a_stage, other]), reports  # none doubled
+    assert sorted(r["registered"] for r in reports.values()) == [False, True, True], reports
+    assert reports["a"]["version"] == reports["a2"]["version"]
+    champion = client.get_model_version_by_alias(name, "champion")
+    assert champion.tags["stage"] == other and str(champion.version) == str(reports["b"]["version"])
+    assert reports["b"]["aliases"] == ["candidate", "champion"]
+    first, second = sorted((r for r in reports.values() if r["registered"]), key=lambda r: r["version"])
+    assert "no previous champion" in first["decision"] and "no previous champion" not in second["decision"], reports
+
+
+def test_champion_decisions_are_one_step_under_the_lock(services, monkeypatch):
+    """The compare-and-set alone, made to race: two clients, each with its own session on PostgreSQL, decide at
+    once. Each one's first read of the champion waits (up to 1 s) for the other's, then the worse one (version 2)
+    is slower to act on it: without the lock both would read "no champion", the better one claim it and see it
+    held, then the worse one claim it and see it held, both winning and the worse ending champion. Under the lock
+    one decides first ("no previous champion"), the other compares with it."""
+    import mlflow
+
+    import tasks.register as register
+    from tasks.register import claim_champion, registry_lock
+
+    client = mlflow.MlflowClient(services["env"]["MLFLOW_TRACKING_URI"])
+    lock_uri = services["env"]["ASTRAI_REGISTRY_LOCK_URI"]
+    run = client.create_run("0")  # the versions' source: the server takes only sources of a run it knows
+    read, first_read = register.champion_record, threading.local()
+
+    def read_together(*args):
+        value = read(*args)
+        if not getattr(first_read, "done", False):
+            first_read.done = True
+            try:
+                reads_met.wait(timeout=1)
+            except threading.BrokenBarrierError:  # the other is waiting for the lock (or has decided)
+                pass
+            if first_read.version == "2":
+                time.sleep(0.5)
+        return value
+
+    monkeypatch.setattr(register, "champion_record", read_together)
+    for round_ in range(2):
+        name = f"cas-{round_}"
+        client.create_registered_model(name)
+        bpc = {"1": 2.4, "2": 2.5}  # version 1 is better (bits per char: lower)
+        for v, value in bpc.items():
+            client.create_model_version(name, source=f"{run.info.artifact_uri}/model", run_id=run.info.run_id)
+            client.set_model_version_tag(name, v, "test_bits_per_char", f"{value:.6f}")
+        reads_met, results = threading.Barrier(2), {}
+
+        def decide(version):
+            first_read.done, first_read.version = False, version
+            with registry_lock(lock_uri, name) as locked:
+                assert locked
+                new = {"values": {"test_bits_per_char": bpc[version]}, "items": {}, "item_sets": {}}
+                results[version] = claim_champion(client, name, version, "test_bits_per_char", new, settle=0)
+
+        threads = [threading.Thread(target=decide, args=(v,)) for v in bpc]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sum("no previous champion" in why for _, why in results.values()) == 1, (round_, results)
+        assert str(client.get_model_version_by_alias(name, "champion").version) == "1", (round_, results)
+        assert results["1"][0] is True, (round_, results)
