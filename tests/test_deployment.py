@@ -14,6 +14,7 @@ import urllib.request
 import mlflow
 import pytest
 
+from astrai.services import wait_healthy
 from conftest import VENV_BIN, make_project, run_ok
 
 pytestmark = pytest.mark.integration
@@ -23,18 +24,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_healthy(url: str, timeout: float = 120.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise TimeoutError(url)
 
 
 def stop(proc: subprocess.Popen, *signals: int) -> None:
@@ -63,7 +52,7 @@ def test_deployment_run_on_server_and_process_worker(tmp_path):
                               start_new_session=True)
     worker = None
     try:
-        wait_healthy(f"http://127.0.0.1:{port}/api/health")
+        wait_healthy(f"http://127.0.0.1:{port}/api/health", server.pid, tmp_path / "server.log")
         run_ok([prefect, "work-pool", "create", "astrai-local", "--type", "process", "--overwrite"], repo, env)
         worker = subprocess.Popen([prefect, "worker", "start", "--pool", "astrai-local"], cwd=repo, env=env,
                                   stdout=open(tmp_path / "worker.log", "w"), stderr=subprocess.STDOUT,
