@@ -145,6 +145,8 @@ class RegisterParams(Strict):
     # Which model of the chain is registered: the best on this held-out metric (tasks/metrics.py; ties go to the
     # later stage), and the metric the new version must beat the champion's on to take alias `champion`.
     metric: str = "task_accuracy"
+    # Also attach the model as one GGUF file for llama.cpp (astrai_core/gguf_export.py) of this type; null: none.
+    gguf: Literal["f32", "q8_0"] | None = None
 
     @field_validator("metric")
     @classmethod

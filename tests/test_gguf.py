@@ -304,3 +304,36 @@ def test_q8_0_scores_within_one_percent_of_f32(llama_bin, trained, tokenizer_pat
     assert bpc["f32"] == pytest.approx(bpc["astrai"], rel=1e-3)
     assert bpc["q8_0"] == pytest.approx(bpc["f32"], rel=1e-2)
     assert bpc["f32"] < 0.9 * math.log2(384) * count / chars  # the model learnt something: far below uniform
+
+
+def test_register_attaches_the_gguf_file(tmp_path, trained, monkeypatch):
+    """register.gguf: q8_0 puts the file in the version's artifacts (artifacts/model.gguf) and tags its type: the
+    same tensors as `astrai export-gguf --type q8_0` of the checkpoint (the file the llama.cpp tests run)."""
+    import json
+    import shutil
+
+    import gguf
+    import mlflow
+
+    from tasks.params import Params
+    from tasks.register import register
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    shutil.copytree(trained["ckpt"], tmp_path / "data" / "pretrain")
+    (tmp_path / "metrics.json").write_text(json.dumps({"pretrain/task_accuracy": 0.5}))
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    try:
+        exp = mlflow.create_experiment("gguf", artifact_location=(tmp_path / "artifacts").as_uri())
+        with mlflow.start_run(experiment_id=exp):
+            result = register(Params(register={"model_name": "gguf_test", "gguf": "q8_0"}), tmp_path / "metrics.json",
+                              tmp_path / "register", tmp_path)
+        local = Path(mlflow.artifacts.download_artifacts("models:/gguf_test@champion", dst_path=str(tmp_path / "dl")))
+    finally:
+        mlflow.set_tracking_uri(previous)
+    assert result["tags"]["gguf_export"] == "q8_0"
+    registered, exported = (gguf.GGUFReader(f) for f in (local / "artifacts" / "model.gguf", trained["q8_0"]))
+    assert registered.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q8_0
+    assert [t.name for t in registered.tensors] == [t.name for t in exported.tensors]
+    for ours, theirs in zip(registered.tensors, exported.tensors):
+        assert np.array_equal(ours.data, theirs.data), ours.name
