@@ -308,7 +308,12 @@ def test_q8_0_scores_within_one_percent_of_f32(llama_bin, trained, tokenizer_pat
 
 def test_register_attaches_the_gguf_file(tmp_path, trained, monkeypatch):
     """register.gguf: q8_0 puts the file in the version's artifacts (artifacts/model.gguf) and tags its type: the
-    same tensors as `astrai export-gguf --type q8_0` of the checkpoint (the file the llama.cpp tests run)."""
+    same tensors as `astrai export-gguf --type q8_0` of the checkpoint (the file the llama.cpp tests run). And
+    `astrai export-gguf models:/NAME@ALIAS` exports a registered version."""
+    from typer.testing import CliRunner
+
+    from astrai.cli import app
+
     import json
     import shutil
 
@@ -323,12 +328,15 @@ def test_register_attaches_the_gguf_file(tmp_path, trained, monkeypatch):
     (tmp_path / "metrics.json").write_text(json.dumps({"pretrain/task_accuracy": 0.5}))
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow.get_tracking_uri())  # the store `astrai export-gguf` reads
     try:
         exp = mlflow.create_experiment("gguf", artifact_location=(tmp_path / "artifacts").as_uri())
         with mlflow.start_run(experiment_id=exp):
             result = register(Params(register={"model_name": "gguf_test", "gguf": "q8_0"}), tmp_path / "metrics.json",
                               tmp_path / "register", tmp_path)
         local = Path(mlflow.artifacts.download_artifacts("models:/gguf_test@champion", dst_path=str(tmp_path / "dl")))
+        cli = CliRunner().invoke(app, ["export-gguf", "models:/gguf_test@champion", str(tmp_path / "cli.gguf")])
+        assert cli.exit_code == 0, cli.output
     finally:
         mlflow.set_tracking_uri(previous)
     assert result["tags"]["gguf_export"] == "q8_0"
@@ -336,4 +344,7 @@ def test_register_attaches_the_gguf_file(tmp_path, trained, monkeypatch):
     assert registered.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q8_0
     assert [t.name for t in registered.tensors] == [t.name for t in exported.tensors]
     for ours, theirs in zip(registered.tensors, exported.tensors):
+        assert np.array_equal(ours.data, theirs.data), ours.name
+    from_registry, exported = (gguf.GGUFReader(f) for f in (tmp_path / "cli.gguf", trained["f32"]))
+    for ours, theirs in zip(from_registry.tensors, exported.tensors, strict=True):
         assert np.array_equal(ours.data, theirs.data), ours.name
