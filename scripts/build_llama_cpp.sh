@@ -38,7 +38,9 @@ start=$(date +%s)
 nice -n "$NICE" cmake -S src/vendor/llama.cpp -B build -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON \
   -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DBUILD_SHARED_LIBS=OFF >build.log
-nice -n "$NICE" cmake --build build -j "$JOBS" --target "${TOOLS[@]}" >>build.log
+for tool in "${TOOLS[@]}"; do  # one at a time, in this order: the tests' tools are ready first (server: half the build)
+  nice -n "$NICE" cmake --build build -j "$JOBS" --target "$tool" >>build.log
+done
 mkdir -p bin
 for tool in "${TOOLS[@]}"; do cp build/bin/"$tool" bin/; done
 echo "built llama.cpp (llama-cpp-python $VERSION) in $(( $(date +%s) - start )) s" | tee -a build.log >&2

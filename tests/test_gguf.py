@@ -29,11 +29,12 @@ from astrai_core.model import apply_rope, rope_tables
 from conftest import PROJECT_ROOT, _core_text, sharp_random_model
 
 BUILD_SCRIPT = PROJECT_ROOT / "scripts" / "build_llama_cpp.sh"
-# Held-out text: other sentences than training's, and what a byte-level tokenizer can get wrong.
+# Held-out sentences (another seed than training's), and what a byte-level tokenizer can get wrong (these two are in
+# the tokenizer's training text, so its merges cover them).
 TOKENIZE_TEXTS = [
     _core_text(40, seed=9),
     "  leading spaces,\ttabs and\n\n\nnewlines   then trailing spaces   ",
-    "中文测试：你好，世界。 Emoji 👍🏽🎉, accents: café, naïve. Numbers 12345 and 3.14, it's we'll they'd",
+    "中文测试：你好，世界。 Emoji 👍🏽🎉, accents: café, naïve. Numbers 12345 and 3.14, it's we'll they'd IT'S WE'LL",
     "<|user|>the king speaks<|end_of_turn|><|assistant|>to the crown.<|end_of_text|>",
 ]
 PROMPT = "the king"
