@@ -15,10 +15,13 @@ VERSION=0.3.36  # llama-cpp-python; the llama.cpp it vendors is what the tests r
 ROOT=${ASTRAI_LLAMA_CPP_DIR:-$HOME/.cache/astrai/llama.cpp-$VERSION}
 JOBS=${JOBS:-2}
 NICE=${NICE:-10}
-TOOLS=(llama-completion llama-tokenize llama-perplexity llama-server)
+# llama-simple: greedy, printing straight to stdout (the tests' generation); llama-completion logs its text through
+# an asynchronous logger that may lose the last lines when its output is a pipe.
+TOOLS=(llama-simple llama-tokenize llama-perplexity llama-completion llama-server)
 PYTHON=$(command -v "${PYTHON:-python3}")  # absolute: the script changes directory
 
-if [ -f "$ROOT/bin/.complete" ]; then
+built() { for tool in "${TOOLS[@]}"; do [ -x "$ROOT/bin/$tool" ] || return 1; done; }
+if built; then
   echo "$ROOT/bin"
   exit 0
 fi
@@ -42,7 +45,6 @@ for tool in "${TOOLS[@]}"; do  # one at a time, in this order: the tests' tools 
   nice -n "$NICE" cmake --build build -j "$JOBS" --target "$tool" >>build.log
 done
 mkdir -p bin
-for tool in "${TOOLS[@]}"; do cp build/bin/"$tool" bin/; done
+for tool in "${TOOLS[@]}"; do cp build/bin/"$tool" bin/"$tool.tmp" && mv bin/"$tool.tmp" bin/"$tool"; done
 echo "built llama.cpp (llama-cpp-python $VERSION) in $(( $(date +%s) - start )) s" | tee -a build.log >&2
-touch bin/.complete
 echo "$ROOT/bin"
