@@ -6,6 +6,7 @@
 #
 #   scripts/build_llama_cpp.sh            # prints the bin directory last
 #   JOBS=2 NICE=10 scripts/build_llama_cpp.sh
+#   LLAMA_CPP_TOOLS="llama-simple llama-tokenize llama-perplexity" scripts/build_llama_cpp.sh   # the tests' tools only
 #
 # There is no wheel of llama-cpp-python for this version and no Debian package of llama.cpp, so the sdist from PyPI
 # (a 76 MB archive with llama.cpp under vendor/llama.cpp) is the one source that the package registries give us.
@@ -17,7 +18,9 @@ JOBS=${JOBS:-2}
 NICE=${NICE:-10}
 # llama-simple: greedy, printing straight to stdout (the tests' generation); llama-completion logs its text through
 # an asynchronous logger that may lose the last lines when its output is a pipe.
-TOOLS=(llama-simple llama-tokenize llama-perplexity llama-completion llama-server)
+# LLAMA_CPP_TOOLS="llama-simple llama-tokenize llama-perplexity" builds only what tests/test_gguf.py runs (about
+# half the build: CI's choice); a later run without it adds the rest.
+read -r -a TOOLS <<<"${LLAMA_CPP_TOOLS:-llama-simple llama-tokenize llama-perplexity llama-completion llama-server}"
 PYTHON=$(command -v "${PYTHON:-python3}")  # absolute: the script changes directory
 
 built() { for tool in "${TOOLS[@]}"; do [ -x "$ROOT/bin/$tool" ] || return 1; done; }
@@ -29,10 +32,12 @@ fi
 mkdir -p "$ROOT"
 cd "$ROOT"
 if [ ! -d src/vendor/llama.cpp ]; then
-  rm -rf download src
+  rm -rf download src src.tmp
+  # --no-binary for this package only: its build requirements may come as wheels (pip prepares its metadata).
   "$PYTHON" -m pip download --quiet --no-deps --no-binary llama-cpp-python --dest download "llama-cpp-python==$VERSION"
-  mkdir src
-  tar -xzf download/llama_cpp_python-"$VERSION".tar.gz -C src --strip-components=1
+  mkdir src.tmp
+  tar -xzf download/llama_cpp_python-"$VERSION".tar.gz -C src.tmp --strip-components=1
+  mv src.tmp src  # only a whole extraction counts as the sources
 fi
 
 start=$(date +%s)
