@@ -16,7 +16,7 @@ MLFLOW_PORT ?= 5000
 POOL ?= astrai-local
 
 .PHONY: setup demo test pipeline repro serve server worker deploy run-deployment stop mlflow-ui mlflow-server \
-  team-services team-services-stop bench clean
+  team-services team-services-stop bench llama-cpp clean
 
 # uv installs the lock in about a quarter of pip's time (1 min against 3.7 on 2 cores). It reads no pip.conf, so it
 # gets pip's configured find-links (where a machine keeps local wheels, e.g. a CPU build of torch).
@@ -115,6 +115,11 @@ team-services-stop:  ## stop what team-services started (the trial database's da
 
 bench: setup
 	$(BIN)/python bench/throughput.py
+
+# llama.cpp (CPU) for GGUF files and tests/test_gguf.py, built from the pinned source outside the checkout
+# (~/.cache/astrai/llama.cpp-<version>/bin; docs/architectures.md "GGUF and llama.cpp"); instant once built.
+llama-cpp: setup  ## build llama.cpp's tools for `astrai export-gguf` files
+	PYTHON=$(CURDIR)/$(BIN)/python scripts/build_llama_cpp.sh
 
 clean:  ## remove generated data, the MLflow store and Prefect's home (not the venv)
 	find data -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +  # every stage's output, checkpoints too

@@ -349,6 +349,29 @@ def export_hf(model: str = typer.Argument(..., help=f"The model: {REFERENCE_HELP
     print(f"wrote {path} ({json.loads((path / 'config.json').read_text())['architectures'][0]})")
 
 
+@app.command("export-gguf")
+def export_gguf(model: str = typer.Argument(..., help=f"The model: {REFERENCE_HELP}."),
+                out: Path = typer.Argument(..., help="GGUF file to write (replaced if it exists)."),
+                type_: str = typer.Option("f32", "--type", help="f32 (the checkpoint's numbers) or q8_0 (8-bit "
+                                          "blocks, about a quarter of the size).")) -> None:
+    """Write MODEL as one GGUF file OUT that llama.cpp runs (llama-cli, llama-server, ...): weights, the tokenizer
+    (with astrai's special tokens as control tokens) and the chat template. Options that llama.cpp's llama and
+    arcee architectures do not compute are refused."""
+    import tempfile
+
+    from astrai.models import resolve_model
+    from astrai_core.gguf_export import TYPES, export_gguf as export
+
+    if type_ not in TYPES:
+        _fail(f"--type {type_}: expected one of {', '.join(TYPES)}")
+    with tempfile.TemporaryDirectory(prefix="astrai-gguf-") as tmp:  # a registry download, gone once written
+        try:
+            path = export(resolve_model(model, Path(tmp)).checkpoint, out, type_)
+        except AstraiError as e:
+            _fail(str(e))
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {type_})")
+
+
 @app.command("import-hf")
 def import_hf(hf_dir: Path = typer.Argument(..., help="A Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, ...)."),
               out: Path = typer.Argument(..., help="Checkpoint directory to write: a new or empty one, or an earlier "

@@ -77,6 +77,6 @@ def write_lm_eval_data(corpus_dir: Path, out_dir: Path, limit: int = 500, seed: 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for task, items in tasks.items():
-        with atomic_path(out_dir / FILES[task]) as tmp:
+        with atomic_path(out_dir / FILES[task], "astrai lm-eval-data") as tmp:
             tmp.write_text("".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items), encoding="utf-8")
     return {task: len(items) for task, items in tasks.items()}

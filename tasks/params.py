@@ -149,6 +149,8 @@ class RegisterParams(Strict):
     # The profile the run's params came from: `astrai pipeline --profile NAME` writes it into the run's params
     # (params_of_run), and the register stage reads it from there like any other setting.
     profile: str = "default"
+    # Also attach the model as one GGUF file for llama.cpp (astrai_core/gguf_export.py) of this type; null: none.
+    gguf: Literal["f32", "q8_0"] | None = None
 
     @field_validator("metric")
     @classmethod

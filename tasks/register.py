@@ -13,7 +13,7 @@ quick profile's throwaway models never become `astrai@candidate`), and every ver
 `register.enabled: false` registers nothing. Each version
 is tagged with the metric it was chosen by, the stage that trained it and its held-out metrics. The model's
 artifacts are the checkpoint and its Hugging Face export (`hf`, see astrai_core/hf.py), so a version loads with
-transformers too. Alone: `astrai stage register`.
+transformers too; with `register.gguf: f32|q8_0` also one GGUF file for llama.cpp (`gguf`: artifacts/model.gguf). Alone: `astrai stage register`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from mlflow.exceptions import MlflowException
 
 import astrai_core
 from astrai_core.errors import AstraiError
+from astrai_core.gguf_export import export_gguf
 from astrai_core.hf import export_hf
 from astrai_core.io import sha256_file, write_json
 from astrai_core.scoring import paired_difference
@@ -309,6 +310,15 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
                 hf_export = json.loads((Path(tmp) / "hf" / "config.json").read_text())["architectures"][0]
             except AstraiError as e:
                 hf_export = f"none: {e}"
+            # register.gguf: the GGUF file as the artifact "gguf" (artifacts/model.gguf); the tag gguf_export says
+            # its type, or why there is none.
+            gguf_export = "none: register.gguf is null"
+            if params.register.gguf:
+                try:
+                    artifacts["gguf"] = str(export_gguf(checkpoint_dir, Path(tmp) / "model.gguf", params.register.gguf))
+                    gguf_export = params.register.gguf
+                except AstraiError as e:
+                    gguf_export = f"none: {e}"
             info = mlflow.pyfunc.log_model(
                 name="model",
                 python_model=str(Path(__file__).with_name("pyfunc_model.py")),
@@ -330,6 +340,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
             **{k: f"{metrics[f'{stage}/{k}{end}']:.6f}" for k in METRICS for end in ("", "_low", "_high")
                if f"{stage}/{k}{end}" in metrics},
             "hf_export": hf_export,
+            "gguf_export": gguf_export,
             "weights_sha256": weights_sha256,  # a later registration of the same weights finds this version
             "profile": profile,
             **dvc_hashes(project_dir),
