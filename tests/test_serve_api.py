@@ -725,7 +725,7 @@ def test_serve_from_mlflow_registry(served, tmp_path, monkeypatch):
     for model, expected in (("models:/served@nope", "models:/served@nope: "), ("models:/served/7", "models:/served/7: "),
                             ("models:/unknown@champion", "models:/unknown@champion: "),
                             ("models:/served", "expected models:/NAME@ALIAS"),
-                            (str(tmp_path / "missing"), "no such checkpoint directory")):
+                            (str(tmp_path / "missing"), "missing: no such model (expected models:/NAME@ALIAS")):
         try:
             result = CliRunner().invoke(app, ["serve", "--model", model], env={"MLFLOW_TRACKING_URI": uri})
         finally:
