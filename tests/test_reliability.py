@@ -336,7 +336,7 @@ def test_make_pipeline_runs_the_pipeline_with_a_profile(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--model", "ckpt", "--prompt", ""], "--prompt: empty"),
     (["--model", "ckpt", "--prompt", "x", "--max-new-tokens", "-5"], "--max-new-tokens -5: must be at least 1"),
-    (["--model", "ckpt", "--prompt", "x", "--temperature", "-1"], "--temperature -1.0: must be >= 0"),
+    (["--model", "ckpt", "--prompt", "x", "--temperature", "-1"], "--temperature -1.0: must be a finite number >= 0"),
     (["--model", "ckpt", "--prompt", "x", "--top-k", "-3"], "--top-k -3: must be >= 0"),
     (["--model", "ckpt", "--prompt", "x", "--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]"),
     (["--model", "models:/nope/1", "--prompt", "x"], "models:/nope/1: "),
