@@ -51,16 +51,18 @@ def test_a_failed_stage_in_astrai_pipeline_is_one_line_naming_the_log(tmp_path):
     assert "astrai stage corpus" in log.read_text() and "not UTF-8" in log.read_text()
 
 
-def test_a_failed_torchrun_is_one_line_and_its_report_goes_to_the_log(tmp_path):
+def test_a_failed_torchrun_is_one_line_and_its_report_goes_to_the_log(tmp_path, core_tiny_data):
     """`astrai train` whose ranks fail: the console shows the rank's error, not its traceback nor torchrun's
-    ChildFailedError report; both are in the log the last line names."""
+    ChildFailedError report; both are in the log the last line names. The inputs pass the launcher's checks
+    (check_train_inputs); the model is too wide to allocate, which only the rank finds."""
     (tmp_path / "cfg.yaml").write_text(
-        f"train_data: {tmp_path}/none.h5\ntokenizer: {tmp_path}/none.json\nout_dir: {tmp_path}/out\nmax_steps: 2\n"
-        "seq_len: 32\nmodel: {vocab_size: 300, dim: 32, n_layers: 1, n_heads: 4, n_kv_heads: 2, max_seq_len: 32}\n")
+        f"train_data: {core_tiny_data['train']}\ntokenizer: {core_tiny_data['tokenizer']}\nout_dir: {tmp_path}/out\n"
+        "max_steps: 2\nseq_len: 32\noptim: {warmup_steps: 0}\n"
+        "model: {vocab_size: 300, dim: 1073741824, n_layers: 1, n_heads: 4, n_kv_heads: 2, max_seq_len: 32}\n")
     out = _run([VENV_BIN / "astrai", "train", "--config", "cfg.yaml", "--nproc", "1"], tmp_path,
                dict(os.environ, PYTHONPATH=str(PROJECT_ROOT)), timeout=300)
     last = _one_error_line(out)
-    assert "none.json" in last and "ChildFailedError" not in out.stdout + out.stderr
+    assert "allocate" in last and "ChildFailedError" not in out.stdout + out.stderr
     log = (tmp_path / LOG_NAMED.search(last)[1]).read_text()
     assert "Traceback (most recent call last):" in log and "ChildFailedError" in log
 

@@ -43,11 +43,11 @@ def test_register_picks_the_best_model_and_compares_the_champion_on_the_same_met
         save_checkpoint(model_dir(tmp_path, stage), Transformer(cfg), cfg, core_tiny_data["tokenizer"])
     evaluation = tmp_path / "metrics.json"
 
-    def register_with(metric: str, **values: float) -> dict:
+    def register_with(metric: str, profile: str = "default", **values: float) -> dict:
         evaluation.write_text(json.dumps({"final_model": "sft", **{k.replace("__", "/"): v for k, v in values.items()}}))
         with mlflow.start_run(experiment_id=exp):
-            return register(Params(register={"model_name": "m", "metric": metric}), evaluation, tmp_path / "out",
-                            tmp_path)
+            return register(Params(register={"model_name": "m", "metric": metric, "profile": profile}), evaluation,
+                            tmp_path / "out", tmp_path)
 
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -86,10 +86,10 @@ def test_register_picks_the_best_model_and_compares_the_champion_on_the_same_met
         assert "test_bits_per_char 2.0000 beats version 1's 2.5000" in third["decision"]
         assert str(client.get_model_version_by_alias("m", "champion").version) == "3"
         # A profile's run registers under a name of its own, tagged with the profile: m's aliases stay put.
-        monkeypatch.setenv("ASTRAI_PROFILE", "quick")
         torch.manual_seed(8)
         save_checkpoint(model_dir(tmp_path, "pretrain"), Transformer(cfg), cfg, core_tiny_data["tokenizer"])
-        quick = register_with("test_bits_per_char", pretrain__test_bits_per_char=1.0, sft__test_bits_per_char=2.2)
+        quick = register_with("test_bits_per_char", "quick", pretrain__test_bits_per_char=1.0,
+                              sft__test_bits_per_char=2.2)
         assert (quick["model_name"], quick["version"], quick["aliases"]) == ("m-quick", 1, ["candidate", "champion"])
         assert client.get_model_version("m-quick", "1").tags["profile"] == "quick"
         assert str(client.get_model_version_by_alias("m", "champion").version) == "3"

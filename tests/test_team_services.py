@@ -201,13 +201,19 @@ def test_registrations_race_into_one_registry(services, deployment_run, tmp_path
     other = next(s for s in MODEL_STAGES if f"{s}/{metric}" in metrics
                  and sha256_file(model_dir(repo, s) / "model.safetensors") != a_sha)
     step = 0.5 if better(metric, 1.0, 0.0) else -0.5  # which way is better for this metric
-    b_metrics = dict(metrics, **{f"{other}/{metric}": metrics[f"{a_stage}/{metric}"] + step})  # B: better still
+    # B: the other stage's model, scored as A's on everything but the register metric, where it is better by far
+    # (a narrow interval: the gate, which has no per-item results here, compares the intervals)
+    b_metrics = dict(metrics, **{k.replace(f"{a_stage}/", f"{other}/", 1): v for k, v in metrics.items()
+                                 if k.startswith(f"{a_stage}/")})
+    better_value = metrics[f"{a_stage}/{metric}"] + step
+    b_metrics.update({f"{other}/{metric}": better_value, f"{other}/{metric}_low": better_value - 0.01,
+                      f"{other}/{metric}_high": better_value + 0.01})
     (tmp_path / "b.json").write_text(json.dumps(b_metrics))
     code = ("import sys; from pathlib import Path; from tasks.params import load_params; "
             "from tasks.tracking import stage_run; from tasks.register import register; "
-            "p = load_params('params.yaml');\n"
+            "p = load_params('params.yaml'); p.register.profile = 'race';\n"
             "with stage_run('register', p, Path('.')): register(p, Path(sys.argv[1]), Path(sys.argv[2]), Path('.'))")
-    race_env = {**env, "ASTRAI_PROFILE": "race", "PYTHONPATH": str(repo)}  # registers as MODEL-race
+    race_env = {**env, "PYTHONPATH": str(repo)}  # register.profile race: registers as MODEL-race
     a_metrics = repo / "data" / "evaluate" / "metrics.json"
     procs = {who: subprocess.Popen([sys.executable, "-c", code, str(path), str(tmp_path / who)], cwd=repo,
                                    env=race_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
