@@ -59,7 +59,7 @@ from tokenizers import Tokenizer
 from astrai_core.bpe import read_tokenizer
 from astrai_core.config import ModelConfig, TrainConfig
 from astrai_core.errors import AstraiError
-from astrai_core.io import CHECKPOINT, OUTPUT_MARK, atomic_path, sha256_file
+from astrai_core.io import CHECKPOINT, OUTPUT_MARK, atomic_path, sha256_file, write_json
 from astrai_core.model import Transformer, estimated_params
 
 if TYPE_CHECKING:
@@ -108,21 +108,21 @@ def save_checkpoint(
                 # safetensors refuses tensors that share storage; load_model re-ties lm_head to embed_tokens.
                 state.pop("lm_head.weight", None)
             save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        _write_json(tmp / "config.json", model_cfg.model_dump())
+        write_json(tmp / "config.json", model_cfg.model_dump())
         shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
         template = Path(tokenizer_path).with_name("chat_template.jinja")  # the chat format goes with its tokenizer
         if template.is_file():
             shutil.copyfile(template, tmp / template.name)
         if train_config is not None:
-            _write_json(tmp / "train_config.json", train_config.model_dump())
+            write_json(tmp / "train_config.json", train_config.model_dump())
         if train_state is not None:
             torch.save(train_state, tmp / "train_state.pt")
         if extra is not None:
-            _write_json(tmp / "summary.json", extra)
+            write_json(tmp / "summary.json", extra)
         for f in files:
             shutil.copyfile(f, tmp / Path(f).name)
         manifest = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-        _write_json(tmp / "manifest.json", {"files": manifest})
+        write_json(tmp / "manifest.json", {"files": manifest})
     return Path(out_dir)
 
 
@@ -271,8 +271,6 @@ def load_model(
     return model.to(device).eval(), tokenizer, cfg
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 # ---- weights and optimizer state under any parallel layout ------------------------------------------------------

@@ -212,3 +212,25 @@ class Collector:
         if reason is not None:
             self.reasons.append(reason)
             self.done.set()
+
+
+@pytest.fixture(scope="session")
+def tiny_trained(core_tiny_data, tmp_path_factory) -> Path:
+    """A checkpoint the training core trained for 15 steps on core_tiny_data (Qwen3-like: qk_norm), trained once per
+    session for the tests that register or export a trained model; copy it before writing beside it."""
+    from astrai_core.config import TrainConfig
+    from astrai_core.train import train
+
+    out = tmp_path_factory.mktemp("tiny_trained") / "pretrain"
+    cfg = TrainConfig.model_validate(dict(
+        model=dict(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, qk_norm=True),
+        optim=dict(lr=1e-2, min_lr=1e-3, warmup_steps=2), train_data=str(core_tiny_data["train"]),
+        tokenizer=str(core_tiny_data["tokenizer"]), out_dir=str(out), seq_len=32, batch_size=8, max_steps=15,
+        log_every=5, device="cpu"))
+    saved = _os.environ.pop("MLFLOW_RUN_ID", None)  # trained outside any test's MLflow run
+    try:
+        train(cfg)
+    finally:
+        if saved is not None:
+            _os.environ["MLFLOW_RUN_ID"] = saved
+    return out

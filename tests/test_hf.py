@@ -229,24 +229,19 @@ def test_cli_export_and_import(tmp_path, tokenizer_path):
     assert result.exit_code == 2 and "attn_gate" in result.output
 
 
-def test_pipeline_trained_model_registered_with_hf_export_generates_the_same_text(tmp_path, core_tiny_data,
+def test_pipeline_trained_model_registered_with_hf_export_generates_the_same_text(tmp_path, tiny_trained,
                                                                                    monkeypatch):
     """Done means: a model trained by the training core, registered, loads from the registry in transformers and
     generates the same greedy text as the registered pyfunc model (what `astrai generate --model models:/...` runs)."""
     import mlflow
 
-    from astrai_core.config import TrainConfig
-    from astrai_core.train import train
+    import shutil
+
     from tasks.params import Params
     from tasks.register import register
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
-    cfg = TrainConfig.model_validate(dict(
-        model=dict(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, qk_norm=True),
-        optim=dict(lr=1e-2, min_lr=1e-3, warmup_steps=2), train_data=str(core_tiny_data["train"]),
-        tokenizer=str(core_tiny_data["tokenizer"]), out_dir=str(tmp_path / "data" / "pretrain"), seq_len=32,
-        batch_size=8, max_steps=15, log_every=5, device="cpu"))
-    train(cfg)
+    shutil.copytree(tiny_trained, tmp_path / "data" / "pretrain")
     (tmp_path / "metrics.json").write_text(json.dumps({"pretrain/task_accuracy": 0.5}))
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")

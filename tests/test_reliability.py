@@ -559,14 +559,13 @@ def test_corpus_names_a_symlink_loop(tmp_path):
 
 # --- a quiet register stage ------------------------------------------------------------------------------------------
 
-def test_register_logs_the_model_without_warnings_or_progress_bars(tmp_path, core_tiny_data, monkeypatch, capfd):
+def test_register_logs_the_model_without_warnings_or_progress_bars(tmp_path, tiny_trained, monkeypatch, capfd):
     import json
+    import shutil
     import warnings
 
     import mlflow
 
-    from astrai_core.config import TrainConfig
-    from astrai_core.train import train
     from tasks.params import Params
     from tasks.register import register
     from tasks.tracking import setup
@@ -574,12 +573,7 @@ def test_register_logs_the_model_without_warnings_or_progress_bars(tmp_path, cor
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    cfg = TrainConfig.model_validate(dict(
-        model=dict(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32),
-        optim=dict(lr=1e-2, min_lr=1e-3, warmup_steps=2), train_data=str(core_tiny_data["train"]),
-        tokenizer=str(core_tiny_data["tokenizer"]), out_dir=str(tmp_path / "data" / "pretrain"), seq_len=32,
-        batch_size=8, max_steps=3, log_every=1, device="cpu"))
-    train(cfg)
+    shutil.copytree(tiny_trained, tmp_path / "data" / "pretrain")
     (tmp_path / "metrics.json").write_text(json.dumps({"pretrain/task_accuracy": 0.5}))
     previous = mlflow.get_tracking_uri()
     params = Params(register={"model_name": "quiet"})
