@@ -420,7 +420,8 @@ def test_two_registrations_at_once_agree_with_the_registry(tmp_path):
 
     def register(version):
         barrier.wait()  # both start together: each reads "no champion" before either moves the alias
-        results[version] = claim_champion(client, "m", version, "test_bits_per_char", bpc[version], settle=0.3)
+        new = {"values": {"test_bits_per_char": bpc[version]}, "items": {}, "item_sets": {}}  # what the gate knows
+        results[version] = claim_champion(client, "m", version, "test_bits_per_char", new, settle=0.3)
 
     threads = [threading.Thread(target=register, args=(v,)) for v in ("1", "2")]
     for t in threads:
