@@ -16,7 +16,7 @@ from astrai import env
 
 env.apply()  # before Prefect, MLflow or DVC is imported
 
-from astrai.models import REFERENCE_HELP  # noqa: E402
+from tasks.models import REFERENCE_HELP  # noqa: E402
 from astrai_core.errors import AstraiError  # noqa: E402
 from tasks.runlog import command_log, crash_line, log_file, shown  # noqa: E402
 
@@ -181,7 +181,7 @@ def generate(model: str = typer.Option(..., help=f"The model: {REFERENCE_HELP}."
 
     import torch
 
-    from astrai.models import resolve_model
+    from tasks.models import resolve_model
     from astrai_core.chat import load_chat
     from astrai_core.checkpoint import load_model
     from astrai_core.generate import generate, generate_text
@@ -245,7 +245,7 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
 
     import torch
 
-    from astrai.models import resolve_model
+    from tasks.models import resolve_model
     from astrai_core.chat import load_chat
     from astrai_core.checkpoint import load_model
     from astrai_core.engine import Engine, EngineConfig, EngineProcess
@@ -338,7 +338,7 @@ def export_hf(model: str = typer.Argument(..., help=f"The model: {REFERENCE_HELP
     matching transformers architecture are refused."""
     import tempfile
 
-    from astrai.models import resolve_model
+    from tasks.models import resolve_model
     from astrai_core.hf import export_hf as export
 
     with tempfile.TemporaryDirectory(prefix="astrai-export-") as tmp:  # a registry download
@@ -359,7 +359,7 @@ def export_gguf(model: str = typer.Argument(..., help=f"The model: {REFERENCE_HE
     arcee architectures do not compute are refused."""
     import tempfile
 
-    from astrai.models import resolve_model
+    from tasks.models import resolve_model
     from astrai_core.gguf_export import TYPES, export_gguf as export
 
     if type_ not in TYPES:

@@ -377,9 +377,7 @@ def load_initial_weights(model: Transformer, cfg: TrainConfig, tokenizer_sha256:
     `astrai import-hf`'s)."""
     ckpt = Path(cfg.init_from)
     verify_checkpoint(ckpt)
-    saved = json.loads((ckpt / "config.json").read_text())
-    now = cfg.model.model_dump(mode="json")
-    differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    differ = cfg.model.differences(read_model_config(ckpt / "config.json"))
     if differ:
         raise AstraiError(f"{ckpt / 'config.json'}: model differs from this run's ({', '.join(differ)}); init_from "
                           "needs the same model shape")

@@ -106,6 +106,17 @@ class ModelConfig(Strict):
             return self.ffn_dim
         return 64 * ((8 * self.dim // 3 + 63) // 64)
 
+    def resolved(self) -> dict:
+        """The shape with its derived widths written out (ffn_dim None -> 8/3 * dim rounded, ...): two configs
+        describe the same model exactly when these are equal (a checkpoint stores `ffn_dim: null`, an import 384)."""
+        return {**self.model_dump(mode="json"), "ffn_dim": self.hidden_dim, "attn_head_dim": self.head_dim,
+                "moe_ffn_dim": self.expert_hidden_dim}
+
+    def differences(self, other: "ModelConfig") -> list[str]:
+        """The fields whose resolved values differ from `other`'s."""
+        mine, theirs = self.resolved(), other.resolved()
+        return sorted(k for k in mine if mine[k] != theirs[k])
+
 
 # ---- what a parallel layout needs (checked when a config is read; astrai_core/parallel.py applies it) ----
 

@@ -93,7 +93,13 @@ class PretrainParams(TrainingSection):
 
     seq_len: PositiveInt = 256  # also the context of the post-training stages' packed rows
     two_stage: TwoStageConfig | None = None  # two-stage KL-regularized pretraining (astrai_core/config.py)
-    init_from: str | None = None  # a checkpoint directory (e.g. `astrai import-hf`'s) whose weights start the run
+    # The model the chain starts from (a MODEL: models:/NAME@ALIAS, models:/NAME/VERSION, a checkpoint directory or a
+    # Hugging Face directory), or None: a new model of shape `model:`. Its tokenizer is the run's (the tokenizer
+    # stage copies it) and its shape the run's (keys written under `model:` must agree with it, compared resolved).
+    init_from: str | None = None
+    # false: no pretraining; the pretrain stage's output is init_from's model as it is, so post-training (sft, ...)
+    # starts from it: fine-tuning a given model.
+    enabled: bool = True
 
 
 class StageParams(TrainingSection):
@@ -262,6 +268,9 @@ class Params(Strict):
     @classmethod
     def _vocab_from_tokenizer(cls, raw: Any) -> Any:
         """model.vocab_size may be left out: the trained tokenizer's size (one number to set)."""
+        pretrain = raw.get("pretrain") if isinstance(raw, dict) else None
+        if isinstance(pretrain, dict) and pretrain.get("init_from"):
+            return raw  # the vocabulary is init_from's model's
         if isinstance(raw, dict) and isinstance(raw.get("model", {}), dict) and "vocab_size" not in raw.get("model", {}):
             tok = raw.get("tokenizer") or {}
             if isinstance(tok, dict) and tok.get("source", "train") == "train" and "vocab_size" in tok:
@@ -275,8 +284,14 @@ class Params(Strict):
 
     @model_validator(mode="after")
     def _check(self, info: ValidationInfo) -> "Params":
+        if self.pretrain.init_from and self.tokenizer.source != "train":
+            raise ValueError(f"tokenizer.source: the run's tokenizer is pretrain.init_from's ({self.pretrain.init_from}); "
+                             "remove tokenizer.source (or pretrain.init_from)")
+        if not self.pretrain.enabled and not self.pretrain.init_from:
+            raise ValueError("pretrain.enabled: false needs pretrain.init_from: the model post-training starts from")
         # A copied tokenizer's size is known only when the stage reads it: tasks.tokenizer.check_vocab_size.
-        if self.tokenizer.source == "train" and self.model.vocab_size < self.tokenizer.vocab_size:
+        if (self.tokenizer.source == "train" and not self.pretrain.init_from
+                and self.model.vocab_size < self.tokenizer.vocab_size):
             raise ValueError(f"model.vocab_size ({self.model.vocab_size}) must be >= tokenizer.vocab_size "
                              f"({self.tokenizer.vocab_size})")
         if self.dpo.rejected == "on_policy" and self.chat_data.dpo != "demo":
@@ -517,9 +532,11 @@ def check_inputs(params: Params, root: Path, source: str = "params.yaml") -> Non
     if params.tokenizer.source != "train" and not _under(root, params.tokenizer.source).exists():
         fail("tokenizer.source", f"{params.tokenizer.source}: not found (expected \"train\", a checkpoint directory or "
                                  "a tokenizer.json)")
-    if params.pretrain.init_from and not (_under(root, params.pretrain.init_from) / "model.safetensors").is_file():
-        fail("pretrain.init_from", f"{params.pretrain.init_from}: no model.safetensors there (expected a checkpoint "
-                                   "directory, e.g. `astrai import-hf`'s output)")
+    start = params.pretrain.init_from
+    if start and not start.startswith(("models:/", "runs:/")) and not any(
+            (_under(root, start) / name).is_file() for name in ("model.safetensors", "config.json")):
+        fail("pretrain.init_from", f"{start}: no model there (expected models:/NAME@ALIAS, models:/NAME/VERSION, a "
+                                   "checkpoint directory or a Hugging Face directory)")
     for kind in ("sft", "dpo", "grpo"):
         data = getattr(params.chat_data, kind)
         if not chat_data_used(params, kind):

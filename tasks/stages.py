@@ -28,9 +28,17 @@ def _corpus(params: Params, root: Path) -> None:
 
 
 def _tokenizer(params: Params, root: Path) -> None:
-    from tasks.tokenizer import build_tokenizer
+    from tasks.tokenizer import build_tokenizer, copy_tokenizer
 
-    path = build_tokenizer(params.tokenizer, root / CORPUS, root / TOKENIZER)
+    if params.pretrain.init_from:  # the run's tokenizer is the model's it starts from
+        from tasks.models import local_model
+        from tasks.training import check_start_shape
+
+        with local_model(params.pretrain.init_from, root) as start:
+            check_start_shape(params, start)  # before pack and pretrain run
+            path = copy_tokenizer(str(start), root / TOKENIZER)
+    else:
+        path = build_tokenizer(params.tokenizer, root / CORPUS, root / TOKENIZER)
     mlflow.log_artifact(str(path))
 
 

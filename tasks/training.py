@@ -2,8 +2,10 @@
 TrainConfig its params.yaml section became when the params were read (tasks/params.py train_config: the section's
 RunSettings and objective, the model, the paths). Alone: `astrai stage NAME`.
 
-Each post-training stage starts from the previous enabled stage's model; a disabled one (`enabled: false`) writes
-only skipped.json and the next stage starts from the model before it.
+Each post-training stage starts from the previous enabled stage's model, and trains its shape; a disabled one
+(`enabled: false`) writes only skipped.json and the next stage starts from the model before it. Pretraining starts
+from `pretrain.init_from` (any model reference: tasks/models.py) when it is set; with `pretrain.enabled: false` its
+output is that model as it is, so post-training fine-tunes it.
 
 Resuming (`resume: auto`, the default): a run that crashed or was stopped continues from its newest checkpoint in
 data/<stage>.ckpts (written every `checkpoint_every` steps and on SIGTERM) when the stage is run again with the
@@ -12,15 +14,18 @@ same params; after a successful run those checkpoints are deleted, so a later ru
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Callable
 
+from astrai_core.checkpoint import read_model_config
+from astrai_core.config import ModelConfig, TrainConfig
 from astrai_core.distributed import launch, resolve_nproc
 from astrai_core.train import check_train_inputs
 from astrai_core.errors import AstraiError
 from astrai_core.io import CHECKPOINT, atomic_path, write_json
 from tasks.layout import MODEL_STAGES, TOKENIZER, model_dir
-from tasks.params import Params
+from tasks.params import Params, start_model
 
 
 def previous_model(root: Path, stage: str) -> Path:
@@ -49,21 +54,60 @@ def train_stage(params: Params, stage: str, root: Path, *, run_id: str | None = 
                 on_line: Callable[[str], None] = print) -> dict | None:
     """Run training stage `stage` (pretrain, sft, dpo or grpo); returns the run summary, None when disabled."""
     section = getattr(params, stage)
-    if stage == "pretrain":
-        from tasks.tokenizer import check_vocab_size
+    if stage != "pretrain":
+        if not section.enabled:
+            write_skipped(model_dir(root, stage), f"{stage}.enabled is false")
+            on_line(f"{stage}: disabled; the next stage starts from {previous_model(root, stage)}")
+            return None
+        return _launch(params, stage, root, start_model(params, root, stage), run_id, on_line)
+    if not section.init_from:
+        return _launch(params, stage, root, None, run_id, on_line)
+    from tasks.models import local_model
 
-        check_vocab_size(root / TOKENIZER / "tokenizer.json", params.model.vocab_size)  # a copied tokenizer: only now
-    elif not section.enabled:
-        write_skipped(model_dir(root, stage), f"{stage}.enabled is false")
-        on_line(f"{stage}: disabled; the next stage starts from {previous_model(root, stage)}")
+    with local_model(section.init_from, root) as start:
+        check_start_shape(params, start)
+        if section.enabled:
+            return _launch(params, stage, root, start, run_id, on_line)
+        with atomic_path(model_dir(root, stage), CHECKPOINT) as tmp:
+            shutil.copytree(start, tmp)
+        on_line(f"pretrain: disabled; post-training starts from pretrain.init_from ({section.init_from}), copied to "
+                f"{model_dir(root, stage)}")
         return None
-    check_train_inputs(params.train_config(stage))  # a missing or corrupt input: one line, before torchrun or sbatch
+
+
+def check_start_shape(params: Params, start: Path) -> None:
+    """The keys written under `model:` agree with the shape of the model the chain starts from (pretrain.init_from,
+    as the checkpoint `start`), compared with defaults resolved; AstraiError naming the first that does not."""
+    shape = read_model_config(start / "config.json")
+    written = params.model.model_dump(include=params.model.model_fields_set)
+    mine = ModelConfig(**{**shape.model_dump(), **written})
+    differ = mine.differences(shape)
+    if differ:
+        key = next((k for k in differ if k in written), differ[0])
+        raise AstraiError(f"params.yaml: model.{key}: {getattr(mine, key)}, but pretrain.init_from "
+                          f"({params.pretrain.init_from}) has {getattr(shape, key)}; remove model.{key} (the shape "
+                          "comes from the model) or start from a model of this shape")
+
+
+def _launch(params: Params, stage: str, root: Path, start: Path | None, run_id: str | None,
+            on_line: Callable[[str], None]) -> dict:
+    """Launch `stage` under torchrun (or Slurm). A stage that starts from a model (`start`) trains that model's
+    shape and tokenizer (the tokenizer stage copied pretrain.init_from's)."""
+    from tasks.tokenizer import check_vocab_size
+
+    section = getattr(params, stage)
+    cfg = params.train_config(stage)
+    if start is not None and (start / "config.json").is_file():  # a missing start: check_train_inputs says so
+        cfg = TrainConfig(**{**cfg.model_dump(), "model": read_model_config(start / "config.json"),
+                             "init_from": str(start)})
+    check_vocab_size(root / TOKENIZER / "tokenizer.json", cfg.model.vocab_size)  # a copied tokenizer: only now
+    check_train_inputs(cfg)  # a missing or corrupt input: one line, before torchrun or sbatch
     if params.cluster.launcher == "slurm":
         from tasks.params import check_cluster
         from tasks.slurm import launch_slurm
 
         check_cluster(params, root)
-        return launch_slurm(params.train_config(stage), params.cluster, params.cluster.ranks_per_node(section.nproc),
-                            section.max_restarts, root, run_id=run_id, on_line=on_line)
-    return launch(params.train_config(stage), resolve_nproc(section.nproc, section.device), section.max_restarts, run_id=run_id,
+        return launch_slurm(cfg, params.cluster, params.cluster.ranks_per_node(section.nproc), section.max_restarts,
+                            root, run_id=run_id, on_line=on_line)
+    return launch(cfg, resolve_nproc(section.nproc, section.device), section.max_restarts, run_id=run_id,
                   on_line=on_line)

@@ -1,6 +1,6 @@
 """`astrai import-hf` gives a starting point for any stage: the imported tokenizer gains astrai's special tokens
 (the model grows to embed them, the logits of the original vocabulary unchanged), pretraining starts from the
-imported weights (`pretrain.init_from`) on data packed with that tokenizer (`tokenizer.source`), and the trained
+imported weights (`pretrain.init_from`) on data packed with that tokenizer (the tokenizer stage copies it), and the trained
 model exports back to Hugging Face. Randomly initialized tiny `transformers` models; nothing is downloaded."""
 
 from __future__ import annotations
@@ -151,18 +151,19 @@ def test_imported_checkpoint_starts_pretraining_and_exports_back(tmp_path, monke
     from astrai_core.train import train
     from tasks.params import Params
     from tasks.params import train_config
-    from tasks.tokenizer import build_tokenizer
+    from tasks.tokenizer import copy_tokenizer
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     _, hf_dir, _ = save_hf(tmp_path, "llama")
     ckpt = import_hf(hf_dir, tmp_path / "ckpt")
     model_cfg = json.loads((ckpt / "config.json").read_text())
-    # The pipeline's wiring: the tokenizer stage copies the checkpoint's tokenizer, pretrain starts from it.
-    params = Params(tokenizer={"source": str(ckpt)}, model=model_cfg,
+    # The pipeline's wiring: with pretrain.init_from the tokenizer stage copies the checkpoint's tokenizer
+    # (tasks/stages.py), pretrain starts from it.
+    params = Params(model=model_cfg,
                     pretrain={"init_from": str(ckpt), "seq_len": 32, "batch_size": 2, "max_steps": 1, "device": "cpu",
                               "dtype": "fp32", "log_every": 1, "optim": {"lr": 1e-12, "min_lr": 0.0, "warmup_steps": 0,
                                                                          "weight_decay": 0.0}})
-    tok_path = build_tokenizer(params.tokenizer, tmp_path / "no_corpus", tmp_path / "tokenizer")
+    tok_path = copy_tokenizer(str(ckpt), tmp_path / "tokenizer")
     tok = load_tokenizer(tok_path)
     (tmp_path / "packed").mkdir()
     pack(tok, tmp_path / "packed" / "train.h5", sha256_file(tok_path))

@@ -43,7 +43,7 @@ def _params(**sections) -> Params:
      "chat_data.dpo: demo derives the dpo data from Shakespeare's plays, but corpus.source is prose; set "
      "chat_data.dpo to a JSONL file of {\"prompt\", \"chosen\", \"rejected\"} records, or dpo.enabled: false"),
     ({"chat_data": {"sft": "missing.jsonl"}}, "chat_data.sft: missing.jsonl: file not found"),
-    ({"pretrain": {"init_from": "no_checkpoint"}}, "pretrain.init_from: no_checkpoint: no model.safetensors there"),
+    ({"pretrain": {"init_from": "no_checkpoint"}}, "pretrain.init_from: no_checkpoint: no model there"),
     ({"tokenizer": {"source": "no_tokenizer.json"}}, "tokenizer.source: no_tokenizer.json: not found"),
     ({"corpus": {"source": "prose"}, "chat_data": {"sft": "sft.jsonl"}, "dpo": {"enabled": False},
       "grpo": {"enabled": False}},

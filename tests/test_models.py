@@ -1,4 +1,4 @@
-"""One model reference everywhere (astrai/models.py resolve_model): a registry URI, a checkpoint directory or a
+"""One model reference everywhere (tasks/models.py resolve_model): a registry URI, a checkpoint directory or a
 Hugging Face directory works with every command that takes a model (serve, generate, export-hf)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from astrai.models import resolve_model
+from tasks.models import resolve_model
 from astrai_core.errors import AstraiError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,5 @@
 """A model reference -> a local astrai checkpoint directory: the one place every command that takes a model (serve,
-generate, export-hf) resolves it.
+generate, export-hf, export-gguf) and the pipeline's `pretrain.init_from` resolve it.
 
 A reference is a registry URI (models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/model, from the pipeline's
 MLflow store), an astrai checkpoint directory (e.g. data/grpo), or a Hugging Face model directory (converted with
@@ -8,9 +8,11 @@ astrai_core.hf.import_hf, as `astrai import-hf` does).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 from astrai_core.errors import AstraiError
 
@@ -49,6 +51,18 @@ def resolve_model(ref: str, dst: Path) -> Resolved:
 
         return Resolved(import_hf(path, dst / "imported"), path.resolve().name, [])
     raise AstraiError(f"{ref}: no such model (expected {REFERENCE_HELP})")
+
+
+@contextlib.contextmanager
+def local_model(ref: str, root: Path) -> Iterator[Path]:
+    """Model reference `ref` (a path: relative to `root`) as a checkpoint directory while the block runs: a registry
+    version downloaded, a Hugging Face directory converted, into a folder under root/.astrai (the project's, which
+    a Slurm job's nodes share) removed afterwards."""
+    if not ref.startswith(("models:/", "runs:/")):
+        ref = str(root / Path(ref).expanduser())  # an absolute path stays as it is
+    (root / ".astrai").mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root / ".astrai", prefix="model-") as tmp:
+        yield resolve_model(ref, Path(tmp)).checkpoint
 
 
 def _download(uri: str, dst: Path) -> Resolved:
