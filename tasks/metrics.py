@@ -14,6 +14,11 @@ METRICS: dict[str, tuple[str, str]] = {
 }
 
 
+# The task metrics (held out) and what guessing scores on each: a model no better than this on every one it has
+# learned no task (tasks/register.py no_skill). An exact answer is never guessed; a preference pair is a coin flip.
+CHANCE: dict[str, float] = {"task_accuracy": 0.0, "pass_at_1": 0.0, "pass_at_k": 0.0, "preference_accuracy": 0.5}
+
+
 def better(metric: str, a: float, b: float) -> bool:
     """Whether value `a` of `metric` is strictly better than `b`."""
     return a < b if METRICS[metric][1] == "lower" else a > b

@@ -42,7 +42,7 @@ from astrai_core.hf import export_hf
 from astrai_core.io import sha256_file, write_json
 from astrai_core.scoring import paired_difference
 from tasks.layout import MODEL_STAGES, model_dir
-from tasks.metrics import MAX_FORGETTING, METRICS, better
+from tasks.metrics import CHANCE, MAX_FORGETTING, METRICS, better
 from tasks.params import Params
 from tasks.tracking import FLOW_RUN_ENV
 
@@ -179,6 +179,19 @@ def gate(metric: str, new: dict, old: dict) -> tuple[bool, str]:
     if regressed:
         reasons.append("regresses " + ", ".join(regressed))
     return beats and not regressed, "; ".join(reasons)
+
+
+def no_skill(values: dict) -> str | None:
+    """Why a model with these held-out metrics must not be champion: every task metric it has (metrics.CHANCE) is no
+    better than chance (its 95% interval reaches chance; without one, its value), e.g. a quick run's 0.000 on every
+    task. None when one task is beaten, or when it has none (a language model only: bits/char decides)."""
+    tasks = [m for m in CHANCE if m in values]
+    if not tasks or any(values.get(f"{m}_low", values[m]) > CHANCE[m] for m in tasks):
+        return None
+    scores = ", ".join(f"{m} {values[m]:.3f}" + (f" [{values[f'{m}_low']:.3f}, {values[f'{m}_high']:.3f}]"
+                                                  if f"{m}_low" in values and f"{m}_high" in values else "")
+                       for m in tasks)
+    return f"no task better than chance ({scores}): a champion must have learned a task"
 
 
 def claim_champion(client: mlflow.MlflowClient, name: str, version: str, metric: str, new: dict,
@@ -359,15 +372,19 @@ def _decide(client: mlflow.MlflowClient, name: str, mv: str, metric: str, record
     """A new version's aliases: candidate, and champion if it passes the gate against the champion; then its
     registration is done."""
     client.set_registered_model_alias(name, "candidate", mv)
-    # Under the registry lock nothing else moves champion: the compare and the set are one step, no look again.
-    promote, decision = claim_champion(client, name, mv, metric, record, settle=0.0 if locked else 0.5)
+    unskilled = no_skill(record["values"])
+    if unskilled:
+        promote, decision = False, f"version {mv} stays candidate: {unskilled}"
+    else:  # under the registry lock nothing else moves champion: the compare and the set are one step, no look again
+        promote, decision = claim_champion(client, name, mv, metric, record, settle=0.0 if locked else 0.5)
+    champion = mv if promote else champion_value(client, name, metric)[0]  # None: a first version left candidate
     client.set_model_version_tag(name, mv, REGISTRATION, "done")
     mlflow.set_tag("astrai.registration", decision)
     mlflow.log_text(decision + "\n", "registration_decision.txt")
     tags = {k: v for k, v in tags.items() if k != REGISTRATION}
     return _report(out_dir, {**base, "registered": True, "version": int(mv), "model_uri": f"models:/{name}/{mv}",
                              "aliases": ["candidate"] + (["champion"] if promote else []),
-                             "champion_version": int(mv) if promote else int(champion_value(client, name, metric)[0]),
+                             "champion_version": int(champion) if champion else None,
                              "decision": decision, "tags": tags})
 
 

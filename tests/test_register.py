@@ -180,6 +180,55 @@ def test_champion_moves_only_beyond_the_paired_interval_and_without_regressing_b
         mlflow.set_tracking_uri(previous)
 
 
+def test_a_model_no_better_than_chance_on_every_task_is_never_champion(tmp_path, core_tiny_data, monkeypatch):
+    """A quick run that scores 0.000 on every task registers as candidate only, even with no champion yet, and the
+    decision says why in one line; a model that learned a task becomes champion after it. Real MLflow store."""
+    import mlflow
+    import torch
+
+    from astrai_core.checkpoint import save_checkpoint
+    from astrai_core.config import ModelConfig
+    from astrai_core.model import Transformer
+    from tasks.layout import model_dir
+    from tasks.params import Params
+    from tasks.register import no_skill, register
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    cfg = ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32)
+
+    def register_version(seed: int, **values: float) -> dict:
+        torch.manual_seed(seed)
+        save_checkpoint(model_dir(tmp_path, "sft"), Transformer(cfg), cfg, core_tiny_data["tokenizer"])
+        (tmp_path / "metrics.json").write_text(json.dumps({"final_model": "sft", "sft/test_bits_per_char": 3.0,
+                                                           **{f"sft/{k}": v for k, v in values.items()}}))
+        with mlflow.start_run(experiment_id=exp):
+            return register(Params(register={"model_name": "q", "metric": "task_accuracy"}), tmp_path / "metrics.json",
+                            tmp_path / "out", tmp_path)
+
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    try:
+        exp = mlflow.create_experiment("chance", artifact_location=(tmp_path / "artifacts").as_uri())
+        quick = register_version(1, task_accuracy=0.0, task_accuracy_low=0.0, task_accuracy_high=0.194,
+                                 pass_at_k=0.0, preference_accuracy=0.5625, preference_accuracy_low=0.33,
+                                 preference_accuracy_high=0.77)
+        assert (quick["version"], quick["aliases"], quick["champion_version"]) == (1, ["candidate"], None)
+        assert quick["decision"] == ("version 1 stays candidate: no task better than chance (task_accuracy 0.000 "
+                                     "[0.000, 0.194], pass_at_k 0.000, preference_accuracy 0.562 [0.330, 0.770]): a "
+                                     "champion must have learned a task"), quick["decision"]
+        client = mlflow.MlflowClient()
+        assert [a for v in client.search_model_versions("name = 'q'")
+                for a in client.get_model_version("q", v.version).aliases] == ["candidate"]
+        learned = register_version(2, task_accuracy=0.3, task_accuracy_low=0.2, task_accuracy_high=0.4)
+        assert learned["aliases"] == ["candidate", "champion"], learned["decision"]
+        assert str(client.get_model_version_by_alias("q", "champion").version) == "2"
+    finally:
+        mlflow.set_tracking_uri(previous)
+    # A language model alone (no task metric): bits/char decides, as before.
+    assert no_skill({"test_bits_per_char": 2.0}) is None
+
+
 @pytest.mark.integration
 def test_a_registration_killed_after_the_version_is_created_is_finished_not_repeated(tmp_path, core_tiny_data):
     """SIGKILL of `astrai stage register` right after MLflow creates the version (a test hook kills it there): the
