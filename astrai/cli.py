@@ -334,16 +334,18 @@ def export_hf(model: str = typer.Argument(..., help=f"The model: {REFERENCE_HELP
                                           "(replaced); never inside or around the model's checkpoint."),
               force: bool = typer.Option(False, "--force", help="Replace OUT even if it holds other files.")) -> None:
     """Write MODEL as a Hugging Face model directory OUT (config.json, model.safetensors, tokenizer files,
-    generation_config.json) that transformers' AutoModelForCausalLM / AutoTokenizer load. Options with no
-    matching transformers architecture are refused."""
+    generation_config.json, README.md: the model card, a registered version's description) that transformers'
+    AutoModelForCausalLM / AutoTokenizer load. Options with no matching transformers architecture are refused."""
     import tempfile
 
+    from tasks.model_card import card_of
     from tasks.models import resolve_model
     from astrai_core.hf import export_hf as export
 
     with tempfile.TemporaryDirectory(prefix="astrai-export-") as tmp:  # a registry download
         try:
-            path = export(resolve_model(model, Path(tmp)).checkpoint, out, force=force)
+            checkpoint = resolve_model(model, Path(tmp)).checkpoint
+            path = export(checkpoint, out, force=force, readme=card_of(model, checkpoint))
         except AstraiError as e:
             _fail(str(e))
     print(f"wrote {path} ({json.loads((path / 'config.json').read_text())['architectures'][0]})")

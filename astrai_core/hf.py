@@ -388,9 +388,11 @@ EXPORT = "astrai export-hf"  # what export_hf and import_hf write, for astrai_co
 IMPORT = "astrai import-hf"
 
 
-def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False) -> Path:
-    """Write the HF model directory `out_dir` (atomically) from the astrai checkpoint `ckpt_dir`. An existing
-    `out_dir` is replaced only if it holds an earlier export, or with `force`; never the checkpoint itself."""
+def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False,
+              readme: str | None = None) -> Path:
+    """Write the HF model directory `out_dir` (atomically) from the astrai checkpoint `ckpt_dir`, with `readme` as
+    its README.md (the model card) when given. An existing `out_dir` is replaced only if it holds an earlier export,
+    or with `force`; never the checkpoint itself."""
     from astrai_core.checkpoint import load_model
 
     ckpt_dir = Path(ckpt_dir)
@@ -412,6 +414,8 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, force: bo
         write_json(tmp / "generation_config.json", generation)
         shutil.copyfile(ckpt_dir / "tokenizer.json", tmp / "tokenizer.json")
         write_json(tmp / "tokenizer_config.json", _tokenizer_config(ckpt_dir, cfg, ids))
+        if readme is not None:
+            (tmp / "README.md").write_text(readme)
     return Path(out_dir)
 
 

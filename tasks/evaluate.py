@@ -36,7 +36,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -52,7 +52,7 @@ from astrai_core.scoring import (answer_questions, masked_token_loss, paired_dif
 from astrai_core.generate import generate_text
 from astrai_core.io import atomic_path, sha256_file, write_json
 from astrai_core.rewards import exact_answer, valid_option
-from tasks.layout import CHAT, PACKED
+from tasks.layout import CHAT, CORPUS, PACKED
 from tasks.metrics import MAX_FORGETTING, METRICS
 from tasks.params import Params, dpo_pairs
 from tasks.training import MODEL_STAGES, final_model, model_dir
@@ -239,7 +239,7 @@ def _score_model(params: Params, root: Path, tokens: np.ndarray, n_chars: int, q
             m |= accuracy(name, results)
             items[name] = [int(bool(r)) for r in results]
     print(f"evaluate: {stage}: done", flush=True)
-    return m, items, replies, _samples(params, model, tok) if stage == final else None
+    return m, items, replies, _samples(params, root, model, tok) if stage == final else None
 
 
 # ---- metrics with their intervals ---------------------------------------------------------------------------------
@@ -433,10 +433,48 @@ def write_plot_data(models: list[str], metrics: dict, curves: dict[str, list[dic
                    [{"step": r["step"], "train/loss": r["train/loss"]} for r in curves[stage] if "train/loss" in r])
 
 
-def _samples(params: Params, model, tok) -> str:
+DEMO_PROMPTS = ["ROMEO.\n", "To be, or not to be", "KING.\nMy lords,"]  # on Shakespeare's plays
+SAMPLE_PROMPTS = 3  # of the held-out documents of any other corpus
+PROMPT_CHARS = 40  # of a document's opening, at most, cut at a space
+
+
+def sample_prompts(params: Params, root: Path) -> list[str]:
+    """What the final model's samples start from: evaluate.prompts, else the demo's on the plays, else the opening
+    of each of the first SAMPLE_PROMPTS held-out documents (the test split, then validation; train only when
+    nothing is held out) of the corpus: the user's own text, never Shakespeare's on a corpus of something else."""
+    if params.evaluate.prompts is not None:
+        return params.evaluate.prompts
+    if params.corpus.source == "shakespeare":
+        return DEMO_PROMPTS
+    splits = [root / CORPUS / f"{split}.jsonl" for split in ("test", "validation")]
+    if all(next(_documents(path), None) is None for path in splits):  # nothing held out
+        splits = [root / CORPUS / "train.jsonl"]
+    prompts: list[str] = []
+    for path in splits:
+        for text in _documents(path):
+            line = next((s.strip() for s in text.splitlines() if s.strip()), "")
+            if len(line) > PROMPT_CHARS:  # cut at a space
+                line = line[:PROMPT_CHARS].rsplit(" ", 1)[0] if " " in line[:PROMPT_CHARS] else line[:PROMPT_CHARS]
+            if line and line not in prompts:
+                prompts.append(line)
+            if len(prompts) == SAMPLE_PROMPTS:
+                return prompts
+    return prompts
+
+
+def _documents(path: Path) -> Iterator[str]:
+    """The texts of a corpus split, one at a time (a held-out split of a large corpus is large)."""
+    if path.is_file():
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    yield json.loads(line)["text"]
+
+
+def _samples(params: Params, root: Path, model, tok) -> str:
     p = params.evaluate
     lines = ["# Samples of the final model", ""]
-    for prompt in p.prompts:
+    for prompt in sample_prompts(params, root):
         for mode, temperature in (("greedy", 0.0), ("sampled", p.temperature)):
             gen = torch.Generator().manual_seed(p.seed)
             text = generate_text(model, tok, prompt, max_new_tokens=p.max_new_tokens, temperature=temperature,

@@ -123,7 +123,9 @@ class GRPOParams(StageParams):
 class EvaluateParams(Strict):
     batch_size: PositiveInt = 16
     max_tokens: PositiveInt | None = None  # evaluate on at most this many test tokens (None: all)
-    prompts: list[str] = ["ROMEO.\n", "To be, or not to be", "KING.\nMy lords,"]
+    # The final model's text samples (samples.md) start from these; None: the demo's on Shakespeare's plays, else the
+    # openings of the held-out documents of your corpus (tasks/evaluate.py sample_prompts).
+    prompts: list[str] | None = None
     max_new_tokens: PositiveInt = 80
     temperature: float = Field(0.8, gt=0.0)
     top_k: PositiveInt | None = 40

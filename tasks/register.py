@@ -36,12 +36,15 @@ import yaml
 from mlflow.exceptions import MlflowException
 
 import astrai_core
+from astrai_core.checkpoint import read_model_config
 from astrai_core.errors import AstraiError
 from astrai_core.gguf_export import export_gguf
 from astrai_core.hf import export_hf
 from astrai_core.io import sha256_file, write_json
 from astrai_core.scoring import paired_difference
+from tasks.evaluate import sample_prompts
 from tasks.layout import MODEL_STAGES, model_dir
+from tasks.model_card import model_card, shape_line
 from tasks.metrics import CHANCE, MAX_FORGETTING, METRICS, better
 from tasks.params import Params
 from tasks.tracking import FLOW_RUN_ENV
@@ -339,7 +342,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
                 code_paths=[str(Path(astrai_core.__file__).parent)],
                 # An input example (and predict's type hints) give the signature, params included, and spare the log
                 # MLflow's warnings; MLflow runs predict on it once, so the logged model is known to load and answer.
-                input_example=(["ROMEO.\n"], PREDICT_PARAMS),
+                input_example=(sample_prompts(params, project_dir)[:1], PREDICT_PARAMS),  # the corpus's own text
                 pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "safetensors", "tokenizers", "numpy", "pydantic")],
             )
         tags = {
@@ -356,6 +359,8 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
             "gguf_export": gguf_export,
             "weights_sha256": weights_sha256,  # a later registration of the same weights finds this version
             "profile": profile,
+            "corpus": params.corpus.source,  # what it learned from, for its card (tasks/model_card.py)
+            "model": shape_line(read_model_config(checkpoint_dir / "config.json")),
             **dvc_hashes(project_dir),
         }
         mlflow.log_dict(record, GATE_ITEMS)  # in the version's run before the version exists: a later gate reads it
@@ -372,6 +377,9 @@ def _decide(client: mlflow.MlflowClient, name: str, mv: str, metric: str, record
     """A new version's aliases: candidate, and champion if it passes the gate against the champion; then its
     registration is done."""
     client.set_registered_model_alias(name, "candidate", mv)
+    # Its card, as the version's description (the Models page shows it; `astrai export-hf` writes the same README.md)
+    client.update_model_version(name, mv, description=model_card(
+        f"{name} version {mv}", f"models:/{name}/{mv}", {k: v for k, v in tags.items() if k != REGISTRATION}))
     unskilled = no_skill(record["values"])
     if unskilled:
         promote, decision = False, f"version {mv} stays candidate: {unskilled}"

@@ -1,0 +1,60 @@
+"""A model's card: what it is, the data it was trained on, its params hash, its held-out metrics with their 95%
+intervals, and how to serve it. One text (model_card) for the registered version's description in MLflow
+(tasks/register.py) and for the README.md `astrai export-hf` writes beside the weights (card_of)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from astrai_core.config import ModelConfig
+from tasks.metrics import METRICS
+
+
+def shape_line(cfg: ModelConfig) -> str:
+    """The model's shape in one line (a version's tag `model`)."""
+    return (f"dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads ({cfg.n_kv_heads} key/value), vocabulary "
+            f"{cfg.vocab_size}, context {cfg.max_seq_len} tokens, mlp {cfg.mlp}, attention {cfg.attention}")
+
+
+def model_card(title: str, reference: str, tags: dict[str, str]) -> str:
+    """The card (markdown) of model `reference` (models:/NAME/VERSION, or a checkpoint directory) from its registry
+    tags (tasks/register.py writes them; a checkpoint has only `model`)."""
+    lines = [f"# {title}", "",
+             "A small GPT-style language model trained by the AstrAI pipeline (corpus -> tokenizer -> pretrain -> "
+             "sft -> dpo -> grpo)" + (f": the {tags['stage']} stage's model, the chain's best on "
+                                       f"{tags.get('register_metric', '?')}." if "stage" in tags else ".")]
+    if "model" in tags:
+        lines += ["", f"Shape: {tags['model']}."]
+    lines += ["", "## Data and lineage", ""]
+    facts = {"corpus": "corpus (corpus.source)", "params_hash": "params hash (sha256 of the resolved params.yaml)",
+             "git_commit": "git commit", "profile": "params profile", "prefect_flow_run_id": "Prefect flow run",
+             "mlflow_run_id": "MLflow run", "weights_sha256": "weights sha256"}
+    facts |= {k: f"DVC md5 of {k.removeprefix('dvc_md5.')}" for k in sorted(tags) if k.startswith("dvc_md5.")}
+    known = [f"* {label}: `{tags[k]}`" for k, label in facts.items() if k in tags]
+    lines += known or ["Not a registered version: no lineage recorded (register it with `astrai stage register`)."]
+    lines += ["", "## Held-out metrics (95% intervals)", ""]
+    rows = [f"| {label} | {float(tags[k]):.4f} | " + (f"{float(tags[k + '_low']):.4f} to {float(tags[k + '_high']):.4f}"
+                                                      if k + "_low" in tags and k + "_high" in tags else "-") + " |"
+            for k, (label, _) in METRICS.items() if k in tags]
+    lines += ["| metric | value | 95% interval |", "| --- | --- | --- |", *rows] if rows else \
+        ["None recorded (the evaluate stage scores a registered version)."]
+    lines += ["", "## Use it", "", "```bash", f"astrai serve --model {reference}   # OpenAI- and Anthropic-compatible "
+              "HTTP on 127.0.0.1:8000", f"astrai generate --model {reference} --chat --prompt 'Hello'", "```", ""]
+    return "\n".join(lines)
+
+
+def card_of(reference: str, checkpoint: Path) -> str:
+    """The card of a model reference as tasks/models.py resolved it to `checkpoint`: a registered version's from its
+    tags (the text of its description), a checkpoint directory's from its config alone."""
+    from astrai_core.checkpoint import read_model_config
+
+    tags = {"model": shape_line(read_model_config(checkpoint / "config.json"))}
+    if reference.startswith("models:/"):
+        import mlflow
+
+        ref = reference.removeprefix("models:/")
+        name, sep, which = ref.partition("@") if "@" in ref else ref.rpartition("/")
+        client = mlflow.MlflowClient()  # resolve_model pointed MLflow at the pipeline's store
+        mv = client.get_model_version_by_alias(name, which) if sep == "@" else client.get_model_version(name, which)
+        return model_card(f"{name} version {mv.version}", f"models:/{name}/{mv.version}", tags | mv.tags)
+    return model_card(Path(reference).resolve().name, reference, tags)
