@@ -104,7 +104,11 @@ class ProgressBar(Callback):
 
 def eta(steps_left: int, steps_done: int, seconds: float) -> str:
     """Time left at the measured rate, as 1h02m, 3m05s or 42s."""
-    left = round(steps_left * seconds / max(steps_done, 1))
-    hours, rest = divmod(left, 3600)
+    return duration(steps_left * seconds / max(steps_done, 1))
+
+
+def duration(seconds: float) -> str:
+    """1h02m, 3m05s or 42s."""
+    hours, rest = divmod(round(seconds), 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

@@ -19,6 +19,7 @@ from astrai_core.io import atomic_path, sha256_file
 from astrai_core.losses import sequence_logps
 from astrai_core.distributed import uses_bf16
 from astrai_core.model import Transformer
+from astrai_core.progress import advance, expect
 
 
 @torch.no_grad()
@@ -30,12 +31,14 @@ def reference_logps(model: Transformer, data_path: str, tokenizer_sha256: str, b
     docs = Documents(data_path, tokenizer_sha256, model.cfg.vocab_size)
     out = np.zeros(docs.n_docs, dtype=np.float64)
     model.eval()
+    expect(docs.n_docs // 2, "preference pairs")
     for first in range(0, docs.n_docs, 2 * batch_size):
         pairs = np.arange(first // 2, min(first // 2 + batch_size, docs.n_docs // 2))
         b = pair_batch(docs, pairs, torch.device("cpu"))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=uses_bf16(dtype, torch.device("cpu"))):
             logits = model(b["x"])
         out[b["docs"].numpy()] = sequence_logps(logits, b["y"]).double().numpy()
+        advance(len(pairs))
     return out
 
 

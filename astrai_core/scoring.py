@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from astrai_core.data import Batch, Documents, PackedRows
 from astrai_core.dpo_reference import reference_logps
 from astrai_core.losses import IGNORE_INDEX, token_loss_sum
+from astrai_core.progress import advance, expect
 
 
 @torch.no_grad()
@@ -34,6 +35,7 @@ def sequence_nll(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, batch
     n = len(tokens) - 1
     starts = list(range(0, n, seq_len))
     total, count = 0.0, 0
+    expect(len(starts), "test windows")
     for i in range(0, len(starts), batch_size):
         chunk = starts[i:i + batch_size]
         length = min(seq_len, n - chunk[0])  # windows in a batch share a length; the last one may be short
@@ -48,6 +50,7 @@ def sequence_nll(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, batch
             y = torch.from_numpy(tokens[s + 1:n + 1].astype(np.int64))[None].to(device)
             total += F.cross_entropy(model(x).float()[0], y[0], reduction="sum").item()
             count += y.numel()
+        advance(len(chunk))
     assert count == n, (count, n)
     return total, count
 
@@ -165,9 +168,14 @@ def masked_token_loss(model: torch.nn.Module, data_path: str, tokenizer_sha256: 
     """Mean loss (nats) per target token of a conversation file (sft_*.h5): assistant tokens only, conversations
     packed and attention-blocked exactly as SFT trains."""
     rows = PackedRows(Documents(data_path, tokenizer_sha256, model.cfg.vocab_size), seq_len)
-    batches = (rows.batch(np.arange(first, min(first + batch_size, len(rows.rows))), torch.device("cpu"))
-               for first in range(0, len(rows.rows), batch_size))
-    total, count = token_loss_total(model, batches).tolist()
+    expect(len(rows.rows), "SFT test rows")
+
+    def batches():
+        for first in range(0, len(rows.rows), batch_size):
+            yield rows.batch(np.arange(first, min(first + batch_size, len(rows.rows))), torch.device("cpu"))
+            advance(min(batch_size, len(rows.rows) - first))
+
+    total, count = token_loss_total(model, batches()).tolist()
     return total / count
 
 
@@ -190,6 +198,7 @@ def answer_questions(model: torch.nn.Module, chat, records: list[dict], max_new_
     generator = torch.Generator().manual_seed(seed)
     questions_per_batch = max(1, rows_per_batch // samples)
     replies: list[list[str]] = []
+    expect(len(records), "questions" if samples == 1 else f"questions ({samples} samples each)")
     for first in range(0, len(records), questions_per_batch):
         chunk = records[first: first + questions_per_batch]
         prompts = [chat.encode_prompt([{"role": "user", "content": r["prompt"]}]) for r in chunk]
@@ -197,4 +206,5 @@ def answer_questions(model: torch.nn.Module, chat, records: list[dict], max_new_
                               generator=generator, samples_per_prompt=samples)
         decoded = [chat.decode_reply(o) for o in outs]
         replies += [decoded[i * samples: (i + 1) * samples] for i in range(len(chunk))]
+        advance(len(chunk))
     return replies

@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,9 @@ from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, Failed, State
 
+from astrai_core.callbacks import duration
 from astrai_core.errors import AstraiError
+from astrai_core.io import write_json
 from astrai_core.proc import record, stream_process
 from tasks import stages as S
 from tasks.params import Params, RunParams, check_cluster, run_params
@@ -41,6 +44,27 @@ from tasks.runlog import RUN_LOG_ENV, ConsoleFilter, crash_line, log_file, shown
 from tasks.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, flatten, setup
 
 STAGE_ORDER = list(S.STAGES)
+# Each stage's wall-clock seconds the last time it ran, per params profile: what the flow's eta is made of.
+STAGE_TIMES = Path(".astrai") / "stage_times.json"
+
+
+def run_eta(times: dict[str, float], left: list[str]) -> str:
+    """The flow's estimate for the stages `left`: the sum of their times when they last ran (an upper bound where
+    DVC finds a stage up to date and skips it)."""
+    known = [times[s] for s in left if s in times]
+    if not known:
+        return f"eta unknown: no earlier run timed these stages ({STAGE_TIMES})"
+    untimed = [s for s in left if s not in times]
+    return (f"eta {duration(sum(known))} for the {len(left)} stages left, from their last runs' times"
+            + (f" ({', '.join(untimed)} never timed, not counted)" if untimed else ""))
+
+
+def _read_times(path: Path) -> dict:
+    try:
+        times = json.loads(path.read_text())
+        return times if isinstance(times, dict) else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def _no_empty_traceback(record: logging.LogRecord) -> bool:
@@ -201,14 +225,20 @@ def _run_stages(root: Path, params: Params, log: Path) -> dict[str, Any]:
         mlflow.log_params(flatten(params.model_dump(mode="json")))
         env[PARENT_RUN_ENV] = parent.info.run_id
         status = {}
+        all_times = _read_times(root / STAGE_TIMES)
+        times = all_times.setdefault(params.register.profile, {})
         for i, stage in enumerate(STAGE_ORDER, 1):
-            logger.info(f"stage {i} of {len(STAGE_ORDER)}: {stage}")
+            logger.info(f"stage {i} of {len(STAGE_ORDER)}: {stage}; {run_eta(times, STAGE_ORDER[i - 1:])}")
+            started = time.monotonic()
             state = run_dvc_stage(stage, str(root), env, return_state=True)
             if state.is_cancelled():
                 raise TerminationSignal(signal.SIGTERM)  # the flow run ends as the cancel asked, with no more stages
             if state.is_failed():
                 raise AstraiError(state.message)  # the MLflow run ends FAILED; the flow run ends with this line
             status[stage] = state.result()
+            if status[stage] == "ran":
+                times[stage] = round(time.monotonic() - started, 1)
+                write_json(root / STAGE_TIMES, all_times)
             if stage == "evaluate":
                 _publish_evaluation(root)
         mlflow.log_dict(status, "stage_status.json")

@@ -51,6 +51,7 @@ from astrai_core.chat import ChatFormat, load_chat
 from astrai_core.data import PackedTokens, PackedWriter
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file, write_json
+from astrai_core.progress import advance, expect
 from tasks.chat_records import KINDS, check_record, read_records
 from tasks.demo_tasks import items
 from tasks.params import DEMO, ChatDataParams, Params
@@ -197,6 +198,7 @@ def pack_chat(params: Params, records_dir: Path, tokenizer_path: Path, out_dir: 
     on_bad, limit = params.chat_data.on_bad_record, params.pretrain.seq_len + 1
     attrs = packed_attrs(chat, tokenizer_path, records_dir)
     stats: dict = {"problems": []}
+    expect(len(SPLITS) * len(KINDS), "record files tokenized")
     for split in SPLITS:
         for kind, fn in (("sft", _pack_sft), ("dpo", pack_dpo)):
             path = records_dir / f"{kind}_{split}.jsonl"
@@ -207,6 +209,7 @@ def pack_chat(params: Params, records_dir: Path, tokenizer_path: Path, out_dir: 
                                                            params.chat_data.sft_replay, params.pretrain.seq_len,
                                                            params.chat_data.seed)
             stats[f"{kind}_{split}"] = n
+            advance()
         kept = []
         path = records_dir / f"grpo_{split}.jsonl"
         for lineno, record in numbered_records(path):
@@ -218,6 +221,7 @@ def pack_chat(params: Params, records_dir: Path, tokenizer_path: Path, out_dir: 
             kept.append(json.dumps(record, ensure_ascii=False) + "\n")
         (out_dir / f"grpo_{split}.jsonl").write_text("".join(kept), encoding="utf-8")
         stats[f"grpo_{split}"] = len(kept)
+        advance()
     for key in (f"{kind}_train" for kind in KINDS if getattr(params, kind).enabled):  # a disabled stage needs none
         if not stats[key]:
             raise AstraiError(f"{records_dir / (key + '.jsonl')}: no record fits the context; nothing to train on")

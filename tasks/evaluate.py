@@ -51,6 +51,7 @@ from astrai_core.scoring import (answer_questions, masked_token_loss, paired_dif
                                   sequence_nll, summarize, unigram_nll, wilson_interval)
 from astrai_core.generate import generate_text
 from astrai_core.io import atomic_path, sha256_file, write_json
+from astrai_core.progress import Progress, advance, expect
 from astrai_core.rewards import exact_answer, valid_option
 from tasks.layout import CHAT, CORPUS, PACKED
 from tasks.metrics import MAX_FORGETTING, METRICS
@@ -128,7 +129,11 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> tuple[dict, list[Chec
     score = partial(_score_model, params, root, tokens, n_chars, questions, train_questions, final)
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads,
                              initargs=(max(1, (os.cpu_count() or 1) // workers),)) as pool:
-        scored = list(pool.map(score, models))
+        expect(len(models), "models scored")
+        scored = []
+        for result in pool.map(score, models):  # in order, each as it is done
+            scored.append(result)
+            advance()
 
     metrics: dict = {"final_model": final}
     items: dict[str, dict[str, list[int]]] = {}  # metric -> model -> per-item result (1 right, 0 wrong; pass: count)
@@ -193,6 +198,12 @@ def _score_model(params: Params, root: Path, tokens: np.ndarray, n_chars: int, q
                  train_questions: list[dict], final: str, stage: str):
     """One model's metrics -> (metrics, per-item results by metric, its greedy replies to the held-out questions,
     the text samples if it is the final model). Runs in a worker process of evaluate()."""
+    with Progress(f"evaluate: {stage}"):  # this worker's own lines: what it scores, how far, its eta
+        return _score(params, root, tokens, n_chars, questions, train_questions, final, stage)
+
+
+def _score(params: Params, root: Path, tokens: np.ndarray, n_chars: int, questions: list[dict],
+           train_questions: list[dict], final: str, stage: str):
     p = params.evaluate
     chat_dir = root / CHAT
     ckpt = model_dir(root, stage)

@@ -19,10 +19,11 @@ from typing import Iterable, Iterator
 from astrai_core.data import PackedWriter
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file, write_json
+from astrai_core.progress import expect
 from astrai_core.bpe import load_tokenizer, piece_bounds, special_id
 from tasks.corpus import SPLITS
 from tasks.params import PackParams
-from tasks.tokenizer import iter_texts
+from tasks.tokenizer import corpus_documents, iter_texts
 
 
 def pack(params: PackParams, corpus_dir: Path, tokenizer_path: Path, out_dir: Path) -> dict:
@@ -47,6 +48,7 @@ def pack(params: PackParams, corpus_dir: Path, tokenizer_path: Path, out_dir: Pa
         tmp.mkdir()
         for split in SPLITS:
             st = stats[split] = {"documents": 0, "tokens": 0, "characters": 0}
+            expect(corpus_documents(corpus_dir, split), f"{split} documents")
             with PackedWriter(tmp / f"{split}.h5", split=split, **attrs) as writer:
                 texts = iter_texts(corpus_dir / f"{split}.jsonl")
                 for batch in _batches(texts, params.batch_documents, params.batch_characters):

@@ -41,6 +41,7 @@ from astrai_core.errors import AstraiError
 from astrai_core.gguf_export import export_gguf
 from astrai_core.hf import export_hf
 from astrai_core.io import sha256_file, write_json
+from astrai_core.progress import advance, expect
 from astrai_core.scoring import paired_difference
 from tasks.evaluate import sample_prompts
 from tasks.layout import MODEL_STAGES, model_dir
@@ -319,6 +320,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
         # The Hugging Face export travels with the version as the model artifact "hf" (transformers loads it directly:
         # download_artifacts("models:/NAME@champion") has artifacts/hf). Options transformers lacks are registered
         # without it, and the tag hf_export says why.
+        expect(2, "steps (Hugging Face export, MLflow model)")
         with tempfile.TemporaryDirectory() as tmp:
             artifacts = {"checkpoint": str(checkpoint_dir)}
             try:
@@ -326,6 +328,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
                 hf_export = json.loads((Path(tmp) / "hf" / "config.json").read_text())["architectures"][0]
             except AstraiError as e:
                 hf_export = f"none: {e}"
+            advance()
             # register.gguf: the GGUF file as the artifact "gguf" (artifacts/model.gguf); the tag gguf_export says
             # its type, or why there is none.
             gguf_export = "none: register.gguf is null"
@@ -345,6 +348,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
                 input_example=(sample_prompts(params, project_dir)[:1], PREDICT_PARAMS),  # the corpus's own text
                 pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "safetensors", "tokenizers", "numpy", "pydantic")],
             )
+            advance()
         tags = {
             "git_commit": git_commit(project_dir),
             "params_hash": params.digest(),

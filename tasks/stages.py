@@ -6,6 +6,7 @@ as deps and outs) and to its MLflow run. Paths are relative to the project direc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -13,7 +14,8 @@ from typing import Callable
 
 import mlflow
 
-from tasks.layout import CHAT, CORPUS, EVALUATE, PACKED, REGISTER, TOKENIZER, model_dir
+from astrai_core.progress import Progress
+from tasks.layout import CHAT, CORPUS, EVALUATE, MODEL_STAGES, PACKED, REGISTER, TOKENIZER, model_dir
 from tasks.params import Params
 from tasks.tracking import stage_run
 
@@ -121,9 +123,12 @@ STAGES: dict[str, Callable[[Params, Path], None]] = {
 
 
 def run_stage(name: str, params: Params, project_dir: Path | None = None) -> None:
-    """Run one stage in its own MLflow run (child of the pipeline's run when the flow started it)."""
+    """Run one stage in its own MLflow run (child of the pipeline's run when the flow started it). A stage other
+    than training (whose step lines carry their eta) prints its progress at least every ASTRAI_PROGRESS_SECONDS
+    (astrai_core/progress.py): what its loops count, how far they are, an eta."""
     if name not in STAGES:
         raise KeyError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
     root = Path(project_dir or os.getcwd()).resolve()
-    with stage_run(name, params, root):
+    talk = contextlib.nullcontext() if name in MODEL_STAGES else Progress(name)
+    with stage_run(name, params, root), talk:
         STAGES[name](params, root)

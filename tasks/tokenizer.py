@@ -22,6 +22,7 @@ from typing import Iterable, Iterator
 from astrai_core.chat import DEFAULT_TEMPLATE, TEMPLATE_FILE, load_chat
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path
+from astrai_core.progress import advance, expect
 from astrai_core.bpe import load_tokenizer, piece_bounds, train_tokenizer
 from tasks.params import TokenizerParams
 
@@ -34,6 +35,7 @@ def build_tokenizer(params: TokenizerParams, corpus_dir: Path, out_dir: Path) ->
     train_file = Path(corpus_dir) / "train.jsonl"
     if not train_file.is_file():
         raise AstraiError(f"{train_file}: not found; run the corpus stage first")
+    expect(corpus_documents(Path(corpus_dir), "train"), "training documents read (then the merges)")
     tok = train_tokenizer(pieces(iter_texts(train_file), PIECE_CHARACTERS), params.vocab_size, params.min_frequency)
     out_dir = Path(out_dir)
     with atomic_path(out_dir, "stage tokenizer") as tmp:
@@ -93,10 +95,21 @@ def pieces(texts: Iterable[str], max_chars: int) -> Iterator[str]:
 
 
 def iter_texts(jsonl: Path) -> Iterator[str]:
-    """The `text` of each line of a corpus split, one at a time (the corpus stage wrote and validated it)."""
+    """The `text` of each line of a corpus split, one at a time (the corpus stage wrote and validated it), each
+    counted as one document read by the stage's Progress."""
     with open(jsonl, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             try:
-                yield json.loads(line)["text"]
+                text = json.loads(line)["text"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise AstraiError(f"{jsonl}:{lineno}: not a corpus line (expected {{\"id\", \"text\"}}); re-run the corpus stage") from None
+            yield text
+            advance()
+
+
+def corpus_documents(corpus_dir: Path, split: str) -> int | None:
+    """How many documents the corpus stage wrote to `split` (its manifest.json), None when it does not say."""
+    try:
+        return int(json.loads((corpus_dir / "manifest.json").read_text())["splits"][split]["documents"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -152,3 +152,32 @@ def test_the_registered_version_and_its_export_carry_one_model_card(chain, tmp_p
     assert "Not a registered version" in plain and "astrai serve --model data/sft" in plain
     assert "| task accuracy | 0.3000 | 0.2000 to 0.4000 |" in model_card(
         "m", "models:/m/1", {"task_accuracy": "0.3", "task_accuracy_low": "0.2", "task_accuracy_high": "0.4"})
+
+
+def test_long_stages_print_counts_and_an_eta(chain, capfd, monkeypatch):
+    """With the progress interval at 0 every step of a stage's loops prints its line (the interval is a parameter,
+    ASTRAI_PROGRESS_SECONDS; 10 s by default): counts and an eta, from the stage and from evaluate's workers."""
+    import re
+
+    project, params = chain
+    monkeypatch.setenv("ASTRAI_PROGRESS_SECONDS", "0")  # the evaluate workers inherit it
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{project}/mlflow.db")
+    monkeypatch.chdir(project)
+    capfd.readouterr()
+    for stage in ("pack", "evaluate"):
+        run_stage(stage, params, project)
+    out = capfd.readouterr().out
+    count = r"\d+/\d+ {} \(\d+%\), \d+s so far, eta (\d+m)?\d+s"
+    for label, unit in (("pack", "train documents"), ("evaluate", "models scored"),
+                        ("evaluate: sft", "test windows"), ("evaluate: pretrain", "SFT test rows")):
+        assert re.search(f"^{label}: {count.format(re.escape(unit))}$", out, re.M), (label, unit, out[-3000:])
+
+
+def test_the_flow_estimates_the_run_from_the_stages_last_times():
+    from flows.pipeline import STAGE_TIMES, run_eta
+
+    assert run_eta({"sft": 100.0, "dpo": 65.0, "grpo": 30.0}, ["dpo", "grpo"]) == \
+        "eta 1m35s for the 2 stages left, from their last runs' times"
+    assert run_eta({"dpo": 65.0}, ["dpo", "evaluate"]) == \
+        "eta 1m05s for the 2 stages left, from their last runs' times (evaluate never timed, not counted)"
+    assert run_eta({}, ["corpus"]) == f"eta unknown: no earlier run timed these stages ({STAGE_TIMES})"
