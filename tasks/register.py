@@ -3,8 +3,9 @@ register a version, move the aliases.
 
 The metric is `register.metric` in params (tasks/metrics.py says which way is better): the registered model is the
 best of the chain on it in the evaluation's metrics.json (a tie goes to the later stage), not blindly the last one.
-Every new version gets alias `candidate`. Alias `champion` moves to it only if its value of the same metric beats
-the current champion's (or there is no champion, or the champion was registered without that metric); with a
+Every new version gets alias `candidate`, and its model card as description (tasks/model_card.py). Alias `champion`
+moves to it only if it learned some task (no_skill) and its value of the same metric beats the current champion's
+(or there is no champion, or the champion was registered without that metric); with a
 registry lock (ASTRAI_REGISTRY_LOCK_URI / tracking.registry_lock_uri, a PostgreSQL advisory lock: registry_lock)
 registrations of one name, on any machine, go one after the other, so that decision is a compare-and-set. Weights
 already registered (the same sha256 of model.safetensors under the same name) are not registered again: the stage
