@@ -343,6 +343,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
             "gguf_export": gguf_export,
             "weights_sha256": weights_sha256,  # a later registration of the same weights finds this version
             "profile": profile,
+            "dvc_experiment": os.environ.get("DVC_EXP_NAME") or "none",  # `dvc exp show` / `dvc exp apply` name
             **dvc_hashes(project_dir),
         }
         mlflow.log_dict(record, GATE_ITEMS)  # in the version's run before the version exists: a later gate reads it
