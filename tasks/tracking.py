@@ -2,7 +2,8 @@
 
 The Prefect flow opens a parent run and passes its id to every stage process as ASTRAI_PARENT_RUN_ID; each
 stage opens a child run under it. A stage run by plain `dvc repro` (no parent) opens a top-level run.
-The torchrun children learn the stage's run from MLFLOW_RUN_ID (see astrai_core.metric_log).
+The torchrun children learn the stage's run from MLFLOW_RUN_ID (see astrai_core.metric_log). A DVC experiment's
+stages, also those DVC runs in a temporary copy of the project, log to the project's own store (project_root).
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ FLOW_RUN_ENV = "ASTRAI_FLOW_RUN_ID"
 # The experiment's type, which the MLflow UI (3.x) reads to open on its runs ("Machine learning") rather than on
 # the GenAI traces page it shows an experiment of unknown type.
 EXPERIMENT_KIND, TRAINING_RUNS = "mlflow.experimentKind", "custom_model_development"
-
-
 DVC_EXPERIMENT_TAG = "astrai.dvc_experiment"  # the DVC experiment a run belongs to (`dvc exp show` names it)
 
 
