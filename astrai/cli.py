@@ -92,7 +92,9 @@ def _print_summary(result: dict) -> None:
     if result.get("up_to_date"):
         print("nothing ran:      every stage is up to date (dvc status); below: the results of the run that made them")
     else:
-        print(f"MLflow run:       {result['mlflow_parent_run_id']}  (open: make mlflow-ui)")
+        print(f"MLflow run:       {result['mlflow_parent_run_id']}")
+    served = result["mlflow_tracking_uri"].startswith(("http://", "https://"))  # else a local store: its UI is make's
+    print(f"MLflow UI:        {result['mlflow_ui']}" + ("" if served else "  (after: make mlflow-ui)"))
     print(f"registered model: {reg['model_uri'] or 'none'}  aliases: {', '.join(reg['aliases']) or 'none'}")
     print(f"registered stage: {reg['stage']} (the chain's best on {reg['metric']}: register.metric)")
     print(f"decision:         {reg['decision']}")

@@ -38,7 +38,7 @@ from tasks import stages as S
 from tasks.params import Params, RunParams, check_cluster, run_params
 from tasks.run_lock import checkout_lock, note_prefect_server
 from tasks.runlog import RUN_LOG_ENV, ConsoleFilter, crash_line, log_file, shown
-from tasks.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, flatten, setup
+from tasks.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, flatten, setup, ui_link
 
 STAGE_ORDER = list(S.STAGES)
 
@@ -227,6 +227,8 @@ def _run_stages(root: Path, params: Params, log: Path) -> dict[str, Any]:
         "mlflow_tracking_uri": mlflow.get_tracking_uri(),
         "mlflow_experiment": params.tracking.experiment,
         "mlflow_parent_run_id": None if up_to_date else parent.info.run_id,
+        "mlflow_ui": ui_link(mlflow.get_tracking_uri(), parent.info.experiment_id,
+                             None if up_to_date else parent.info.run_id),
         "up_to_date": up_to_date,
         "stages": status,
         "metrics": json.loads((root / S.EVALUATE / "metrics.json").read_text()),

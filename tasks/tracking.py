@@ -28,10 +28,19 @@ from tasks.params import Params
 
 PARENT_RUN_ENV = "ASTRAI_PARENT_RUN_ID"
 FLOW_RUN_ENV = "ASTRAI_FLOW_RUN_ID"
-# The experiment's type, which the MLflow UI (3.x) reads to open on its runs ("Machine learning") rather than on
-# the GenAI traces page it shows an experiment of unknown type.
+# The experiment's type ("Machine learning"), which MLflow's UI reads where its workflow switch does not decide
+# (3.17's does: see ui_link).
 EXPERIMENT_KIND, TRAINING_RUNS = "mlflow.experimentKind", "custom_model_development"
 DVC_EXPERIMENT_TAG = "astrai.dvc_experiment"  # the DVC experiment a run belongs to (`dvc exp show` names it)
+
+
+def ui_link(uri: str, experiment_id: str, run_id: str | None = None) -> str:
+    """An experiment's (or one run's) page in MLflow's UI, opening on its runs: MLflow 3.x's UI opens experiments on
+    its GenAI pages unless its URL says workflowType=machine_learning or the sidebar's switch was set to "Model
+    training" (the browser remembers that). A local store's UI is `make mlflow-ui`'s, on port 5000."""
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    page = f"experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
+    return f"{base}/#/{page}?workflowType=machine_learning"
 
 
 def project_root(project_dir: Path) -> Path:

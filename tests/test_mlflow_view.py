@@ -7,10 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from conftest import PROJECT_ROOT
+from test_chat_page import browser  # noqa: F401 (a fixture: headless Chromium, or a skip saying what is missing)
 
 
 @pytest.fixture
@@ -105,3 +107,45 @@ def test_a_training_stage_run_shows_system_metrics_and_each_setting_once(store, 
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "system/cpu_utilization_percentage")]
     assert steps and len(steps) == len(set(steps)), steps  # one process sampled: rank 1 logged none
     assert "Started monitoring system metrics" not in out.stdout + out.stderr  # MLflow's lines kept out of the log
+
+
+@pytest.mark.integration
+def test_the_printed_link_opens_the_experiment_on_its_runs(store, tmp_path, browser):
+    """MLflow 3.17's UI opens an experiment on its GenAI pages (Overview, Traces) unless the URL says
+    workflowType=machine_learning: the link `astrai pipeline` prints (ui_link) opens on the runs table, in Chromium
+    against a real `mlflow server`."""
+    import socket
+
+    import httpx
+    import mlflow
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tasks.params import Params
+    from tasks.tracking import setup, ui_link
+
+    exp_id = setup(Params(), tmp_path)
+    with mlflow.start_run(experiment_id=exp_id) as run:
+        mlflow.log_metric("grpo.task_accuracy", 0.5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "mlflow"), "server", "--host", "127.0.0.1",
+                               "--port", str(port), "--workers", "1", "--backend-store-uri", store],
+                              env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        browser.get(ui_link(url, exp_id))
+        WebDriverWait(browser, 60).until(lambda d: f"/experiments/{exp_id}/runs" in d.current_url)
+        browser.get(ui_link(url, exp_id, run.info.run_id))
+        WebDriverWait(browser, 60).until(lambda d: "grpo.task_accuracy" in d.page_source)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
