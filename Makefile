@@ -86,6 +86,8 @@ stop:  ## stop the worker (SIGTERM, then SIGINT) and the server started above
 	@echo stopped
 
 mlflow-ui: setup  ## the MLflow UI on http://127.0.0.1:$(MLFLOW_PORT)
+	@echo "MLflow UI: http://127.0.0.1:$(MLFLOW_PORT) (MLflow 3 opens experiments on its GenAI pages: set the sidebar's switch to" \
+	  "'Model training' once, or open the link \`astrai pipeline\` prints, ending in ?workflowType=machine_learning)"
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(BIN)/mlflow server --host 127.0.0.1 --port $(MLFLOW_PORT) --workers 1 \
 	  --backend-store-uri sqlite:///$(CURDIR)/mlflow/mlflow.db --default-artifact-root $(CURDIR)/mlflow/artifacts
 

@@ -7,6 +7,8 @@ import logging
 import math
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -90,7 +92,9 @@ def _print_summary(result: dict) -> None:
     if result.get("up_to_date"):
         print("nothing ran:      every stage is up to date (dvc status); below: the results of the run that made them")
     else:
-        print(f"MLflow run:       {result['mlflow_parent_run_id']}  (open: make mlflow-ui)")
+        print(f"MLflow run:       {result['mlflow_parent_run_id']}")
+    served = result["mlflow_tracking_uri"].startswith(("http://", "https://"))  # else a local store: its UI is make's
+    print(f"MLflow UI:        {result['mlflow_ui']}" + ("" if served else "  (after: make mlflow-ui)"))
     print(f"registered model: {reg['model_uri'] or 'none'}  aliases: {', '.join(reg['aliases']) or 'none'}")
     print(f"registered stage: {reg['stage']} (the chain's best on {reg['metric']}: register.metric)")
     print(f"decision:         {reg['decision']}")
@@ -232,7 +236,11 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
                                       "when set), or a number."),
           engine_process: bool = typer.Option(True, "--engine-process/--engine-thread", help="Run the engine in a "
                                               "process of its own (default: the HTTP event loop and the engine then "
-                                              "do not share one GIL) or in a thread of the server's process.")) -> None:
+                                              "do not share one GIL) or in a thread of the server's process."),
+          alias_poll: float = typer.Option(60.0, help="With --model models:/NAME@ALIAS: look the alias up in the "
+                                           "registry every this many seconds; when it points to another version than "
+                                           "the one served, /health and /v1/models say so and the log gets a line "
+                                           "(0: never).")) -> None:
     """Serve a model over HTTP with OpenAI- and Anthropic-compatible routes (/v1/chat/completions,
     /v1/completions, /v1/messages, /v1/models), /health, /metrics and a chat page at /, on the continuous-batching
     engine. Engine options left out take the engine's defaults (astrai_core/engine/engine.py EngineConfig); the
@@ -251,6 +259,7 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
     from astrai_core.engine import Engine, EngineConfig, EngineProcess
     from serving.app import create_app
     from serving.auth import Hosts, check_hosts_option
+    from serving.model import AliasWatch
     from serving.server import run
 
     api_key = api_key or None  # an empty ASTRAI_API_KEY means no key
@@ -288,8 +297,12 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
                 engine = Engine(load_model(checkpoint, device=device)[0], config)
         except (AstraiError, ValueError) as e:
             _fail(str(e))
+    watch = None
+    if model.startswith("models:/") and "@" in model and alias_poll > 0:  # model_id is NAME/VERSION
+        watch = AliasWatch(*model.removeprefix("models:/").split("@", 1), version=model_id.rsplit("/", 1)[1])
+        threading.Thread(target=_watch_alias, args=(watch, alias_poll), name="alias-poll", daemon=True).start()
     application = create_app(engine, chat, model_id, api_key=api_key, aliases=aliases,
-                             hosts=Hosts(host, tuple(allowed_host)))
+                             hosts=Hosts(host, tuple(allowed_host)), watch=watch)
     c = engine.config
     typer.echo(f"astrai: serving {', '.join([model_id, *aliases])} on http://{host}:{port}/v1 ({device}, {n_threads} torch thread(s): "
                f"{why}; engine {'process' if engine_process else 'thread'}; batch cap {c.max_batch_size}, {engine.stats()['kv_blocks_total']} KV blocks of "
@@ -301,6 +314,20 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
         engine.stop()
     if status:
         raise typer.Exit(status)
+
+
+def _watch_alias(watch: "AliasWatch", every: float) -> None:
+    """Look up where watch's alias points every `every` s, for as long as the server runs; a change is logged."""
+    from astrai.models import alias_version
+
+    while True:
+        time.sleep(every)
+        try:
+            line = watch.update(alias_version(watch.name, watch.alias))
+        except Exception as e:  # noqa: BLE001 - a registry that cannot be read is reported, and looked at again
+            line = watch.update(None, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        if line:
+            typer.echo(f"astrai: {line}", err=True)
 
 
 def _check_port_free(host: str, port: int) -> None:

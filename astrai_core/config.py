@@ -379,3 +379,8 @@ class TrainConfig(RunSettings):
     def checkpoints(self) -> str:
         """Where the resumable checkpoints live."""
         return self.checkpoint_dir or f"{self.out_dir}.ckpts"
+
+    def used(self) -> dict:
+        """The settings this run trains with (what its MLflow run's params show): all but the other methods' own,
+        whose defaults would contradict params.yaml (a seq run has no dpo.beta)."""
+        return self.model_dump(exclude={m for m in ("dpo", "grpo") if m != self.strategy})

@@ -7,11 +7,13 @@ logs into that run and never starts or ends one. Without MLFLOW_RUN_ID, metrics 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 MAX_PARAM_CHARS = 500  # MLflow's limit on a param value
 PARAMS_PER_BATCH = 100  # MLflow's limit on params per log_batch call
@@ -88,3 +90,25 @@ class MetricLogger:
         if not self.enabled or not self.run_id:
             return
         self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+
+@contextlib.contextmanager
+def system_metrics(local_rank: int) -> Iterator[None]:
+    """MLflow's system metrics (CPU, memory, disk, network; GPU with nvidia-ml-py where there is one) into the run
+    MLFLOW_RUN_ID names, sampled every 10 s (MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL) by local rank 0 of each node:
+    `system/cpu_utilization_percentage` on one node, `system/node_<N>/...` per node (torchrun's GROUP_RANK) on
+    several. Every other rank, and a run without MLFLOW_RUN_ID, logs none."""
+    run_id = os.environ.get("MLFLOW_RUN_ID")
+    if local_rank != 0 or not run_id:
+        yield
+        return
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop lines are noise in a log
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    monitor = SystemMetricsMonitor(run_id, node_id=f"node_{os.environ.get('GROUP_RANK', '0')}" if nodes > 1 else None)
+    monitor.start()
+    try:
+        yield
+    finally:
+        monitor.finish()

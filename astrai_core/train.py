@@ -63,7 +63,7 @@ from astrai_core.data import PackedTokens
 from astrai_core.distributed import ERROR_PREFIX, DataGroup, Dist, cleanup, init_distributed
 from astrai_core.errors import AstraiError, TrainingError
 from astrai_core.io import sha256_file
-from astrai_core.metric_log import MetricLogger
+from astrai_core.metric_log import MetricLogger, system_metrics
 from astrai_core.parallel import Trainee, build, grad_sync, total_grad_norm
 
 
@@ -282,9 +282,9 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
     stop, speed = StopFlag(), Throughput()
     finished = run.step >= t.max_steps  # the run is complete (last step, or early stopping): the final save follows
     try:
-        with sigterm_stops(stop):
+        with sigterm_stops(stop), system_metrics(d.local_rank):
             emit(callbacks, "on_train_begin", run)
-            log.log_params(cfg.model_dump())
+            log.log_params(cfg.used())
             emit(callbacks, "on_epoch_begin", run)
             while not finished and not run.stop:
                 t0, lr, run.metrics = time.perf_counter(), t.scheduler.get_last_lr()[0], {}

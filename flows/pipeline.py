@@ -41,7 +41,7 @@ from tasks import stages as S
 from tasks.params import Params, RunParams, check_cluster, run_params
 from tasks.run_lock import checkout_lock, note_prefect_server
 from tasks.runlog import RUN_LOG_ENV, ConsoleFilter, crash_line, log_file, shown
-from tasks.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, flatten, setup
+from tasks.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, flatten, setup, ui_link
 
 STAGE_ORDER = list(S.STAGES)
 # Each stage's wall-clock seconds the last time it ran, per params profile: what the flow's eta is made of.
@@ -164,8 +164,8 @@ def restore_last_good_outputs(stage: str, project_dir: str, env: dict[str, str])
     if out.returncode != 0:
         why = ((out.stderr or out.stdout).strip().splitlines() or ["dvc checkout failed"])[-1]
         return f"{stage}: no earlier outputs restored ({why})"
-    # `dvc checkout` succeeds without restoring an output DVC does not cache (`cache: false`, e.g. register's
-    # registration.json): say "back in place" only when `dvc status` finds every output as dvc.lock records it.
+    # `dvc checkout` succeeds without restoring an output DVC does not cache (`cache: false`): say "back in place"
+    # only when `dvc status` finds every output as dvc.lock records it.
     status = subprocess.run(dvc_command() + ["status", "--json", stage], cwd=project_dir, env=env,
                             capture_output=True, text=True, stdin=subprocess.DEVNULL)
     try:
@@ -241,6 +241,7 @@ def _run_stages(root: Path, params: Params, log: Path) -> dict[str, Any]:
                 write_json(root / STAGE_TIMES, all_times)
             if stage == "evaluate":
                 _publish_evaluation(root)
+                log_headline(root)
         mlflow.log_dict(status, "stage_status.json")
         for kind in ("restored", "unchanged"):  # the stages that have no child run here, and why
             mlflow.set_tag(f"astrai.{kind}_stages", ",".join(s for s, v in status.items() if v == kind) or "none")
@@ -256,6 +257,8 @@ def _run_stages(root: Path, params: Params, log: Path) -> dict[str, Any]:
         "mlflow_tracking_uri": mlflow.get_tracking_uri(),
         "mlflow_experiment": params.tracking.experiment,
         "mlflow_parent_run_id": None if up_to_date else parent.info.run_id,
+        "mlflow_ui": ui_link(mlflow.get_tracking_uri(), parent.info.experiment_id,
+                             None if up_to_date else parent.info.run_id),
         "up_to_date": up_to_date,
         "stages": status,
         "metrics": json.loads((root / S.EVALUATE / "metrics.json").read_text()),
@@ -264,6 +267,15 @@ def _run_stages(root: Path, params: Params, log: Path) -> dict[str, Any]:
     }
     logger.info("pipeline done: %s", json.dumps({k: result[k] for k in ("stages", "registration")}, default=str))
     return result
+
+
+def log_headline(root: Path) -> None:
+    """The evaluation's headline (headline.json: what `dvc metrics show` prints) as metrics of the active run, the
+    pipeline's, under the names its evaluate run gives them (`grpo.task_accuracy`): pipeline runs then compare side
+    by side in MLflow's runs table."""
+    headline = json.loads((root / S.EVALUATE / "headline.json").read_text())
+    mlflow.log_metrics({k.replace("/", "."): float(v) for k, v in headline.items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool)})
 
 
 def _publish_evaluation(root: Path) -> None:

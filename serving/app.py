@@ -25,7 +25,7 @@ from astrai_core.engine import EngineClient
 from serving import anthropic, openai, tokenize
 from serving.auth import API, Hosts, require_host
 from serving.errors import EXCEPTION_HANDLERS
-from serving.model import MAX_BODY_BYTES, ServedModel
+from serving.model import MAX_BODY_BYTES, AliasWatch, ServedModel
 
 router = APIRouter()  # the routes of the server itself, not of one protocol
 # The page loads nothing from elsewhere, and the browser is told so: it may talk to this server only. No page may
@@ -39,14 +39,16 @@ PAGE_HEADERS = {"Cache-Control": "no-cache",
 
 
 def create_app(engine: EngineClient, chat: ChatFormat, model_id: str, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, aliases: Sequence[str] = (), hosts: Hosts = Hosts()) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, aliases: Sequence[str] = (), hosts: Hosts = Hosts(),
+               watch: AliasWatch | None = None) -> FastAPI:
     """The server for one model. `engine` must be started by the caller (and stopped after the server). Requests
     may name it `model_id` or any of `aliases` (a registered model's name, NAME@ALIAS: ids a client keeps when the
     champion moves); responses name `model_id`. With `api_key`, every /v1/ route needs it. `hosts`: the names
-    requests may give in Host and Origin (auth.py: the address it is bound to, loopback, --allowed-host)."""
+    requests may give in Host and Origin (auth.py: the address it is bound to, loopback, --allowed-host). `watch`:
+    the registry alias it was started by, which the caller keeps up to date (/health and /v1/models report it)."""
     app = FastAPI(title="astrai serve", docs_url=None, redoc_url=None, openapi_url=None,
                   exception_handlers=EXCEPTION_HANDLERS, dependencies=[Depends(require_host)])
-    app.state.served = ServedModel(engine, chat, model_id, aliases, max_body_bytes)
+    app.state.served = ServedModel(engine, chat, model_id, aliases, max_body_bytes, watch)
     app.state.api_key, app.state.hosts = api_key, hosts
     app.include_router(router)
     app.include_router(openai.router)
@@ -69,9 +71,11 @@ def page() -> str:
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     served: ServedModel = request.app.state.served
+    # A moved alias leaves the server healthy (it serves what it loaded): the registry part says so.
+    registry = {"registry": served.watch.report()} if served.watch else {}
     if served.engine.alive:
-        return JSONResponse({"status": "ok", "model": served.model_id})
-    return JSONResponse({"status": "engine stopped", "model": served.model_id}, status_code=503)
+        return JSONResponse({"status": "ok", "model": served.model_id, **registry})
+    return JSONResponse({"status": "engine stopped", "model": served.model_id, **registry}, status_code=503)
 
 
 @router.get("/metrics")

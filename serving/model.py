@@ -22,14 +22,47 @@ MAX_BODY_BYTES = 1024 * 1024  # far more text than any context here holds; bigge
 GREEDY_BELOW = 1e-5  # temperatures this small sample greedily (dividing logits by them would overflow)
 
 
+class AliasWatch:
+    """A registry alias the server was started by (models:/NAME@ALIAS) and the version it serves: where the alias
+    pointed when last looked up (`astrai serve` looks every --alias-poll s), for /health and /v1/models to report."""
+
+    def __init__(self, name: str, alias: str, version: str) -> None:
+        self.name, self.alias, self.version = name, alias, version
+        self.points_to: str | None = version
+        self.checked = time.time()
+        self.error: str | None = None
+
+    def update(self, points_to: str | None, error: str | None = None) -> str | None:
+        """Record a lookup (the alias's version, or why there is none); returns a line to log when that changed."""
+        before = (self.points_to, self.error)
+        self.points_to, self.error, self.checked = points_to, error, time.time()
+        return self.warning() if (points_to, error) != before else None
+
+    def warning(self) -> str | None:
+        ref = f"models:/{self.name}@{self.alias}"
+        if self.error:
+            return f"{ref}: no answer from the registry ({self.error}); this server serves version {self.version}"
+        if self.points_to != self.version:
+            now = f"version {self.points_to}" if self.points_to else "no version"
+            return f"{ref} now points to {now}; this server serves version {self.version} (restart it to serve that)"
+        return None
+
+    def report(self) -> dict:
+        return {"registered_model": self.name, "version": self.version, "alias": self.alias,
+                "alias_version": self.points_to, "alias_moved": self.points_to != self.version,
+                "checked": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.checked)),
+                **({"warning": warning} if (warning := self.warning()) else {})}
+
+
 class ServedModel:
     """One model on a started engine. Requests may name it `model_id` or any of `aliases` (a registered model's
-    name, NAME@ALIAS: ids a client keeps when the champion moves); responses name `model_id`."""
+    name, NAME@ALIAS: ids a client keeps when the champion moves); responses name `model_id`. `watch`: the alias
+    it was started by, when it was (its version and where the alias points now appear in /health and /v1/models)."""
 
     def __init__(self, engine: EngineClient, chat: ChatFormat, model_id: str, aliases: Sequence[str] = (),
-                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = MAX_BODY_BYTES, watch: AliasWatch | None = None) -> None:
         self.engine, self.chat, self.tokenizer = engine, chat, chat.tokenizer
-        self.model_id, self.max_body_bytes = model_id, max_body_bytes
+        self.model_id, self.max_body_bytes, self.watch = model_id, max_body_bytes, watch
         self.names = (model_id, *[a for a in aliases if a != model_id])
         self.created = int(time.time())
         self.context = engine.context_length
@@ -42,7 +75,12 @@ class ServedModel:
         self.max_token_bytes = max(len(t.encode()) for t in self.tokenizer.get_vocab())
 
     def model_card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "astrai"}
+        card = {"id": name, "object": "model", "created": self.created, "owned_by": "astrai"}
+        if self.watch:  # which version answers to this name, and where the alias points now
+            card |= {"version": self.watch.version}
+            if name == f"{self.watch.name}@{self.watch.alias}":
+                card |= {"alias_version": self.watch.points_to, "alias_moved": self.watch.points_to != self.watch.version}
+        return card
 
     def check_model(self, name: str) -> None:
         if name not in self.names:

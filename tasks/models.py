@@ -96,3 +96,16 @@ def _download(uri: str, dst: Path) -> Resolved:
     if "checkpoint" not in artifacts:
         raise AstraiError(f"{uri}: no checkpoint artifact (not a model registered by `astrai stage register`?)")
     return Resolved(Path(local) / artifacts["checkpoint"]["path"], model_id, aliases)
+
+
+def alias_version(name: str, alias: str) -> str:
+    """The version registered model `name`'s `alias` points to now, in the pipeline's store; AstraiError saying why
+    when there is none (no such alias, the registry cannot be read)."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    use_tracking_store()
+    try:
+        return str(mlflow.MlflowClient().get_model_version_by_alias(name, alias).version)
+    except MlflowException as e:
+        raise AstraiError(str(e.message).splitlines()[0]) from None

@@ -366,6 +366,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
             "profile": profile,
             "corpus": params.corpus.source,  # what it learned from, for its card (tasks/model_card.py)
             "model": shape_line(read_model_config(checkpoint_dir / "config.json")),
+            "dvc_experiment": os.environ.get("DVC_EXP_NAME") or "none",  # `dvc exp show` / `dvc exp apply` name
             **dvc_hashes(project_dir),
         }
         mlflow.log_dict(record, GATE_ITEMS)  # in the version's run before the version exists: a later gate reads it

@@ -2,7 +2,8 @@
 
 The Prefect flow opens a parent run and passes its id to every stage process as ASTRAI_PARENT_RUN_ID; each
 stage opens a child run under it. A stage run by plain `dvc repro` (no parent) opens a top-level run.
-The torchrun children learn the stage's run from MLFLOW_RUN_ID (see astrai_core.metric_log).
+The torchrun children learn the stage's run from MLFLOW_RUN_ID (see astrai_core.metric_log). A DVC experiment's
+stages, also those DVC runs in a temporary copy of the project, log to the project's own store (project_root).
 """
 
 from __future__ import annotations
@@ -19,20 +20,51 @@ from typing import Iterator
 import mlflow
 import yaml
 
+from astrai_core.config import TrainConfig
 from astrai_core.metric_log import mlflow_params as flatten  # the MLflow params of a config tree
 from astrai_core.proc import record
+from tasks.layout import MODEL_STAGES
 from tasks.params import Params
 
 PARENT_RUN_ENV = "ASTRAI_PARENT_RUN_ID"
 FLOW_RUN_ENV = "ASTRAI_FLOW_RUN_ID"
+# The experiment's type ("Machine learning"), which MLflow's UI reads where its workflow switch does not decide
+# (3.17's does: see ui_link).
+EXPERIMENT_KIND, TRAINING_RUNS = "mlflow.experimentKind", "custom_model_development"
+DVC_EXPERIMENT_TAG = "astrai.dvc_experiment"  # the DVC experiment a run belongs to (`dvc exp show` names it)
+
+
+def ui_link(uri: str, experiment_id: str, run_id: str | None = None) -> str:
+    """An experiment's (or one run's) page in MLflow's UI, opening on its runs: MLflow 3.x's UI opens experiments on
+    its GenAI pages unless its URL says workflowType=machine_learning or the sidebar's switch was set to "Model
+    training" (the browser remembers that). A local store's UI is `make mlflow-ui`'s, on port 5000."""
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    page = f"experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
+    return f"{base}/#/{page}?workflowType=machine_learning"
+
+
+def project_root(project_dir: Path) -> Path:
+    """The project a stage runs for: project_dir itself, or the DVC repository whose experiment workspace it is.
+
+    DVC runs a queued or `--temp` experiment in a copy under .dvc/tmp/exps/, deleted afterwards, and names the real
+    repository in DVC_ROOT: what the project keeps (the MLflow store and registry) is the real repository's.
+    """
+    project_dir = Path(project_dir).resolve()
+    root = os.environ.get("DVC_ROOT")
+    if root and project_dir.is_relative_to(Path(root).resolve() / ".dvc" / "tmp" / "exps"):
+        return Path(root).resolve()
+    return project_dir
 
 
 def tracking_uri(params: Params, project_dir: Path) -> str:
-    """MLFLOW_TRACKING_URI from the environment, else params.tracking.uri, else sqlite under mlflow/."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or params.tracking.uri
-    if uri:
-        return uri
-    return f"sqlite:///{(project_dir / 'mlflow' / 'mlflow.db').resolve()}"
+    """MLFLOW_TRACKING_URI from the environment, else params.tracking.uri, else sqlite under mlflow/. A relative
+    sqlite path (sqlite:///mlflow/mlflow.db) is taken from the project's root (project_root), not the working
+    directory, so a DVC experiment's temporary workspace logs to the project's store too."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or params.tracking.uri or "sqlite:///mlflow/mlflow.db"
+    path = uri.removeprefix("sqlite:///")
+    if uri.startswith("sqlite:///") and not Path(path).is_absolute():
+        return f"sqlite:///{(project_root(project_dir) / path).resolve()}"
+    return uri
 
 
 @contextlib.contextmanager
@@ -66,6 +98,8 @@ def setup(params: Params, project_dir: Path) -> str:
                 # Keep artifacts beside the sqlite file, not in whatever directory the process happens to run in.
                 artifacts = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").resolve().as_uri()
             exp_id = mlflow.create_experiment(params.tracking.experiment, artifact_location=artifacts)
+        if exp is None or EXPERIMENT_KIND not in exp.tags:  # one made before the kind was set gets it too
+            mlflow.MlflowClient().set_experiment_tag(exp_id, EXPERIMENT_KIND, TRAINING_RUNS)
     mlflow.set_experiment(experiment_id=exp_id)
     return exp_id
 
@@ -81,14 +115,26 @@ def stage_run(stage: str, params: Params, project_dir: Path) -> Iterator[mlflow.
             "astrai.host": socket.gethostname(), "astrai.pid": str(os.getpid())}
     if os.environ.get(FLOW_RUN_ENV):
         tags["prefect.flow_run_id"] = os.environ[FLOW_RUN_ENV]
+    if os.environ.get("DVC_EXP_NAME"):  # `dvc exp run` (workspace, queue or temp) names its experiment here
+        tags[DVC_EXPERIMENT_TAG] = os.environ["DVC_EXP_NAME"]
     with mlflow.start_run(run_name=stage, parent_run_id=parent, nested=parent is not None, tags=tags) as run:
         record({"mlflow_run": run.info.run_id, "tracking_uri": mlflow.get_tracking_uri()})  # a kill: marked KILLED
-        section = params.model_dump(mode="json").get(stage)
-        if isinstance(section, dict):
+        if section := stage_params(params, stage):
             mlflow.log_params(flatten(section, f"{stage}."))
         mlflow.log_text(json.dumps(params.model_dump(mode="json"), indent=2), "params.json")
         log_stage_inputs(stage, project_dir)
         yield run
+
+
+def stage_params(params: Params, stage: str) -> dict:
+    """The params.yaml section a stage's run shows as its params (`<stage>.<key>`). A training stage's training
+    core logs the TrainConfig it trains with (TrainConfig.used: `optim.lr`, `dpo.beta`), so its run shows here only
+    what the section says beyond that (nproc, max_restarts, enabled): no setting twice under two names."""
+    section = params.model_dump(mode="json").get(stage)
+    if not isinstance(section, dict) or stage not in MODEL_STAGES:
+        return section or {}
+    # `objective` is the TrainConfig's `dpo` / `grpo`
+    return {k: v for k, v in section.items() if k not in TrainConfig.model_fields and k != "objective"}
 
 
 def close_dead_runs(experiment_id: str, stage: str) -> None:

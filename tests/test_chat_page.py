@@ -14,7 +14,8 @@ import shutil
 import openai
 import pytest
 
-from test_serve_api import KEY, MODEL_ID, USER, served, server  # noqa: F401 (served and server are fixtures)
+from test_serve_api import (CONTEXT, KEY, MODEL_ID, USER, _start_server, _stop_server,  # noqa: F401 (fixtures)
+                            served, server)
 
 
 def _missing(reason: str) -> None:
@@ -83,3 +84,49 @@ def test_chat_page_streams_the_greedy_reply_and_shows_errors(browser, server):
     status, text, classes = send("the queen")
     assert status == "error" and "error" in classes.split()
     assert "temperature: Input should be less than or equal to 2" in text, text
+    assert browser.find_element(By.ID, "prompt").get_attribute("value") == "the queen"  # kept, to send again
+
+
+def test_chat_page_keeps_recent_turns_past_the_context_and_names_a_server_gone(browser, served, tmp_path):
+    """A conversation that outgrows the context keeps its most recent turns and says so, instead of failing every
+    later message; when the server is gone the page says "server not reachable" and the message stays typed."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    proc, url = _start_server(["--model", str(served["ckpt"]), "--kv-blocks", "64"], tmp_path)
+    try:
+        browser.get(f"{url}/")
+        WebDriverWait(browser, 30).until(lambda d: d.find_element(By.ID, "model").text == MODEL_ID)
+        for name, value in (("temperature", "0"), ("max-tokens", "16")):
+            box = browser.find_element(By.ID, name)
+            box.clear()
+            box.send_keys(value)
+
+        def send(prompt: str) -> tuple[str, str]:
+            before = len(browser.find_elements(By.CSS_SELECTOR, ".msg.assistant"))
+            box = browser.find_element(By.ID, "prompt")
+            browser.execute_script("arguments[0].value = arguments[1]", box, prompt)  # faster than typing it
+            browser.find_element(By.ID, "send").click()
+            reply = WebDriverWait(browser, 60).until(
+                lambda d: (r := d.find_elements(By.CSS_SELECTOR, ".msg.assistant")[before:])
+                and r[0].get_attribute("data-status") not in (None, "streaming") and r[0])
+            return reply.get_attribute("data-status"), reply.get_attribute("textContent")
+
+        words = "the king speaks to the queen of the castle and the lord follows the fool in the rain ".split()
+        message = " ".join(words * 3)  # ~50 tokens: a few turns fill the context of CONTEXT (192) tokens
+        statuses = [send(f"{i} {message}") for i in range(6)]
+        assert [status for status, _ in statuses] == ["done"] * 6, statuses
+        notes = [n.text for n in browser.find_elements(By.CSS_SELECTOR, ".msg.note")]
+        assert notes and all("left out" in n and "New chat starts afresh" in n for n in notes), notes
+        sent = browser.execute_script("return turns.map((t) => t.content)")  # what the model sees now
+        assert sent[0].startswith(tuple(f"{i} " for i in range(1, 6))) and sent[-2].startswith("5 "), sent
+        alone = " ".join(words * 20)  # more than the context alone: an error naming it, the message kept
+        status, text = send(alone)
+        assert status == "error" and f"the context is {CONTEXT}" in text, text
+        assert browser.find_element(By.ID, "prompt").get_attribute("value") == alone
+        assert browser.execute_script("return turns.map((t) => t.content)") == sent  # the recent turns stay
+    finally:
+        _stop_server(proc)
+    status, text = send("are you there")
+    assert status == "error" and "server not reachable" in text and "Failed to fetch" not in text, text
+    assert browser.find_element(By.ID, "prompt").get_attribute("value") == "are you there"

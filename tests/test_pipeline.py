@@ -121,7 +121,14 @@ def test_mlflow_parent_run_with_stage_children_and_curves(flow_result):
     for stage, metric in (("sft", "val/loss"), ("dpo", "dpo/reward_accuracy"), ("grpo", "grpo/reward_mean"),
                           ("grpo", "grpo/kl")):
         assert len(client.get_metric_history(by_name[stage].info.run_id, metric)) >= 2, (stage, metric)
-    assert by_name["pretrain"].data.params["pretrain.max_steps"] == "30"
+    # The settings each training run used, once: the TrainConfig's names, launch settings as pretrain.*, no other
+    # method's (a pretrain run has no dpo.beta); the pipeline's run carries the evaluation's headline.
+    pretrain_params = by_name["pretrain"].data.params
+    assert pretrain_params["max_steps"] == "30" and pretrain_params["pretrain.nproc"] == "2"
+    assert "pretrain.max_steps" not in pretrain_params and not [k for k in pretrain_params if k.startswith("dpo.")]
+    assert by_name["dpo"].data.params["dpo.beta"] == "0.2"  # params.yaml's dpo.objective.beta, under one name
+    headline = json.loads((flow_result["repo"] / "data/evaluate/headline.json").read_text())
+    assert parent.data.metrics["grpo.task_accuracy"] == headline["grpo/task_accuracy"]
     ev = by_name["evaluate"].data.metrics
     assert ev["test_bits_per_char"] > 0 and ev["unigram_bits_per_char"] > 0
     artifacts = {a.path for a in client.list_artifacts(by_name["evaluate"].info.run_id)}

@@ -282,8 +282,8 @@ def test_a_registration_killed_after_the_version_is_created_is_finished_not_repe
 
 @pytest.mark.integration
 def test_a_failed_stage_says_its_outputs_are_back_only_when_they_are(tmp_path):
-    """register's registration.json is `cache: false`: `dvc checkout` cannot bring it back, so the flow must not
-    say the last good outputs are in place (it did, and the file was missing)."""
+    """An output DVC does not cache (`cache: false`, as register's registration.json once was): `dvc checkout` cannot
+    bring it back, so the flow must not say the last good outputs are in place (it did, and the file was missing)."""
     import os
 
     from conftest import VENV_BIN, run_ok

@@ -734,6 +734,75 @@ def test_serve_from_mlflow_registry(served, tmp_path, monkeypatch):
         assert result.stderr.startswith("astrai: error: ") and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_server_started_by_alias_reports_when_the_alias_moves(served, tmp_path, monkeypatch):
+    """`astrai serve --model models:/NAME@champion` looks the alias up every --alias-poll s: once champion moves to
+    another version, /health and /v1/models say which version this server serves and where the alias points now,
+    and the log says it once; a server started after the move serves (and names) the new version."""
+    import mlflow
+
+    from tasks.params import Params
+    from tasks.register import register
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    (tmp_path / "metrics.json").write_text(json.dumps({"pretrain/task_accuracy": 0.5}))
+    shutil.copytree(served["ckpt"], tmp_path / "data" / "pretrain")
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        exp = mlflow.create_experiment("serve", artifact_location=(tmp_path / "artifacts").as_uri())
+        with mlflow.start_run(experiment_id=exp):
+            register(Params(register={"model_name": "moving"}), tmp_path / "metrics.json", tmp_path / "register",
+                     tmp_path)
+        client = mlflow.MlflowClient(uri)
+        v1 = client.get_model_version("moving", "1")
+        v2 = client.create_model_version("moving", v1.source, run_id=v1.run_id).version  # the same files: version 2
+    finally:
+        mlflow.set_tracking_uri(previous)
+
+    def health(url: str) -> dict:
+        return httpx.get(f"{url}/health", timeout=10).json()
+
+    def wait_for(url: str, moved: bool) -> dict:
+        deadline = time.monotonic() + 60
+        while (state := health(url))["registry"]["alias_moved"] != moved and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return state
+
+    env = {"MLFLOW_TRACKING_URI": uri}
+    proc, url = _start_server(["--model", "models:/moving@champion", "--kv-blocks", "32", "--alias-poll", "0.5"],
+                              tmp_path, env)
+    second = None
+    try:
+        state = health(url)
+        assert (state["model"], state["registry"]["version"], state["registry"]["alias_version"]) == \
+            ("moving/1", "1", "1") and not state["registry"]["alias_moved"] and "warning" not in state["registry"]
+        client.set_registered_model_alias("moving", "champion", v2)  # moved by hand, as the README shows
+        state = wait_for(url, moved=True)
+        assert state["status"] == "ok" and state["model"] == "moving/1", state  # it still serves version 1
+        assert (state["registry"]["version"], state["registry"]["alias_version"]) == ("1", "2"), state
+        assert state["registry"]["warning"] == ("models:/moving@champion now points to version 2; this server serves "
+                                                "version 1 (restart it to serve that)")
+        cards = {m["id"]: m for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]}
+        assert cards["moving@champion"] | {"created": 0} == {"id": "moving@champion", "object": "model", "created": 0,
+                                                             "owned_by": "astrai", "version": "1",
+                                                             "alias_version": "2", "alias_moved": True}
+        assert cards["moving"]["version"] == cards["moving/1"]["version"] == "1"
+        # A second server started now serves version 2 and says so: two servers, two versions, two ids.
+        second, url2 = _start_server(["--model", "models:/moving@champion", "--kv-blocks", "32"], tmp_path, env)
+        assert health(url2)["model"] == "moving/2" and health(url2)["registry"]["version"] == "2"
+        oai = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        assert oai.chat.completions.create(model="moving", messages=USER, max_tokens=4).model == "moving/1"
+        client.set_registered_model_alias("moving", "champion", "1")  # back: nothing to report any more
+        assert "warning" not in wait_for(url, moved=False)["registry"]
+    finally:
+        _stop_server(proc)
+        if second:
+            _stop_server(second)
+    log = (tmp_path / f"server-{url.rsplit(':', 1)[1]}.log").read_text()
+    assert log.count("models:/moving@champion now points to version 2") == 1, log
+
+
 def test_refuses_non_loopback_host_without_key(served):
     result = CliRunner().invoke(app, ["serve", "--model", str(served["ckpt"]), "--host", "0.0.0.0"],
                                 env={"ASTRAI_API_KEY": ""})
