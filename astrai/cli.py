@@ -318,7 +318,7 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
 
 def _watch_alias(watch: "AliasWatch", every: float) -> None:
     """Look up where watch's alias points every `every` s, for as long as the server runs; a change is logged."""
-    from astrai.models import alias_version
+    from tasks.models import alias_version
 
     while True:
         time.sleep(every)

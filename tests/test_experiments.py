@@ -5,7 +5,6 @@ status` clean (register's registration.json is a cached output)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest
