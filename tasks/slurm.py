@@ -51,21 +51,35 @@ def batch_script(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
     options += cluster.sbatch  # last: they override the ones above
     agent = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={cluster.nodes}",
              f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", "--rdzv-id=$SLURM_JOB_ID",
-             "--rdzv-endpoint=$ASTRAI_RDZV", "--node-rank=$SLURM_PROCID", f"--max-restarts={max_restarts}",
-             "-m", "astrai_core.train", "--config", str(config_path)]
+             "--rdzv-endpoint=$ASTRAI_RDZV", "--rdzv-conf=is_host=$((SLURM_PROCID == 0))", "--local-addr=$addr",
+             "--node-rank=$SLURM_PROCID",
+             f"--max-restarts={max_restarts}", "-m", "astrai_core.train", "--config", str(config_path)]
+    # On each node: its own address, and gloo on the interface that carries it (a GLOO_SOCKET_IFNAME set by the
+    # user wins). The first node's agent hosts the rendezvous store (is_host: torch would decide by comparing the
+    # endpoint with what the host name resolves to).
+    on_node = ['addr=$(node_addr "$SLURMD_NODENAME")',
+               'export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$(ip -o -4 addr show to "$addr" | awk \'{print $2; exit}\')}',
+               'echo "astrai: node $SLURMD_NODENAME (rank $SLURM_PROCID) at $addr, gloo on $GLOO_SOCKET_IFNAME"',
+               "exec " + " ".join(agent)]
     # ranks share the task's cores (torchrun alone would give each rank one thread)
     threads = max(1, cluster.cpus_per_task // nproc)
     return "\n".join([
         "#!/bin/bash",
         *(f"#SBATCH {shlex.quote(o)}" for o in options),
         "set -euo pipefail",
+        "# A node's address is the one Slurm reaches it at (its NodeAddr; the node's name where none is set), not what",
+        "# its host name resolves to (often a loopback entry in /etc/hosts): torchrun advertises it to the other nodes.",
+        "node_addr() { getent ahostsv4 \"$(scontrol show node -o \"$1\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')\" |"
+        " awk '{print $1; exit}'; }",
+        "export -f node_addr",
         "# c10d rendezvous on the job's first node, on a port that differs between jobs",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "export ASTRAI_RDZV=$head:$((20000 + SLURM_JOB_ID % 20000))",
+        'export ASTRAI_RDZV=$(node_addr "$head"):$((20000 + SLURM_JOB_ID % 20000))',
+        'echo "astrai: rendezvous at $ASTRAI_RDZV"',
         f"export OMP_NUM_THREADS={threads} PYTHONUNBUFFERED=1",
         f"export PYTHONPATH={shlex.quote(str(Path(__file__).resolve().parents[1]))}${{PYTHONPATH:+:$PYTHONPATH}}",
         # one task per node: SLURM_PROCID is the node's rank; the agent's arguments are expanded on its node
-        f"srun --kill-on-bad-exit=1 bash -c {shlex.quote('exec ' + ' '.join(agent))}",
+        f"srun --kill-on-bad-exit=1 bash -c {shlex.quote('; '.join(on_node))}",
         "",
     ])
 

@@ -1,0 +1,106 @@
+"""Training stages as two-node Slurm jobs on a simulated three-machine cluster (tests/netns_cluster.py): a login
+namespace with slurmctld and the team services (PostgreSQL, MLflow, Prefect), two compute namespaces with a slurmd
+each, one rank per node; gloo and torchrun's c10d rendezvous cross the bridge between them, not loopback.
+
+Built once for the module. Skipped with the reason where root, iproute2, Slurm or PostgreSQL is missing (or a
+cluster of another live run is up); ASTRAI_REQUIRE_CLUSTER=1 (set by .ci/run) turns the skip into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import VENV_BIN, make_project, run_ok
+from netns_cluster import NetnsCluster, missing
+from test_slurm import STEPS, assert_bitwise_equal, set_params, stage, weights
+
+pytestmark = pytest.mark.integration
+
+TWO_NODES = {"launcher": "slurm", "nodes": 2, "cpus_per_task": 1}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = missing()
+    if why:
+        if os.environ.get("ASTRAI_REQUIRE_CLUSTER") == "1":
+            pytest.fail(f"ASTRAI_REQUIRE_CLUSTER=1 but {why}")
+        pytest.skip(why)
+    t = time.monotonic()
+    c = NetnsCluster(tmp_path_factory.mktemp("netns-cluster")).start()
+    print(f"namespace cluster up in {time.monotonic() - t:.0f} s", file=sys.stderr)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def project(cluster, tmp_path_factory):
+    """A DVC project on the shared filesystem with the data stages done, pointed at the login namespace's MLflow;
+    pretrain trains STEPS steps, one rank per node."""
+    root = tmp_path_factory.mktemp("netns-project")
+    repo = root / "project"
+    env = make_project(repo, root / "remote", "astrai-netns-test")
+    env.update({k: v for k, v in cluster.env.items() if os.environ.get(k) != v})  # SLURM_CONF, the services' URLs
+    env.pop("GLOO_SOCKET_IFNAME", None)  # the launcher picks each node's interface
+    env["PYTHONPATH"] = str(repo)
+    set_params(repo, {"pretrain": {"max_steps": STEPS, "checkpoint_every": 10, "log_every": 5, "eval_every": 60}})
+    run_ok([VENV_BIN / "dvc", "repro", "pack"], repo, env)
+    return repo, env
+
+
+@pytest.fixture(scope="module")
+def local_weights(project):
+    """The reference: the same pretrain as 2 local ranks (torchrun on this host, loopback)."""
+    repo, env = project
+    out = stage(repo, env, {"launcher": "local"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return weights(repo)
+
+
+def login_stage(cluster: NetnsCluster, repo: Path, env: dict, **popen) -> subprocess.Popen:
+    """`astrai stage pretrain` on the login node (its namespace), launcher slurm over both compute nodes."""
+    set_params(repo, {"cluster": TWO_NODES, "pretrain": {"nproc": 1}})
+    return subprocess.Popen([*cluster.enter("login"), VENV_BIN / "astrai", "stage", "pretrain"], cwd=repo, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            **popen)
+
+
+def test_pretrain_as_a_two_node_job_over_the_namespaces_equals_the_local_two_rank_run(cluster, project,
+                                                                                     local_weights):
+    """One rank on each compute node: the rendezvous and each node's gloo address are the nodes' own (10.99.N.x on
+    the bridge's veths, not loopback); the weights equal the local 2-rank run's bit for bit; rank 0's metrics are
+    in the MLflow server's PostgreSQL."""
+    repo, env = project
+    proc = login_stage(cluster, repo, env)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out[-4000:]
+    n1, n2 = (cluster.ns[n] for n in ("n1", "n2"))
+    rdzv = re.search(r"astrai: rendezvous at (\S+):\d+", out)
+    assert rdzv and rdzv.group(1) == cluster.addr[n1], out[-3000:]
+    for node, rank in ((n1, 0), (n2, 1)):
+        m = re.search(rf"astrai: node {node} \(rank {rank}\) at (\S+), gloo on (\S+)", out)
+        assert m and m.group(1) == cluster.addr[node] and m.group(2).startswith("astv"), out[-3000:]
+    assert_bitwise_equal(weights(repo), local_weights)
+
+    import psycopg2
+
+    from astrai.services import database, with_driver
+
+    run_id = re.search(r"runs/([0-9a-f]{32})", out) or None
+    with psycopg2.connect(database(with_driver(cluster.services["postgres"], None), "mlflow")) as conn:
+        with conn.cursor() as cur:
+            cur.execute("SELECT r.run_uuid, count(m.step) FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid "
+                        "JOIN metrics m ON m.run_uuid = r.run_uuid WHERE t.key = 'astrai.stage' AND "
+                        "t.value = 'pretrain' AND m.key LIKE '%%loss%%' GROUP BY r.run_uuid")
+            rows = cur.fetchall()
+    assert rows and max(n for _, n in rows) >= STEPS // 5 - 1, (rows, run_id)
