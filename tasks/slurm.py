@@ -51,7 +51,8 @@ def batch_script(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
     options += cluster.sbatch  # last: they override the ones above
     agent = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={cluster.nodes}",
              f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", "--rdzv-id=$SLURM_JOB_ID",
-             "--rdzv-endpoint=$ASTRAI_RDZV", "--rdzv-conf=is_host=$((SLURM_PROCID == 0))", "--local-addr=$addr",
+             "--rdzv-endpoint=$ASTRAI_RDZV",
+             f"--rdzv-conf=is_host=$((SLURM_PROCID == 0)),join_timeout={cluster.peer_timeout}", "--local-addr=$addr",
              "--node-rank=$SLURM_PROCID",
              f"--max-restarts={max_restarts}", "-m", "astrai_core.train", "--config", str(config_path)]
     # On each node: its own address, and gloo on the interface that carries it (a GLOO_SOCKET_IFNAME set by the
@@ -121,6 +122,7 @@ def launch_slurm(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
     shared = cluster.shared_path(root)
     shared.mkdir(parents=True, exist_ok=True)
     config_path, script = shared / f"{stage}.train_config.json", shared / f"{stage}.sbatch"
+    cfg = cfg.model_copy(update={"peer_timeout": cluster.peer_timeout})
     write_json(config_path, cfg.model_dump(mode="json"))
     log_pattern = shared / f"{stage}-%j.out"
     script.write_text(batch_script(cfg, cluster, nproc, max_restarts, config_path, log_pattern, root))
@@ -143,12 +145,16 @@ def launch_slurm(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    offset, state, code = 0, "PENDING", ""
+    offset, state, code, failed_at = 0, "PENDING", "", None
     try:
         while state not in ENDED | {"GONE"}:
             time.sleep(POLL_SECONDS)
             state, code = job_state(job_id)
             offset = follow(log_path, offset, watch)
+            failed_at = failed_at or (time.monotonic() if errors else None)
+            if failed_at and time.monotonic() - failed_at > cluster.kill_wait:  # a node that no longer answers
+                cancel(job_id, on_line, timeout=cluster.kill_wait)
+                break
         time.sleep(POLL_SECONDS)  # the last lines reach the (shared) log after the state changes
         follow(log_path, offset, watch)
     except BaseException:

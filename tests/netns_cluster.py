@@ -193,6 +193,19 @@ class NetnsCluster(slurm_cluster.Cluster):
         with HOSTS.open("a") as f:
             f.writelines(f"{addr} {ns} {MARK} {self.tag}\n" for ns, addr in self.addr.items())
 
+    def kill(self, role: str) -> None:
+        """SIGKILL every process in `role`'s namespace (its slurmd and whatever runs there): the machine dies."""
+        _kill_namespace(self.ns[role])
+
+    def restart_slurmd(self, role: str, timeout: float = 120.0) -> None:
+        """Start `role`'s slurmd again; wait until every node is idle (the lost job cleaned up)."""
+        self.procs = [p for p in self.procs if p.poll() is None]
+        self.start_slurmd(self.ns[role])
+        self.wait_idle(timeout)
+
+    def wait_idle(self, timeout: float = 120.0) -> None:
+        self._wait(self._idle, timeout, "nodes idle again")
+
     def link(self, role: str, up: bool) -> None:
         """Set the link of `role`'s namespace up or down (its veth's end in the namespace)."""
         i = list(self.ns).index(role)

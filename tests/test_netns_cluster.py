@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +25,8 @@ from test_slurm import STEPS, assert_bitwise_equal, set_params, stage, weights
 
 pytestmark = pytest.mark.integration
 
-TWO_NODES = {"launcher": "slurm", "nodes": 2, "cpus_per_task": 1}
+# A lost node ends the job within peer_timeout + 2 x kill_wait seconds (tasks/params.py ClusterParams).
+TWO_NODES = {"launcher": "slurm", "nodes": 2, "cpus_per_task": 1, "peer_timeout": 20, "kill_wait": 10}
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +106,57 @@ def test_pretrain_as_a_two_node_job_over_the_namespaces_equals_the_local_two_ran
                         "t.value = 'pretrain' AND m.key LIKE '%%loss%%' GROUP BY r.run_uuid")
             rows = cur.fetchall()
     assert rows and max(n for _, n in rows) >= STEPS // 5 - 1, (rows, run_id)
+
+
+def _lose_a_node(cluster: NetnsCluster, project, how: str) -> tuple[str, float]:
+    """Start pretrain on both nodes; at step 20 lose node n2 (`how`: kill its processes, or set its link down);
+    returns the stage's output and the seconds from the loss to the stage's exit (its error line last)."""
+    repo, env = project
+    shutil.rmtree(repo / "data/pretrain.ckpts", ignore_errors=True)
+    proc = login_stage(cluster, repo, env)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if "step 20/" in line:
+                break
+        assert proc.poll() is None, "".join(seen[-30:])
+        t = time.monotonic()
+        cluster.kill("n2") if how == "kill" else cluster.link("n2", up=False)
+        rest = proc.communicate(timeout=300)[0]
+        lost = time.monotonic() - t
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    print(f"node lost ({how}): the stage failed {lost:.1f} s later", file=sys.stderr)
+    return "".join(seen) + rest, lost
+
+
+def _resumes_to_the_same_weights(cluster, project, local_weights) -> None:
+    repo, env = project
+    assert list((repo / "data/pretrain.ckpts").iterdir()), "no checkpoint to resume from"
+    proc = login_stage(cluster, repo, env)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out[-4000:]
+    assert "resuming from" in out, out[-3000:]
+    assert_bitwise_equal(weights(repo), local_weights)
+
+
+@pytest.mark.parametrize("how", ["kill", "link down"])
+def test_a_lost_node_fails_the_stage_with_one_line_and_the_rerun_resumes_bitwise(cluster, project, local_weights,
+                                                                                  how):
+    """Node n2 (rank 1) dies mid-job, its processes killed, or its link goes down: the job ends and the stage fails
+    within peer_timeout + 2 x kill_wait seconds, its last line the error naming the lost peer; with the node back
+    (slurmd restarted, link up) the stage run again resumes from the last checkpoint on the shared directory and
+    ends bit for bit on the uninterrupted run's weights."""
+    out, lost = _lose_a_node(cluster, project, how)
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("astrai: error: "), out[-3000:]
+    assert cluster.addr[cluster.ns["n2"]] in last or "rank 1" in last, last
+    assert lost < TWO_NODES["peer_timeout"] + 2 * TWO_NODES["kill_wait"] + 30, out[-3000:]
+    if how == "kill":
+        cluster.restart_slurmd("n2")
+    else:
+        cluster.link("n2", up=True)
+        cluster.wait_idle()
+    _resumes_to_the_same_weights(cluster, project, local_weights)
