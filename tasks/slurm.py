@@ -7,7 +7,8 @@ the project directory (on shared storage). The job's output is streamed into the
 the first error line a rank printed is the stage's error. Ctrl-C, a Prefect cancellation (SIGTERM) or any
 failure while waiting cancels the job (scancel) and waits until it has left the nodes. `--signal` sends SIGTERM
 `signal_seconds` before the time limit (and Slurm sends it on preemption): the ranks checkpoint and the next run
-of the stage resumes from there (`resume: auto`).
+of the stage resumes from there (`resume: auto`). A node lost mid-job fails the stage within about
+`cluster.peer_timeout` + 2 x `cluster.kill_wait` seconds (docs/scaling-out.md, "When a node is lost").
 
 Slurm's accounting (sacct) is not needed: the job's state comes from `scontrol show job`, which keeps a finished
 job for MinJobAge seconds (300 by default).
@@ -58,8 +59,9 @@ def batch_script(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
     # On each node: its own address, and gloo on the interface that carries it (a GLOO_SOCKET_IFNAME set by the
     # user wins). The first node's agent hosts the rendezvous store (is_host: torch would decide by comparing the
     # endpoint with what the host name resolves to).
+    interface = """$(ip -o -4 addr show to "$addr" | awk '{print $2; exit}')"""
     on_node = ['addr=$(node_addr "$SLURMD_NODENAME")',
-               'export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$(ip -o -4 addr show to "$addr" | awk \'{print $2; exit}\')}',
+               f"export GLOO_SOCKET_IFNAME=${{GLOO_SOCKET_IFNAME:-{interface}}}",
                'echo "astrai: node $SLURMD_NODENAME (rank $SLURM_PROCID) at $addr, gloo on $GLOO_SOCKET_IFNAME"',
                "exec " + " ".join(agent)]
     # ranks share the task's cores (torchrun alone would give each rank one thread)
@@ -68,8 +70,8 @@ def batch_script(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
         "#!/bin/bash",
         *(f"#SBATCH {shlex.quote(o)}" for o in options),
         "set -euo pipefail",
-        "# A node's address is the one Slurm reaches it at (its NodeAddr; the node's name where none is set), not what",
-        "# its host name resolves to (often a loopback entry in /etc/hosts): torchrun advertises it to the other nodes.",
+        "# A node's address: the one Slurm reaches it at (NodeAddr; else its name), not what its host name resolves",
+        "# to (often a loopback line in /etc/hosts); torchrun advertises it to the other nodes.",
         "node_addr() { getent ahostsv4 \"$(scontrol show node -o \"$1\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')\" |"
         " awk '{print $1; exit}'; }",
         "export -f node_addr",

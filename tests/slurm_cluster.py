@@ -100,9 +100,9 @@ class Cluster:
         self.env["MUNGE_SOCKET"] = str(socket_path)  # unused by Slurm (AuthInfo below), kept for `munge -n` by hand
         with self.conf.open("a") as f:
             f.write(f"AuthInfo=socket={socket_path}\n")
-        self._spawn("munged", ["runuser", "-u", "munge", "--", "munged", "-F", f"--key-file={key}", f"--socket={socket_path}",
-                     f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log", f"--seed-file={m}/seed",
-                     "--force"])
+        self._spawn("munged", ["runuser", "-u", "munge", "--", "munged", "-F", f"--key-file={key}",
+                               f"--socket={socket_path}", f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log",
+                               f"--seed-file={m}/seed", "--force"])
         self._wait(lambda: socket_path.exists(), timeout, "munged")
         self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         for node in self.nodes:
