@@ -21,10 +21,11 @@ import pytest
 
 from conftest import VENV_BIN, make_project, run_ok
 from netns_cluster import NetnsCluster, missing
-from test_slurm import STEPS, assert_bitwise_equal, set_params, stage, weights
+from test_slurm import assert_bitwise_equal, set_params, stage, weights
 
 pytestmark = pytest.mark.integration
 
+STEPS = 60  # the tiny model; a node is lost at step 20, after two checkpoints
 # A lost node ends the job within peer_timeout + 2 x kill_wait seconds (tasks/params.py ClusterParams).
 TWO_NODES = {"launcher": "slurm", "nodes": 2, "cpus_per_task": 1, "peer_timeout": 20, "kill_wait": 10}
 
