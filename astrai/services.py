@@ -76,6 +76,10 @@ def start_postgres(d: Path, host: str, port: int) -> str:
                                   "give a DIR it can reach, e.g. under /srv or /tmp")
         _pg("initdb", "-D", str(data), "-U", "astrai", "--auth=scram-sha-256", f"--pwfile={secret}", "-E", "UTF8",
             "--locale=C.UTF-8", log=pg / "initdb.log")
+        # initdb lets in loopback clients only; --host ADDRESS is for the machines on ADDRESS's network (with the
+        # password)
+        with (data / "pg_hba.conf").open("a") as f:
+            f.write("host all all samenet scram-sha-256\n")
     # The socket goes in the data directory: /var/run/postgresql may not exist or be writable.
     _pg("pg_ctl", "-D", str(data), "-l", str(pg / "server.log"), "-w", "-t", "120", "-o",
         f"-p {port} -c listen_addresses={host} -k {data}", "start", log=pg / "pg_ctl.log")

@@ -281,6 +281,9 @@ class RunSettings(Strict):
     dtype: Literal["auto", "fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # Seconds a collective (and the process group's start) waits for the other ranks before this rank fails;
+    # None: torch's default (30 min under gloo, 10 under nccl). launcher: slurm sets cluster.peer_timeout.
+    peer_timeout: PositiveInt | None = None
     # ddp: replicas; fsdp: FSDP2 fully_shard per decoder block (models too big for one device); tp: tensor
     # parallelism, each layer split across tp_size ranks (layers too wide for one device; astrai_core/parallel.py);
     # fsdp+tp: FSDP2 across TP groups of tp_size ranks (the ranks / tp_size groups each see their own batches).

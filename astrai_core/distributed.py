@@ -14,6 +14,7 @@ loads the checkpoint it resumes from; only global rank 0 writes).
 from __future__ import annotations
 
 import ctypes
+import datetime
 import ipaddress
 import json
 import os
@@ -88,8 +89,9 @@ class DataGroup:
         return x
 
 
-def init_distributed(backend: str = "auto", device: str = "auto") -> Dist:
-    """Join the process group torchrun set up (if any) and pick this rank's device."""
+def init_distributed(backend: str = "auto", device: str = "auto", timeout: float | None = None) -> Dist:
+    """Join the process group torchrun set up (if any) and pick this rank's device; `timeout`: seconds a
+    collective waits for the other ranks (None: torch's default)."""
     die_with_launcher()
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -110,8 +112,23 @@ def init_distributed(backend: str = "auto", device: str = "auto") -> Dist:
         store = dist.PrefixStore(f"restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
                                  _group_store(rank, world_size))
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                                timeout=None if timeout is None else datetime.timedelta(seconds=timeout),
                                 device_id=torch_device if torch_device.type == "cuda" else None)
     return Dist(rank=rank, local_rank=local_rank, world_size=world_size, device=torch_device)
+
+
+def lost_peers(e: BaseException) -> str | None:
+    """When `e` is a collective's failure (a peer's connection closed, a timeout waiting on it): who this rank lost,
+    to lead its error line ("rank 0 on NODE lost rank 1"; with more ranks, every other one: gloo does not say
+    which, though a closed connection's message names the peer's address)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if not isinstance(e, dist.DistError) and "/gloo/" not in str(e):
+        return None
+    me = dist.get_rank()
+    others = [str(r) for r in range(dist.get_world_size()) if r != me]
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    return f"rank {me} on {node} lost rank{'s' if len(others) > 1 else ''} {', '.join(others)}"
 
 
 def bf16_native(device: torch.device) -> bool:

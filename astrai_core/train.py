@@ -60,7 +60,7 @@ from astrai_core.callbacks import Callback, ProgressBar, RunState
 from astrai_core.checkpoint import Checkpointer, load_train_state, resumable_checkpoint
 from astrai_core.config import TrainConfig
 from astrai_core.data import PackedTokens
-from astrai_core.distributed import ERROR_PREFIX, DataGroup, Dist, cleanup, init_distributed
+from astrai_core.distributed import ERROR_PREFIX, DataGroup, Dist, cleanup, init_distributed, lost_peers
 from astrai_core.errors import AstraiError, TrainingError
 from astrai_core.io import sha256_file
 from astrai_core.metric_log import MetricLogger, system_metrics
@@ -266,7 +266,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
     """Train (resuming if cfg.resume == "auto" finds a checkpoint of this run); rank 0 writes the final checkpoint
     to cfg.out_dir. Returns the run summary (on every rank). `callbacks` replaces default_callbacks()."""
     t_start = time.time()
-    d = init_distributed(cfg.backend, cfg.device)
+    d = init_distributed(cfg.backend, cfg.device, cfg.peer_timeout)
     print0 = functools.partial(print, flush=True) if d.is_main else (lambda *a, **k: None)
     callbacks = default_callbacks() if callbacks is None else callbacks
     t = build(cfg, d)
@@ -377,8 +377,10 @@ def main(argv: list[str] | None = None) -> None:
         if not isinstance(e, AstraiError):
             traceback.print_exc()  # a bug: its traceback stays in the log, the line below says what failed
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"{ERROR_PREFIX}{message if isinstance(e, AstraiError) else f'{type(e).__name__}: {message}'}",
-              file=sys.stderr, flush=True)
+        message = message if isinstance(e, AstraiError) else f"{type(e).__name__}: {message}"
+        if (lost := lost_peers(e)) is not None:
+            message = f"{lost}: {message}"
+        print(f"{ERROR_PREFIX}{message}", file=sys.stderr, flush=True)
         # A failing rank leaves at once, its process group as it is: destroying a gloo group that DDP's reducer or
         # an unfinished collective still holds can hang the rank forever (torch issue 56297; in CI both ranks of a
         # non-finite step hung there and torchrun waited on them). torchrun stops the other ranks when one exits.

@@ -193,6 +193,13 @@ class ClusterParams(Strict):
     # SIGTERM this many seconds before the time limit (or on preemption): the ranks checkpoint, `resume: auto`
     # continues from there on the next run of the stage.
     signal_seconds: PositiveInt = 120
+    # A node lost mid-job (docs/scaling-out.md, "When a node is lost"): a rank waits at most `peer_timeout`
+    # seconds for the others in a collective, and torchrun as long for the nodes to join (it must outlast the
+    # longest pause between collectives: a checkpoint's write, a validation); once a rank has failed, the job has
+    # `kill_wait` seconds to end before the stage cancels it and fails, the job then left to Slurm (a node that no
+    # longer answers keeps it COMPLETING until the node is marked down, after Slurm's SlurmdTimeout).
+    peer_timeout: PositiveInt = 600
+    kill_wait: PositiveInt = 30
     # Every node reads and writes it: job scripts, the train configs and the job logs. The project directory
     # (data/, checkpoints) must be on shared storage too. None: .astrai/slurm in the project.
     shared_dir: str | None = None

@@ -7,7 +7,8 @@ the project directory (on shared storage). The job's output is streamed into the
 the first error line a rank printed is the stage's error. Ctrl-C, a Prefect cancellation (SIGTERM) or any
 failure while waiting cancels the job (scancel) and waits until it has left the nodes. `--signal` sends SIGTERM
 `signal_seconds` before the time limit (and Slurm sends it on preemption): the ranks checkpoint and the next run
-of the stage resumes from there (`resume: auto`).
+of the stage resumes from there (`resume: auto`). A node lost mid-job fails the stage within about
+`cluster.peer_timeout` + 2 x `cluster.kill_wait` seconds (docs/scaling-out.md, "When a node is lost").
 
 Slurm's accounting (sacct) is not needed: the job's state comes from `scontrol show job`, which keeps a finished
 job for MinJobAge seconds (300 by default).
@@ -51,21 +52,37 @@ def batch_script(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
     options += cluster.sbatch  # last: they override the ones above
     agent = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={cluster.nodes}",
              f"--nproc-per-node={nproc}", "--rdzv-backend=c10d", "--rdzv-id=$SLURM_JOB_ID",
-             "--rdzv-endpoint=$ASTRAI_RDZV", "--node-rank=$SLURM_PROCID", f"--max-restarts={max_restarts}",
-             "-m", "astrai_core.train", "--config", str(config_path)]
+             "--rdzv-endpoint=$ASTRAI_RDZV",
+             f"--rdzv-conf=is_host=$((SLURM_PROCID == 0)),join_timeout={cluster.peer_timeout}", "--local-addr=$addr",
+             "--node-rank=$SLURM_PROCID",
+             f"--max-restarts={max_restarts}", "-m", "astrai_core.train", "--config", str(config_path)]
+    # On each node: its own address, and gloo on the interface that carries it (a GLOO_SOCKET_IFNAME set by the
+    # user wins). The first node's agent hosts the rendezvous store (is_host: torch would decide by comparing the
+    # endpoint with what the host name resolves to).
+    interface = """$(ip -o -4 addr show to "$addr" | awk '{print $2; exit}')"""
+    on_node = ['addr=$(node_addr "$SLURMD_NODENAME")',
+               f"export GLOO_SOCKET_IFNAME=${{GLOO_SOCKET_IFNAME:-{interface}}}",
+               'echo "astrai: node $SLURMD_NODENAME (rank $SLURM_PROCID) at $addr, gloo on $GLOO_SOCKET_IFNAME"',
+               "exec " + " ".join(agent)]
     # ranks share the task's cores (torchrun alone would give each rank one thread)
     threads = max(1, cluster.cpus_per_task // nproc)
     return "\n".join([
         "#!/bin/bash",
         *(f"#SBATCH {shlex.quote(o)}" for o in options),
         "set -euo pipefail",
+        "# A node's address: the one Slurm reaches it at (NodeAddr; else its name), not what its host name resolves",
+        "# to (often a loopback line in /etc/hosts); torchrun advertises it to the other nodes.",
+        "node_addr() { getent ahostsv4 \"$(scontrol show node -o \"$1\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')\" |"
+        " awk '{print $1; exit}'; }",
+        "export -f node_addr",
         "# c10d rendezvous on the job's first node, on a port that differs between jobs",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "export ASTRAI_RDZV=$head:$((20000 + SLURM_JOB_ID % 20000))",
+        'export ASTRAI_RDZV=$(node_addr "$head"):$((20000 + SLURM_JOB_ID % 20000))',
+        'echo "astrai: rendezvous at $ASTRAI_RDZV"',
         f"export OMP_NUM_THREADS={threads} PYTHONUNBUFFERED=1",
         f"export PYTHONPATH={shlex.quote(str(Path(__file__).resolve().parents[1]))}${{PYTHONPATH:+:$PYTHONPATH}}",
         # one task per node: SLURM_PROCID is the node's rank; the agent's arguments are expanded on its node
-        f"srun --kill-on-bad-exit=1 bash -c {shlex.quote('exec ' + ' '.join(agent))}",
+        f"srun --kill-on-bad-exit=1 bash -c {shlex.quote('; '.join(on_node))}",
         "",
     ])
 
@@ -107,6 +124,7 @@ def launch_slurm(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
     shared = cluster.shared_path(root)
     shared.mkdir(parents=True, exist_ok=True)
     config_path, script = shared / f"{stage}.train_config.json", shared / f"{stage}.sbatch"
+    cfg = cfg.model_copy(update={"peer_timeout": cluster.peer_timeout})
     write_json(config_path, cfg.model_dump(mode="json"))
     log_pattern = shared / f"{stage}-%j.out"
     script.write_text(batch_script(cfg, cluster, nproc, max_restarts, config_path, log_pattern, root))
@@ -129,12 +147,16 @@ def launch_slurm(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    offset, state, code = 0, "PENDING", ""
+    offset, state, code, failed_at = 0, "PENDING", "", None
     try:
         while state not in ENDED | {"GONE"}:
             time.sleep(POLL_SECONDS)
             state, code = job_state(job_id)
             offset = follow(log_path, offset, watch)
+            failed_at = failed_at or (time.monotonic() if errors else None)
+            if failed_at and time.monotonic() - failed_at > cluster.kill_wait:  # a node that no longer answers
+                cancel(job_id, on_line, timeout=cluster.kill_wait)
+                break
         time.sleep(POLL_SECONDS)  # the last lines reach the (shared) log after the state changes
         follow(log_path, offset, watch)
     except BaseException:

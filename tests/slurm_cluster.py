@@ -37,10 +37,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _conf(d: Path, cpus: int) -> str:
+def _conf(d: Path, cpus: int, controller: tuple[str, str], nodes: dict[str, str]) -> str:
     ctld_port, slurmd_port = _free_port(), _free_port()
+    node_lines = "\n".join(f"NodeName={name} NodeAddr={addr} CPUs={cpus} RealMemory=1000 State=UNKNOWN"
+                            for name, addr in nodes.items())
     return f"""ClusterName=astrai-test
-SlurmctldHost=localhost(127.0.0.1)
+SlurmctldHost={controller[0]}({controller[1]})
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 SlurmUser=root
@@ -52,33 +54,37 @@ SwitchType=switch/none
 MpiDefault=none
 ReturnToService=2
 StateSaveLocation={d}/state
-SlurmdSpoolDir={d}/spool
+SlurmdSpoolDir={d}/spool/%n
 SlurmctldPidFile={d}/slurmctld.pid
-SlurmdPidFile={d}/slurmd.pid
+SlurmdPidFile={d}/slurmd-%n.pid
 SlurmctldLogFile={d}/slurmctld.log
-SlurmdLogFile={d}/slurmd.log
+SlurmdLogFile={d}/slurmd-%n.log
 SchedulerType=sched/builtin
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 KillWait=5
 MinJobAge=600
 InactiveLimit=0
-NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=1000 State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+{node_lines}
+PartitionName=debug Nodes={",".join(nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
 
 
 class Cluster:
-    """A running test cluster; `env` is what a client (sbatch, srun, squeue) needs to reach it."""
+    """A running test cluster; `env` is what a client (sbatch, srun, squeue) needs to reach it. By default one node,
+    `localhost`, and the controller on loopback; `controller` (name, address) and `nodes` (name: address) describe
+    others, and a subclass's `wrap` says how each daemon is started where it runs (tests/netns_cluster.py)."""
 
-    def __init__(self, root: Path, cpus: int = 2):
+    def __init__(self, root: Path, cpus: int = 2, controller: tuple[str, str] = ("localhost", "127.0.0.1"),
+                 nodes: dict[str, str] | None = None, extra_conf: str = ""):
         self.root = root
-        for sub in ("state", "spool"):
+        self.nodes = nodes or {"localhost": "127.0.0.1"}
+        for sub in ("state", *(f"spool/{node}" for node in self.nodes)):
             (root / sub).mkdir(parents=True, exist_ok=True)
         # munged runs as the munge user, who may not enter `root` (pytest's temp dirs are private to root)
         self.munge = Path(tempfile.mkdtemp(prefix="astrai-munge-"))
         self.conf = root / "slurm.conf"
-        self.conf.write_text(_conf(root, cpus))
+        self.conf.write_text(_conf(root, cpus, controller, self.nodes) + extra_conf)
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self.procs: list[subprocess.Popen] = []
 
@@ -94,23 +100,32 @@ class Cluster:
         self.env["MUNGE_SOCKET"] = str(socket_path)  # unused by Slurm (AuthInfo below), kept for `munge -n` by hand
         with self.conf.open("a") as f:
             f.write(f"AuthInfo=socket={socket_path}\n")
-        self._spawn(["runuser", "-u", "munge", "--", "munged", "-F", f"--key-file={key}", f"--socket={socket_path}",
-                     f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log", f"--seed-file={m}/seed",
-                     "--force"])
+        self._spawn("munged", ["runuser", "-u", "munge", "--", "munged", "-F", f"--key-file={key}",
+                               f"--socket={socket_path}", f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log",
+                               f"--seed-file={m}/seed", "--force"])
         self._wait(lambda: socket_path.exists(), timeout, "munged")
-        self._spawn(["slurmctld", "-D", "-i", "-f", str(self.conf)])
-        self._spawn(["slurmd", "-D", "-N", "localhost", "-f", str(self.conf)])
-        self._wait(self._idle, timeout, "slurmd (node idle)")
+        self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
+        for node in self.nodes:
+            self.start_slurmd(node)
+        self._wait(self._idle, timeout, "slurmd (nodes idle)")
         return self
 
-    def _spawn(self, cmd: list[str]) -> None:
-        log = open(self.root / f"{Path(cmd[0] if cmd[0] != 'runuser' else 'munged').name}.out", "ab")
-        self.procs.append(subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True))
+    def start_slurmd(self, node: str) -> None:
+        self._spawn("slurmd", ["slurmd", "-D", "-N", node, "-f", str(self.conf)], node)
+
+    def wrap(self, daemon: str, node: str | None) -> list[str]:
+        """The command prefix that runs `daemon` where it belongs (node: the slurmd's node); here, this host."""
+        return []
+
+    def _spawn(self, daemon: str, cmd: list[str], node: str | None = None) -> None:
+        log = open(self.root / f"{daemon}{'-' + node if node else ''}.out", "ab")
+        self.procs.append(subprocess.Popen([*self.wrap(daemon, node), *cmd], env=self.env, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True))
 
     def _idle(self) -> bool:
-        out = subprocess.run(["sinfo", "-h", "-o", "%t"], env=self.env, capture_output=True, text=True)
-        return out.returncode == 0 and out.stdout.strip() == "idle"
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], env=self.env, capture_output=True, text=True)
+        states = out.stdout.split()
+        return out.returncode == 0 and len(states) == len(self.nodes) and set(states) == {"idle"}
 
     def _wait(self, ready, timeout: float, what: str) -> None:
         end = time.monotonic() + timeout

@@ -1,0 +1,191 @@
+"""Training stages as two-node Slurm jobs on a simulated three-machine cluster (tests/netns_cluster.py): a login
+namespace with slurmctld and the team services (PostgreSQL, MLflow, Prefect), two compute namespaces with a slurmd
+each, one rank per node; gloo and torchrun's c10d rendezvous cross the bridge between them, not loopback.
+
+Built once for the module. Skipped with the reason where root, iproute2, Slurm or PostgreSQL is missing (or a
+cluster of another live run is up); ASTRAI_REQUIRE_CLUSTER=1 (set by .ci/run) turns the skip into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import VENV_BIN, make_project, run_ok
+from netns_cluster import NetnsCluster, missing
+from test_slurm import assert_bitwise_equal, set_params, stage, weights
+
+pytestmark = pytest.mark.integration
+
+STEPS = 60  # the tiny model; a node is lost at step 20, after two checkpoints
+# A lost node ends the job within peer_timeout + 2 x kill_wait seconds (tasks/params.py ClusterParams).
+TWO_NODES = {"launcher": "slurm", "nodes": 2, "cpus_per_task": 1, "peer_timeout": 20, "kill_wait": 10}
+
+
+def _require(why: str | None) -> None:
+    if why:
+        if os.environ.get("ASTRAI_REQUIRE_CLUSTER") == "1":
+            pytest.fail(f"ASTRAI_REQUIRE_CLUSTER=1 but {why}")
+        pytest.skip(why)
+
+
+def test_what_a_dead_run_left_is_removed_and_a_live_runs_cluster_refuses_a_second():
+    """Before the module's cluster starts: a namespace, a bridge and a hosts line of a run whose process is gone are
+    removed; those of a live process (this one) make a new cluster refuse to start, naming it."""
+    import netns_cluster
+
+    _require(None if os.geteuid() == 0 and shutil.which("ip") else "needs root and iproute2")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for pid in (gone.pid, os.getpid()):
+        tag = f"astrai{pid}"
+        subprocess.run(["ip", "netns", "add", f"{tag}-n1"], check=True)
+        subprocess.run(["ip", "link", "add", f"astb{pid}", "type", "bridge"], check=True)
+        with netns_cluster.HOSTS.open("a") as f:
+            f.write(f"10.99.250.11 {tag}-n1 {netns_cluster.MARK} {tag}\n")
+        if pid == gone.pid:
+            assert netns_cluster.clean_stale() is None
+        else:
+            try:
+                assert f"process {pid} is up" in (netns_cluster.clean_stale() or "")
+            finally:
+                netns_cluster._remove(tag)
+        assert f"{tag}-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"astb{pid}" not in subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        assert tag not in netns_cluster.HOSTS.read_text()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    _require(missing())
+    t = time.monotonic()
+    c = NetnsCluster(tmp_path_factory.mktemp("netns-cluster")).start()
+    print(f"namespace cluster up in {time.monotonic() - t:.0f} s", file=sys.stderr)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def project(cluster, tmp_path_factory):
+    """A DVC project on the shared filesystem with the data stages done, pointed at the login namespace's MLflow;
+    pretrain trains STEPS steps, one rank per node."""
+    root = tmp_path_factory.mktemp("netns-project")
+    repo = root / "project"
+    env = make_project(repo, root / "remote", "astrai-netns-test")
+    env.update({k: v for k, v in cluster.env.items() if os.environ.get(k) != v})  # SLURM_CONF, the services' URLs
+    env.pop("GLOO_SOCKET_IFNAME", None)  # the launcher picks each node's interface
+    env["PYTHONPATH"] = str(repo)
+    set_params(repo, {"pretrain": {"max_steps": STEPS, "checkpoint_every": 10, "log_every": 5, "eval_every": 60}})
+    run_ok([VENV_BIN / "dvc", "repro", "pack"], repo, env)
+    return repo, env
+
+
+@pytest.fixture(scope="module")
+def local_weights(project):
+    """The reference: the same pretrain as 2 local ranks (torchrun on this host, loopback)."""
+    repo, env = project
+    out = stage(repo, env, {"launcher": "local"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return weights(repo)
+
+
+def login_stage(cluster: NetnsCluster, repo: Path, env: dict, **popen) -> subprocess.Popen:
+    """`astrai stage pretrain` on the login node (its namespace), launcher slurm over both compute nodes."""
+    set_params(repo, {"cluster": TWO_NODES, "pretrain": {"nproc": 1}})
+    return subprocess.Popen([*cluster.enter("login"), VENV_BIN / "astrai", "stage", "pretrain"], cwd=repo, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            **popen)
+
+
+def test_pretrain_as_a_two_node_job_over_the_namespaces_equals_the_local_two_rank_run(cluster, project,
+                                                                                     local_weights):
+    """One rank on each compute node: the rendezvous and each node's gloo address are the nodes' own (10.99.N.x on
+    the bridge's veths, not loopback); the weights equal the local 2-rank run's bit for bit; rank 0's metrics are
+    in the MLflow server's PostgreSQL."""
+    repo, env = project
+    proc = login_stage(cluster, repo, env)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out[-4000:]
+    n1, n2 = (cluster.ns[n] for n in ("n1", "n2"))
+    rdzv = re.search(r"astrai: rendezvous at (\S+):\d+", out)
+    assert rdzv and rdzv.group(1) == cluster.addr[n1], out[-3000:]
+    for node, rank in ((n1, 0), (n2, 1)):
+        m = re.search(rf"astrai: node {node} \(rank {rank}\) at (\S+), gloo on (\S+)", out)
+        assert m and m.group(1) == cluster.addr[node] and m.group(2).startswith("astv"), out[-3000:]
+    assert_bitwise_equal(weights(repo), local_weights)
+
+    import psycopg2
+
+    from astrai.services import database, with_driver
+
+    with psycopg2.connect(database(with_driver(cluster.services["postgres"], None), "mlflow")) as conn:
+        with conn.cursor() as cur:
+            cur.execute("SELECT r.run_uuid, count(m.step) FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid "
+                        "JOIN metrics m ON m.run_uuid = r.run_uuid WHERE t.key = 'astrai.stage' AND "
+                        "t.value = 'pretrain' AND m.key LIKE '%%loss%%' GROUP BY r.run_uuid")
+            rows = cur.fetchall()
+    assert rows and max(n for _, n in rows) >= STEPS // 5 - 1, rows
+
+
+def _lose_a_node(cluster: NetnsCluster, project, how: str) -> tuple[str, float]:
+    """Start pretrain on both nodes; at step 20 lose node n2 (`how`: kill its processes, or set its link down);
+    returns the stage's output and the seconds from the loss to the stage's exit (its error line last)."""
+    repo, env = project
+    shutil.rmtree(repo / "data/pretrain.ckpts", ignore_errors=True)
+    proc = login_stage(cluster, repo, env)
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if "step 20/" in line:
+                break
+        assert proc.poll() is None, "".join(seen[-30:])
+        t = time.monotonic()
+        cluster.kill("n2") if how == "kill" else cluster.link("n2", up=False)
+        rest = proc.communicate(timeout=300)[0]
+        lost = time.monotonic() - t
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    print(f"node lost ({how}): the stage failed {lost:.1f} s later", file=sys.stderr)
+    return "".join(seen) + rest, lost
+
+
+def _resumes_to_the_same_weights(cluster, project, local_weights) -> None:
+    repo, env = project
+    assert list((repo / "data/pretrain.ckpts").iterdir()), "no checkpoint to resume from"
+    proc = login_stage(cluster, repo, env)
+    out = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, out[-4000:]
+    assert "resuming from" in out, out[-3000:]
+    assert_bitwise_equal(weights(repo), local_weights)
+
+
+@pytest.mark.parametrize("how", ["kill", "link down"])
+def test_a_lost_node_fails_the_stage_with_one_line_and_the_rerun_resumes_bitwise(cluster, project, local_weights,
+                                                                                  how):
+    """Node n2 (rank 1) dies mid-job, its processes killed, or its link goes down: the job ends and the stage fails
+    within peer_timeout + 2 x kill_wait seconds, its last line the error naming the lost peer; with the node back
+    (slurmd restarted, link up) the stage run again resumes from the last checkpoint on the shared directory and
+    ends bit for bit on the uninterrupted run's weights."""
+    out, lost = _lose_a_node(cluster, project, how)
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("astrai: error: "), out[-3000:]
+    assert cluster.addr[cluster.ns["n2"]] in last or "rank 1" in last, last
+    assert lost < TWO_NODES["peer_timeout"] + 2 * TWO_NODES["kill_wait"] + 30, out[-3000:]
+    if how == "kill":
+        cluster.restart_slurmd("n2")
+    else:
+        cluster.link("n2", up=True)
+        cluster.wait_idle()
+    _resumes_to_the_same_weights(cluster, project, local_weights)
