@@ -11,6 +11,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "valid_answer_rate": ("valid answer", "higher"),
     "preference_accuracy": ("preference accuracy", "higher"),
     "train_task_accuracy": ("task accuracy on training prompts", "higher"),
+    # lm-evaluation-harness tasks of evals/lm_eval_tasks/ (evaluate.lm_eval_tasks): <task>_<lm-eval metric>
+    "astrai_next_speaker_acc": ("lm-eval who speaks next acc", "higher"),
+    "astrai_next_speaker_acc_norm": ("lm-eval who speaks next acc_norm", "higher"),
+    "astrai_speech_ppl_bits_per_byte": ("lm-eval speech bits/byte", "lower"),
 }
 
 

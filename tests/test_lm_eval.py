@@ -86,7 +86,10 @@ def setup(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-def _run_lm_eval(setup) -> tuple[dict, dict[str, list[dict]], str]:
+@pytest.fixture(scope="module")
+def http_run(setup) -> tuple[dict, dict[str, list[dict]], str]:
+    """The real `lm_eval` command against the served model: (its results, its samples per task, what
+    `astrai lm-eval-data` printed)."""
     root, url = setup["root"], setup["url"]
     run = root / "run"  # lm_eval runs here: the task YAMLs name their data relative to the project's root
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
@@ -108,8 +111,8 @@ def _run_lm_eval(setup) -> tuple[dict, dict[str, list[dict]], str]:
     return results, samples, made.stdout
 
 
-def test_lm_eval_scores_equal_the_projects_offline_scoring(setup):
-    results, samples, made = _run_lm_eval(setup)
+def test_lm_eval_scores_equal_the_projects_offline_scoring(setup, http_run):
+    results, samples, made = http_run
     print(made, json.dumps(results["results"], indent=1))
     model, tok = setup["model"], setup["tokenizer"]
 
@@ -155,3 +158,32 @@ def test_lm_eval_scores_equal_the_projects_offline_scoring(setup):
     assert scores["word_perplexity,none"] == pytest.approx(math.exp(nll / words), rel=1e-5)
     assert scores["byte_perplexity,none"] == pytest.approx(math.exp(nll / size), rel=1e-5)
     assert scores["bits_per_byte,none"] == pytest.approx(nll / size / math.log(2), rel=1e-5)
+
+
+def test_in_process_lm_eval_equals_the_http_route(setup, http_run):
+    """The evaluate stage's route (tasks/lm_eval_adapter.py: lm-eval's simple_evaluate on an LM over the loaded
+    model, no server) gives what `lm_eval --model local-completions` got from `astrai serve` on the same items:
+    every request's loglikelihood, every document's, and every reported score."""
+    from tasks.lm_eval_adapter import run_tasks, scores
+
+    results, samples, _ = http_run
+    tasks = ["astrai_next_speaker", "astrai_speech_ppl"]
+    ours = run_tasks(setup["model"], setup["tokenizer"], tasks, setup["root"] / "run/evals/lm_eval_tasks/data",
+                     batch_size=8)
+    for task in tasks:
+        http = sorted(samples[task], key=lambda s: s["doc_id"])
+        mine = sorted(ours["samples"][task], key=lambda s: s["doc_id"])
+        assert [s["doc_id"] for s in mine] == [s["doc_id"] for s in http] and len(mine) > 10
+        for a, b in zip(http, mine):
+            served, in_process = ([float(r[0][0] if isinstance(r[0], (list, tuple)) else r[0]) for r in s["resps"]]
+                                  for s in (a, b))  # (loglikelihood, greedy) per choice, or a document's
+            assert np.allclose(in_process, served, rtol=0, atol=1e-4), (task, a["doc_id"], served, in_process)
+        for key, value in results["results"][task].items():
+            if isinstance(value, float) and "stderr" not in key:
+                assert ours["results"][task][key] == pytest.approx(value, rel=1e-6, abs=1e-12), (task, key)
+    metrics, items = scores(ours)
+    assert metrics["astrai_next_speaker_acc"] == results["results"]["astrai_next_speaker"]["acc,none"]
+    assert items["astrai_next_speaker_acc"] == [int(s["acc"]) for s in sorted(
+        samples["astrai_next_speaker"], key=lambda s: s["doc_id"])]
+    assert metrics["astrai_speech_ppl_bits_per_byte"] == pytest.approx(
+        results["results"]["astrai_speech_ppl"]["bits_per_byte,none"], rel=1e-6)
