@@ -131,7 +131,7 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> tuple[dict, list[Chec
         if p.lm_eval_tasks:  # their items from the held-out plays (tasks/lm_eval_adapter.py), or none with a WARNING
             from tasks.lm_eval_adapter import item_sets as lm_eval_item_sets, write_items
 
-            lm_eval_data = write_items(root / CORPUS, Path(tmp_name), p.task_examples, p.seed)
+            lm_eval_data = write_items(root / CORPUS, Path(tmp_name), p.lm_eval_tasks, p.task_examples, p.seed)
         score = partial(_score_model, params, root, tokens, n_chars, questions, train_questions, final, lm_eval_data)
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                  initializer=torch.set_num_threads,

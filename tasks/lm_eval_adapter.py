@@ -175,12 +175,12 @@ def scores(results: dict) -> tuple[dict[str, float], dict[str, list[int]]]:
     return metrics, items
 
 
-def write_items(corpus_dir: Path, out_dir: Path, limit: int, seed: int) -> Path | None:
-    """The tasks' items from the held-out plays in corpus_dir (as `astrai lm-eval-data` writes them), `limit` per
-    task, into out_dir -> out_dir; None, with a WARNING, when the test split has none (a corpus that is not plays).
-    """
+def write_items(corpus_dir: Path, out_dir: Path, names: Sequence[str], limit: int, seed: int) -> Path | None:
+    """The named tasks' items from the held-out plays in corpus_dir (as `astrai lm-eval-data` writes them), `limit`
+    per task, into out_dir -> out_dir; None, with a WARNING, when the test split has none for one of them (a corpus
+    that is not plays)."""
     try:
-        write_lm_eval_data(corpus_dir, out_dir, limit, seed)
+        write_lm_eval_data(corpus_dir, out_dir, limit, seed, names)
     except AstraiError as e:
         print(f"WARNING: evaluate: no lm-eval tasks run: {e}", flush=True)
         return None
