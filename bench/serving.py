@@ -351,6 +351,8 @@ def main() -> None:
                     "serve --continuous-batching` on the same model (exported with astrai export-hf)")
     ap.add_argument("--llama-cpp", type=Path, help="llama.cpp's bin/ (scripts/build_llama_cpp.sh): also measure "
                     "`llama-server` on the same model exported with astrai export-gguf (f32), -t 1 and -t 2")
+    ap.add_argument("--llama-threads", type=int, nargs="*", default=(1, 2), help="llama-server's -t (and -tb) settings")
+    ap.add_argument("--no-engine", action="store_true", help="skip the engine alone (its ratios are then missing)")
     ap.add_argument("--no-prefix-scenario", action="store_true", help="skip the shared-prefix TTFT comparison")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "serving_report.json")
     args = ap.parse_args()
@@ -389,11 +391,12 @@ def main() -> None:
             gguf = tmp / "model.gguf"
             subprocess.run([sys.executable, "-m", "astrai.cli", "export-gguf", str(ckpt), str(gguf), "--type", "f32"],
                            cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)
-            for t in (1, 2):
+            for t in args.llama_threads:
                 per_workload[f"llama_server_{t}_thread{'s' * (t > 1)}"] = partial(
                     llama_server, args.llama_cpp, gguf, cfg.max_seq_len, tmp, t)
         rows: dict[str, list[dict]] = {name: [] for name in [*servers, *per_workload]}
         errors: dict[str, str] = {}
+        retries: dict[str, list[str]] = {}  # llama-server workloads run again after a dropped connection
         peak_rss: dict[str, list[float]] = {}
         engine_rows: dict[str, dict[str, list[dict]]] = {}
         for r in range(args.rounds):
@@ -421,15 +424,24 @@ def main() -> None:
                 try:
                     row = {}
                     for w, spec in workloads.items():
-                        with make(spec.get("concurrency") or max(levels)) as server:
-                            row |= measure(server, "astrai", {w: spec})
+                        for attempt in (1, 2):  # a fresh server once more if it drops a connection
+                            try:
+                                with make(spec.get("concurrency") or max(levels)) as server:
+                                    row |= measure(server, "astrai", {w: spec})
+                                break
+                            except openai.APIConnectionError as e:
+                                print(f"  {name} {w}: {e} (attempt {attempt})", flush=True)
+                                retries.setdefault(name, []).append(w)
+                                if attempt == 2:
+                                    raise
                     rows[name].append(row)
                 except Exception as e:  # noqa: BLE001 - a peer that fails is reported
                     errors[name] = f"{type(e).__name__}: {e}"[-2000:]
                     print(f"  {name} failed: {errors[name]}", flush=True)
             # The engine alone in the same round (the machine's speed drifts between rounds): with the server's
             # threads and with all cores.
-            for n_threads in sorted({report["astrai_serve"]["torch_threads"], os.cpu_count() or 1}):
+            for n_threads in [] if args.no_engine else sorted({report["astrai_serve"]["torch_threads"],
+                                                                os.cpu_count() or 1}):
                 runs = engine_rows.setdefault(f"{n_threads}_threads", {})
                 for c in levels:
                     row = engine_alone(model, tokenizer, workloads[f"streams_{c}"]["requests"], c, n_threads)
@@ -439,6 +451,7 @@ def main() -> None:
         report["servers"] = {name: {w: median_rows([rnd[w] for rnd in runs]) for w in workloads}
                              for name, runs in rows.items() if runs}
         report["errors"] = errors
+        report["retries"] = retries
         report["peak_rss_mib"] = peak_rss
 
         threads = report["astrai_serve"]["torch_threads"]
@@ -450,9 +463,9 @@ def main() -> None:
     report["ratios"] = {}
     for c in levels:
         w = f"streams_{c}"
-        ratio = {"of_engine_same_threads": round(ours[w]["output_tokens_per_s"] /
-                                                 report["engine"][f"{threads}_threads"][w]["output_tokens_per_s"], 2)}
-        for peer in ("peer_default", "peer_1_thread", "llama_server_1_thread", "llama_server_2_threads"):
+        ratio = {} if args.no_engine else {"of_engine_same_threads": round(
+            ours[w]["output_tokens_per_s"] / report["engine"][f"{threads}_threads"][w]["output_tokens_per_s"], 2)}
+        for peer in ("peer_default", "peer_1_thread", *per_workload):
             if peer in report["servers"]:
                 ratio[f"over_{peer}"] = round(ours[w]["output_tokens_per_s"] /
                                               report["servers"][peer][w]["output_tokens_per_s"], 2)
