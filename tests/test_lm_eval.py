@@ -37,11 +37,6 @@ CONTEXT = 256
 SPEAKERS = ("ROMEO", "JULIET", "NURSE", "FRIAR", "TYBALT")
 
 
-def _line(words: list[str]) -> str:
-    """A line of verse; a question when it starts with "what" (the is_question family needs some)."""
-    return " ".join(words).capitalize() + ("?" if words[0] == "what" else ".")
-
-
 def _play(rng: random.Random, scenes: int) -> str:
     """A play in the corpus's layout: scene headings, then speeches (NAME. alone on a line, its lines, a blank
     line). Speakers follow a pattern a small model can learn: mostly the one after the previous speaker."""
@@ -50,7 +45,8 @@ def _play(rng: random.Random, scenes: int) -> str:
         out.append(f"SCENE {'I' * (scene % 3 + 1)}.\n")
         for _ in range(12):
             who = (who + 1) % len(SPEAKERS) if rng.random() < 0.8 else rng.randrange(len(SPEAKERS))
-            lines = [_line([rng.choice(WORDS) for _ in range(rng.randint(3, 7))]) for _ in range(rng.randint(1, 2))]
+            lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 7))).capitalize() + "."
+                     for _ in range(rng.randint(1, 2))]
             out.append(f"{SPEAKERS[who]}.\n" + "\n".join(lines) + "\n")
     return "\n" + "\n".join(out)
 
