@@ -431,8 +431,8 @@ def lm_eval_data(corpus: Path = typer.Option(Path("data/corpus"), help="The corp
                  limit: int = typer.Option(500, min=1, help="Items per task at most."),
                  seed: int = typer.Option(0, help="Which items and which wrong choices.")) -> None:
     """Write the JSONL of the lm-evaluation-harness tasks in evals/lm_eval_tasks/ (who speaks next, speech
-    perplexity) from the held-out plays; then run lm_eval against `astrai serve` (docs/serving.md,
-    "lm-evaluation-harness")."""
+    perplexity, the demo's task families as generate_until) from the held-out plays; then run lm_eval against
+    `astrai serve` (docs/serving.md, "lm-evaluation-harness")."""
     from tasks.lm_eval_data import FILES, write_lm_eval_data
 
     counts = write_lm_eval_data(corpus, out, limit, seed)

@@ -33,13 +33,18 @@ ROLES = ("system", "user", "assistant")
 Message = dict[str, str]
 
 
+def compile_template(template: str = DEFAULT_TEMPLATE, source: str = "default template"):
+    """A chat template, compiled in Jinja2's immutable sandbox; .render(messages=..., add_generation_prompt=...)."""
+    try:
+        return ImmutableSandboxedEnvironment(trim_blocks=True).from_string(template)
+    except TemplateError as e:
+        raise AstraiError(f"{source}: not a valid chat template ({e})") from None
+
+
 class ChatFormat:
     def __init__(self, tokenizer: Tokenizer, template: str = DEFAULT_TEMPLATE, source: str = "default template") -> None:
         self.tokenizer, self.template_text, self.source = tokenizer, template, source
-        try:
-            self.template = ImmutableSandboxedEnvironment(trim_blocks=True).from_string(template)
-        except TemplateError as e:
-            raise AstraiError(f"{source}: not a valid chat template ({e})") from None
+        self.template = compile_template(template, source)
         self.stop_ids = (special_id(tokenizer, "end_of_turn"), special_id(tokenizer, "eos"))
         # The tokenizer's special tokens (astrai's SPECIAL_TOKENS, and any an imported tokenizer brings): text that
         # spells one is tokenized as that token, so a message holding it would forge the markup of turns.

@@ -69,6 +69,26 @@ def continuation_logprobs(model: torch.nn.Module, context: list[int], continuati
     return out
 
 
+@torch.no_grad()
+def target_logprobs(model: torch.nn.Module, rows: Sequence[Sequence[int]], targets: Sequence[int],
+                    device: str | torch.device = "cpu") -> list[tuple[float, bool]]:
+    """For each row of token ids, (summed log-probability of its last targets[i] tokens given the tokens before
+    them, whether each of those is the model's greedy choice), all rows in one forward: right-padded, which the
+    causal attention keeps out of every real position (lm-evaluation-harness's loglikelihood requests)."""
+    model.eval()
+    longest = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    logp = torch.log_softmax(model(ids[:, :-1].to(device)).float(), dim=-1).cpu()
+    out = []
+    for i, (r, n) in enumerate(zip(rows, targets)):
+        row_logp = logp[i, len(r) - 1 - n: len(r) - 1]  # the predictions of the last n tokens
+        wanted = ids[i, len(r) - n: len(r)]
+        out.append((row_logp.gather(1, wanted[:, None]).sum().item(), bool((row_logp.argmax(-1) == wanted).all())))
+    return out
+
+
 def unigram_nll(tokens: np.ndarray, vocab_size: int) -> tuple[float, int]:
     """NLL (nats) of tokens[1:] under their own unigram distribution: the best any unigram model can do."""
     targets = tokens[1:]

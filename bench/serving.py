@@ -2,6 +2,7 @@
 
     python bench/serving.py --model data/pretrain --peer-venv /work/bench-venv   # the report in README.md
     python bench/serving.py --quick                                              # a smoke run (random weights)
+    python bench/serving.py --llama-cpp ~/.cache/astrai/llama.cpp-0.3.36/bin --out bench/serving_llama_cpp_report.json
 
 What is measured, in one run on one machine, each server alone (started fresh in every round; the rounds
 interleave the servers, and every figure is the median over --rounds):
@@ -23,6 +24,11 @@ interleave the servers, and every figure is the median over --rounds):
 * peer (--peer-venv VENV): the same model exported with `astrai export-hf`, served by `transformers serve
   --continuous-batching` from VENV (a separate venv with transformers[serving], not a project dependency), with
   its defaults and with OMP_NUM_THREADS=1; the same prompts, as text. On failure the report says why.
+* llama.cpp (--llama-cpp BIN, the bin/ of scripts/build_llama_cpp.sh): the same model exported with `astrai
+  export-gguf` as f32 (astrai serves float32 on CPU: the same numbers, the same work per token), served by
+  `llama-server` with continuous batching and --parallel set to each workload's streams (so every stream has a slot
+  of the model's whole context; the burst and Poisson loads get the highest level's), with -t 1 and with -t 2 (its
+  threads for generation and for prompts); the same prompts, as text. A server per workload, in each round.
 * shared prefix: prompts that all start with the same half-context prefix, 4 streams, on a server with the prefix
   cache and on one without (--no-prefix-cache): time to first token of each, and their ratio.
 
@@ -47,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -247,6 +254,15 @@ def peer_server(venv: Path, hf: Path, tmp: Path, threads: int | None) -> Server:
                   {**env, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}, tmp / "peer.log", "/health", cwd=tmp)
 
 
+def llama_server(bin_dir: Path, gguf: Path, context: int, tmp: Path, threads: int, parallel: int) -> Server:
+    """llama.cpp's server on the GGUF file: `parallel` slots of `context` tokens each, continuous batching."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    return Server("llama-server", [str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1",
+                                   "-t", str(threads), "-tb", str(threads), "--parallel", str(parallel),
+                                   "-c", str(parallel * context), "--cont-batching", "--no-webui", "-a", "astrai"],
+                  env, tmp / f"llama-server-{threads}.log", "/health", cwd=tmp)
+
+
 def measure(server: Server, model_id: str, workloads: dict[str, dict]) -> dict[str, dict]:
     """Every workload once on a running server (after a short warm-up): name -> row."""
     warm = [("the king", 4), ("what light", 4)]
@@ -333,6 +349,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every server; medians are reported")
     ap.add_argument("--peer-venv", type=Path, help="a venv with transformers[serving]: also measure `transformers "
                     "serve --continuous-batching` on the same model (exported with astrai export-hf)")
+    ap.add_argument("--llama-cpp", type=Path, help="llama.cpp's bin/ (scripts/build_llama_cpp.sh): also measure "
+                    "`llama-server` on the same model exported with astrai export-gguf (f32), -t 1 and -t 2")
+    ap.add_argument("--llama-threads", type=int, nargs="*", default=(1, 2), help="llama-server's -t (and -tb) settings")
+    ap.add_argument("--no-engine", action="store_true", help="skip the engine alone (its ratios are then missing)")
     ap.add_argument("--no-prefix-scenario", action="store_true", help="skip the shared-prefix TTFT comparison")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "serving_report.json")
     args = ap.parse_args()
@@ -365,8 +385,18 @@ def main() -> None:
                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)
             servers["peer_default"] = lambda: peer_server(args.peer_venv, hf, tmp, None)
             servers["peer_1_thread"] = lambda: peer_server(args.peer_venv, hf, tmp, 1)
-        rows: dict[str, list[dict]] = {name: [] for name in servers}
+        # llama-server: one server per workload (its --parallel is the workload's streams).
+        per_workload: dict[str, partial] = {}
+        if args.llama_cpp:
+            gguf = tmp / "model.gguf"
+            subprocess.run([sys.executable, "-m", "astrai.cli", "export-gguf", str(ckpt), str(gguf), "--type", "f32"],
+                           cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)
+            for t in args.llama_threads:
+                per_workload[f"llama_server_{t}_thread{'s' * (t > 1)}"] = partial(
+                    llama_server, args.llama_cpp, gguf, cfg.max_seq_len, tmp, t)
+        rows: dict[str, list[dict]] = {name: [] for name in [*servers, *per_workload]}
         errors: dict[str, str] = {}
+        retries: dict[str, list[str]] = {}  # llama-server workloads run again after a dropped connection
         peak_rss: dict[str, list[float]] = {}
         engine_rows: dict[str, dict[str, list[dict]]] = {}
         for r in range(args.rounds):
@@ -388,9 +418,30 @@ def main() -> None:
                         raise
                     errors[name] = f"{type(e).__name__}: {e}"[-2000:]
                     print(f"  {name} failed: {errors[name]}", flush=True)
+            for name, make in per_workload.items():
+                if name in errors:
+                    continue
+                try:
+                    row = {}
+                    for w, spec in workloads.items():
+                        for attempt in (1, 2):  # a fresh server once more if it drops a connection
+                            try:
+                                with make(spec.get("concurrency") or max(levels)) as server:
+                                    row |= measure(server, "astrai", {w: spec})
+                                break
+                            except openai.APIConnectionError as e:
+                                print(f"  {name} {w}: {e} (attempt {attempt})", flush=True)
+                                retries.setdefault(name, []).append(w)
+                                if attempt == 2:
+                                    raise
+                    rows[name].append(row)
+                except Exception as e:  # noqa: BLE001 - a peer that fails is reported
+                    errors[name] = f"{type(e).__name__}: {e}"[-2000:]
+                    print(f"  {name} failed: {errors[name]}", flush=True)
             # The engine alone in the same round (the machine's speed drifts between rounds): with the server's
             # threads and with all cores.
-            for n_threads in sorted({report["astrai_serve"]["torch_threads"], os.cpu_count() or 1}):
+            for n_threads in [] if args.no_engine else sorted({report["astrai_serve"]["torch_threads"],
+                                                                os.cpu_count() or 1}):
                 runs = engine_rows.setdefault(f"{n_threads}_threads", {})
                 for c in levels:
                     row = engine_alone(model, tokenizer, workloads[f"streams_{c}"]["requests"], c, n_threads)
@@ -400,6 +451,7 @@ def main() -> None:
         report["servers"] = {name: {w: median_rows([rnd[w] for rnd in runs]) for w in workloads}
                              for name, runs in rows.items() if runs}
         report["errors"] = errors
+        report["retries"] = retries
         report["peak_rss_mib"] = peak_rss
 
         threads = report["astrai_serve"]["torch_threads"]
@@ -411,9 +463,9 @@ def main() -> None:
     report["ratios"] = {}
     for c in levels:
         w = f"streams_{c}"
-        ratio = {"of_engine_same_threads": round(ours[w]["output_tokens_per_s"] /
-                                                 report["engine"][f"{threads}_threads"][w]["output_tokens_per_s"], 2)}
-        for peer in ("peer_default", "peer_1_thread"):
+        ratio = {} if args.no_engine else {"of_engine_same_threads": round(
+            ours[w]["output_tokens_per_s"] / report["engine"][f"{threads}_threads"][w]["output_tokens_per_s"], 2)}
+        for peer in ("peer_default", "peer_1_thread", *per_workload):
             if peer in report["servers"]:
                 ratio[f"over_{peer}"] = round(ours[w]["output_tokens_per_s"] /
                                               report["servers"][peer][w]["output_tokens_per_s"], 2)

@@ -32,6 +32,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -126,14 +127,23 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> tuple[dict, list[Chec
     # The models side by side, one process each (on 2 cores: the demo's four in 125 s instead of 146 s).
     workers = min(len(models), os.cpu_count() or 1)
     print(f"evaluate: {len(models)} models, {workers} at a time: {', '.join(models)}", flush=True)  # minutes of work
-    score = partial(_score_model, params, root, tokens, n_chars, questions, train_questions, final)
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads,
-                             initargs=(max(1, (os.cpu_count() or 1) // workers),)) as pool:
-        expect(len(models), "models scored")
-        scored = []
-        for result in pool.map(score, models):  # in order, each as it is done
-            scored.append(result)
-            advance()
+    with tempfile.TemporaryDirectory(prefix="astrai-lm-eval-") as tmp_name:
+        lm_eval_data = None
+        if p.lm_eval_tasks:  # their items from the held-out plays (tasks/lm_eval_adapter.py), or none with a WARNING
+            from tasks.lm_eval_adapter import item_sets as lm_eval_item_sets, write_items
+
+            lm_eval_data = write_items(root / CORPUS, Path(tmp_name), p.lm_eval_tasks, p.task_examples, p.seed)
+        score = partial(_score_model, params, root, tokens, n_chars, questions, train_questions, final, lm_eval_data)
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=torch.set_num_threads,
+                                 initargs=(max(1, (os.cpu_count() or 1) // workers),)) as pool:
+            expect(len(models), "models scored")
+            scored = []
+            for result in pool.map(score, models):  # in order, each as it is done
+                scored.append(result)
+                advance()
+        lm_eval_sets = lm_eval_item_sets(p.lm_eval_tasks, lm_eval_data, [m for _, it, _, _ in scored for m in it]) \
+            if lm_eval_data else {}
 
     metrics: dict = {"final_model": final}
     items: dict[str, dict[str, list[int]]] = {}  # metric -> model -> per-item result (1 right, 0 wrong; pass: count)
@@ -159,7 +169,7 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> tuple[dict, list[Chec
                   "is wide", flush=True)
 
     curves = training_curves(root, models)
-    checks = stage_checks(models, items, metrics, curves)
+    checks = stage_checks(models, items, metrics, curves, kept=tuple(lm_eval_sets))
     metrics["flags"] = sum(not c.passed for c in checks)
     for check in checks:
         print(("evaluate: " if check.passed else "WARNING: evaluate: ") + check.describe(), flush=True)
@@ -171,7 +181,8 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> tuple[dict, list[Chec
         write_json(tmp / "metrics.json", metrics)
         write_json(tmp / "headline.json", headline(metrics))
         write_json(tmp / "items.json", items | {"task_family": [q.get("task") for q in questions],
-                                                "item_sets": item_sets(params, root, questions, train_questions)})
+                                                "item_sets": item_sets(params, root, questions, train_questions)
+                                                | lm_eval_sets})
         write_json(tmp / "checks.json", [asdict(c) for c in checks])
         (tmp / "evaluation.md").write_text(evaluation_markdown(metrics, models, checks))
         (tmp / "samples.md").write_text(samples + _answers(questions, answers))
@@ -195,15 +206,15 @@ def _test_tokens(params: Params, root: Path, ckpt: Path) -> tuple[np.ndarray, in
 
 
 def _score_model(params: Params, root: Path, tokens: np.ndarray, n_chars: int, questions: list[dict],
-                 train_questions: list[dict], final: str, stage: str):
+                 train_questions: list[dict], final: str, lm_eval_data: Path | None, stage: str):
     """One model's metrics -> (metrics, per-item results by metric, its greedy replies to the held-out questions,
     the text samples if it is the final model). Runs in a worker process of evaluate()."""
     with Progress(f"evaluate: {stage}"):  # this worker's own lines: what it scores, how far, its eta
-        return _score(params, root, tokens, n_chars, questions, train_questions, final, stage)
+        return _score(params, root, tokens, n_chars, questions, train_questions, final, lm_eval_data, stage)
 
 
 def _score(params: Params, root: Path, tokens: np.ndarray, n_chars: int, questions: list[dict],
-           train_questions: list[dict], final: str, stage: str):
+           train_questions: list[dict], final: str, lm_eval_data: Path | None, stage: str):
     p = params.evaluate
     chat_dir = root / CHAT
     ckpt = model_dir(root, stage)
@@ -249,6 +260,13 @@ def _score(params: Params, root: Path, tokens: np.ndarray, n_chars: int, questio
         for name, results in right.items():
             m |= accuracy(name, results)
             items[name] = [int(bool(r)) for r in results]
+    if lm_eval_data:  # the lm-eval tasks' items (evaluate.lm_eval_tasks), written by evaluate()
+        from tasks.lm_eval_adapter import run_tasks, scores
+
+        print(f"evaluate: {stage}: lm-eval tasks {', '.join(p.lm_eval_tasks)}", flush=True)
+        lm_metrics, lm_items = scores(run_tasks(model, tok, p.lm_eval_tasks, lm_eval_data, p.batch_size))
+        m |= lm_metrics
+        items |= lm_items
     print(f"evaluate: {stage}: done", flush=True)
     return m, items, replies, _samples(params, root, model, tok) if stage == final else None
 
@@ -309,13 +327,14 @@ def item_sets(params: Params, root: Path, questions: list[dict], train_questions
 
 
 def stage_checks(models: list[str], items: dict[str, dict[str, list[int]]], metrics: dict,
-                 curves: dict[str, list[dict]] | None = None) -> list[Check]:
-    """Each post-training model against the model before it in the chain (TARGETS), and the final model's
-    forgetting against the pretrained model. A failed GRPO check says why, from its training curve (grpo_why)."""
+                 curves: dict[str, list[dict]] | None = None, kept: tuple[str, ...] = ()) -> list[Check]:
+    """Each post-training model against the model before it in the chain (TARGETS; every stage must also keep
+    the metrics in `kept`: the lm-eval tasks' accuracies), and the final model's forgetting against the pretrained
+    model. A failed GRPO check says why, from its training curve (grpo_why)."""
     checks = []
     for start, stage in zip(models, models[1:]):
-        target, kept = TARGETS[stage]
-        for metric in (target, *kept):
+        target, stage_kept = TARGETS[stage]
+        for metric in (target, *stage_kept, *kept):
             if stage not in items.get(metric, {}):
                 continue
             difference, low, high = paired_difference(items[metric][start], items[metric][stage])

@@ -8,10 +8,16 @@ read, written from the corpus stage's test split at run time (the plays' text is
     astrai_next_speaker  multiple_choice          2 speeches of a scene, then which of 4 of the play's speakers
                                                   speaks next ("ROMEO." ...), scored by the name's loglikelihood
     astrai_speech_ppl    loglikelihood_rolling    one speech ("NAME.\\nits lines"): word/byte perplexity, bits per byte
+    astrai_<family>      generate_until           a question of the demo's task family (tasks/demo_tasks.py:
+                                                  first_speaker, speech_count, word_count, is_question, last_word)
+                                                  about a held-out passage, as a chat prompt; exact_match of the
+                                                  greedy reply (what evaluate's task_accuracy.<family> counts)
 
-Both are plain text in the corpus's own layout (a speaker's name in capitals with a period, then the lines, a blank
-line between speeches): what a pretrained model has learnt to continue, no chat template. Each is deterministic
-in (corpus, seed); `limit` items per task, drawn evenly from every play.
+The first two are plain text in the corpus's own layout (a speaker's name in capitals with a period, then the
+lines, a blank line between speeches): what a pretrained model has learnt to continue, no chat template. The
+families' prompts are rendered with astrai's default chat template (astrai_core/chat.py), so `local-completions`
+sends exactly the tokens `astrai generate --chat` would; a model with its own template (an imported one) is asked
+in astrai's. Each file is deterministic in (corpus, seed); `limit` items per task, drawn evenly from every play.
 """
 
 from __future__ import annotations
@@ -19,16 +25,19 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Iterable
 
+from astrai_core.chat import compile_template
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path
-from tasks.demo_tasks import passage_text
+from tasks.demo_tasks import TASKS as FAMILIES, items as family_items, passage_text
 from tasks.plays import Speech, read_plays
 
 CONTEXT_SPEECHES = 2  # speeches before the one whose speaker is asked for
 CHOICES = 4
 SPEECH_LINES = 6  # lines of a speech kept for perplexity: short enough for a small model's context
-FILES = {"astrai_next_speaker": "next_speaker.jsonl", "astrai_speech_ppl": "speeches.jsonl"}
+FILES = {"astrai_next_speaker": "next_speaker.jsonl", "astrai_speech_ppl": "speeches.jsonl",
+         **{f"astrai_{family}": f"{family}.jsonl" for family in FAMILIES}}
 
 
 def next_speaker_items(plays: dict[str, list[Speech]], seed: int) -> list[dict]:
@@ -57,6 +66,17 @@ def speech_items(plays: dict[str, list[Speech]]) -> list[dict]:
             for play, speeches in plays.items() for s in speeches if s.lines]
 
 
+def family_tasks(plays: dict[str, list[Speech]], seed: int) -> dict[str, list[dict]]:
+    """astrai_<family> -> its items: {"prompt": the question as a chat prompt (ending with the assistant header),
+    "answer"}, from the demo's task generator on these plays."""
+    template = compile_template()
+    out: dict[str, list[dict]] = {f"astrai_{family}": [] for family in FAMILIES}
+    for item in family_items(plays, f"lm-eval:{seed}"):
+        prompt = template.render(messages=[{"role": "user", "content": item.prompt}], add_generation_prompt=True)
+        out[f"astrai_{item.task}"].append({"prompt": prompt, "answer": item.answer})
+    return out
+
+
 def spread(items: list[dict], limit: int, seed: int) -> list[dict]:
     """At most `limit` items, drawn at random but kept in corpus order (every play contributes its share)."""
     if len(items) <= limit:
@@ -65,12 +85,14 @@ def spread(items: list[dict], limit: int, seed: int) -> list[dict]:
     return [items[i] for i in keep]
 
 
-def write_lm_eval_data(corpus_dir: Path, out_dir: Path, limit: int = 500, seed: int = 0) -> dict[str, int]:
-    """Write out_dir/{next_speaker,speeches}.jsonl from corpus_dir/test.jsonl (the held-out plays); -> items per
-    task. Each file is written whole (to a temporary file renamed into place)."""
+def write_lm_eval_data(corpus_dir: Path, out_dir: Path, limit: int = 500, seed: int = 0,
+                       names: Iterable[str] = tuple(FILES)) -> dict[str, int]:
+    """Write the named tasks' files (FILES) into out_dir from corpus_dir/test.jsonl (the held-out plays); -> items
+    per task. Each file is written whole (to a temporary file renamed into place)."""
     plays = read_plays(Path(corpus_dir) / "test.jsonl")
-    tasks = {"astrai_next_speaker": spread(next_speaker_items(plays, seed), limit, seed),
-             "astrai_speech_ppl": spread(speech_items(plays), limit, seed)}
+    tasks = {"astrai_next_speaker": next_speaker_items(plays, seed), "astrai_speech_ppl": speech_items(plays),
+             **family_tasks(plays, seed)}
+    tasks = {task: spread(items, limit, seed) for task, items in tasks.items() if task in names}
     for task, items in tasks.items():
         if not items:
             raise AstraiError(f"{corpus_dir}/test.jsonl: no items for {task} (no plays with speakers in the test split?)")

@@ -2,6 +2,8 @@
 better). The register stage picks the model it registers by one of them (`register.metric` in params.yaml), so
 they live here, apart from the evaluation code: reading params must not import torch."""
 
+from tasks.demo_tasks import TASKS as FAMILIES
+
 METRICS: dict[str, tuple[str, str]] = {
     "test_bits_per_char": ("test bits/char", "lower"),
     "sft_test_loss": ("SFT test loss", "lower"),
@@ -11,6 +13,11 @@ METRICS: dict[str, tuple[str, str]] = {
     "valid_answer_rate": ("valid answer", "higher"),
     "preference_accuracy": ("preference accuracy", "higher"),
     "train_task_accuracy": ("task accuracy on training prompts", "higher"),
+    # lm-evaluation-harness tasks of evals/lm_eval_tasks/ (evaluate.lm_eval_tasks): <task>_<lm-eval metric>
+    "astrai_next_speaker_acc": ("lm-eval who speaks next acc", "higher"),
+    "astrai_next_speaker_acc_norm": ("lm-eval who speaks next acc_norm", "higher"),
+    "astrai_speech_ppl_bits_per_byte": ("lm-eval speech bits/byte", "lower"),
+    **{f"astrai_{family}_exact_match": (f"lm-eval {family} exact match", "higher") for family in FAMILIES},
 }
 
 

@@ -138,6 +138,19 @@ class EvaluateParams(Strict):
     pass_samples: PositiveInt = 8
     pass_temperature: float = Field(1.0, gt=0.0)
     pass_k: PositiveInt = 4
+    # lm-evaluation-harness tasks of evals/lm_eval_tasks/ run in process on every model (tasks/lm_eval_adapter.py),
+    # task_examples items each, from the held-out plays (tasks/lm_eval_data.py); [] runs none.
+    lm_eval_tasks: list[str] = ["astrai_next_speaker", "astrai_speech_ppl"]
+
+    @field_validator("lm_eval_tasks")
+    @classmethod
+    def _known_tasks(cls, names: list[str]) -> list[str]:
+        from tasks.lm_eval_data import FILES
+
+        unknown = [n for n in names if n not in FILES]
+        if unknown:
+            raise ValueError(f"unknown lm-eval task {unknown[0]!r}; one of: {', '.join(FILES)}")
+        return names
 
     @model_validator(mode="after")
     def _pass_k_fits(self) -> "EvaluateParams":

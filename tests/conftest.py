@@ -49,8 +49,8 @@ def make_project(repo: _Path, remote: _Path, model_name: str) -> dict:
     repo.mkdir(parents=True, exist_ok=True)
     for name in ("dvc.yaml", ".gitignore", "prefect.yaml"):
         _shutil.copy(PROJECT_ROOT / name, repo / name)
-    for pkg in ("astrai_core", "tasks", "flows"):  # dvc.yaml lists code files as deps
-        _shutil.copytree(PROJECT_ROOT / pkg, repo / pkg, ignore=_shutil.ignore_patterns("__pycache__"))
+    for pkg in ("astrai_core", "tasks", "flows", "evals"):  # dvc.yaml lists code files (and the lm-eval tasks) as deps
+        _shutil.copytree(PROJECT_ROOT / pkg, repo / pkg, ignore=_shutil.ignore_patterns("__pycache__", "data"))
     params = yaml.safe_load((PROJECT_ROOT / "params.yaml").read_text())
     for section, values in {**TINY_PARAMS, "register": {"model_name": model_name}}.items():
         for key, value in values.items():

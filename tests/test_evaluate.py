@@ -214,6 +214,13 @@ def tiny_chain(chat_setup, core_write_packed, tmp_path):
         (model_dir(root, stage) / "metrics.jsonl").write_text("".join(
             json.dumps({"step": s, "train/loss": 5.0 - s / 10, **({"val/loss": 5.0 - s / 12} if s % 2 else {})}) + "\n"
             for s in range(1, 9)))
+    # A held-out "play" in the corpus's layout: the lm-eval tasks' items (evaluate.lm_eval_tasks) come from it.
+    speakers, lines = ("ROMEO", "JULIET", "NURSE", "FRIAR", "TYBALT"), ("The king loves the night.", "What light?")
+    play = "\n".join(f"SCENE {'I' * (s + 1)}.\n\n" + "\n\n".join(
+        f"{speakers[(s + i) % 5 if i % 3 else (s * i) % 5]}.\n{lines[i % 2]}" for i in range(10)) + "\n"
+        for s in range(3))
+    (root / "data/corpus").mkdir(parents=True)
+    (root / "data/corpus/test.jsonl").write_text(json.dumps({"id": "play", "text": play}) + "\n")
     from tasks.params import parse_params
 
     params = parse_params({"model": MODEL, "tokenizer": {"vocab_size": 320}, "pretrain": {"seq_len": 64},
@@ -269,6 +276,21 @@ def test_evaluate_stage_reports_intervals_and_flags_a_stage_that_did_not_improve
     assert [r["model"] for r in json.loads((ev / "chain.json").read_text())] == ["pretrain", "sft"]
     assert len(json.loads((ev / "curves" / "sft.json").read_text())) == 8
 
+    # The lm-eval tasks, run in process on each model: their scores with intervals in metrics.json (and MLflow),
+    # per-item results for pairing, a column of evaluation.md and a "keep" row of the checks table.
+    n = metrics["n/astrai_next_speaker_acc"]
+    assert n == len(items["astrai_next_speaker_acc"]["sft"]) > 10 and "astrai_next_speaker_acc" in items["item_sets"]
+    for stage in ("pretrain", "sft"):
+        right = items["astrai_next_speaker_acc"][stage]
+        assert metrics[f"{stage}/astrai_next_speaker_acc"] == sum(right) / n
+        assert (metrics[f"{stage}/astrai_next_speaker_acc_low"], metrics[f"{stage}/astrai_next_speaker_acc_high"]) \
+            == pytest.approx(wilson_interval(sum(right), n))
+        assert metrics[f"{stage}/astrai_speech_ppl_bits_per_byte"] > 0
+        assert run.data.metrics[f"{stage}.astrai_next_speaker_acc"] == metrics[f"{stage}/astrai_next_speaker_acc"]
+    assert f"lm-eval who speaks next acc (higher is better, n={n})" in report
+    assert "| sft | pretrain | lm-eval who speaks next acc | not fall beyond the interval | +0.0000 |" in report
+    assert "evaluate: sft kept astrai_next_speaker_acc against its starting model pretrain: +0.0000" in out
+
 
 def test_the_prefect_artifact_embeds_the_plots_as_data_uris(tmp_path):
     import base64
@@ -306,3 +328,12 @@ def test_plots_label_every_axis_draw_no_empty_panel_and_show_the_reference_lines
                 and not line.get_label().startswith("_"))
     assert ys == pytest.approx([2.4 * 1.05, 3.9])  # the forgetting limit and the unigram baseline
     assert all(ax.get_ylabel() for ax in fig.axes) and len(fig.axes) == 2
+
+
+def test_an_unknown_lm_eval_task_is_refused_by_name():
+    from astrai_core.errors import AstraiError
+    from tasks.params import parse_params
+
+    with pytest.raises(AstraiError, match=r"evaluate\.lm_eval_tasks: unknown lm-eval task 'nope'; one of: "
+                                          r"astrai_next_speaker, astrai_speech_ppl"):
+        parse_params({"evaluate": {"lm_eval_tasks": ["nope"]}})

@@ -28,6 +28,7 @@ from astrai_core.checkpoint import load_model, save_checkpoint
 from astrai_core.config import ModelConfig
 from astrai_core.model import Transformer
 from astrai_core.scoring import continuation_logprobs, sequence_nll
+from tasks.lm_eval_data import FILES
 from test_serve_api import PROJECT_ROOT, WORDS, _start_server, _stop_server
 
 pytest.importorskip("lm_eval")
@@ -86,7 +87,10 @@ def setup(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-def _run_lm_eval(setup) -> tuple[dict, dict[str, list[dict]], str]:
+@pytest.fixture(scope="module")
+def http_run(setup) -> tuple[dict, dict[str, list[dict]], str]:
+    """The real `lm_eval` command against the served model: (its results, its samples per task, what
+    `astrai lm-eval-data` printed)."""
     root, url = setup["root"], setup["url"]
     run = root / "run"  # lm_eval runs here: the task YAMLs name their data relative to the project's root
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
@@ -99,17 +103,17 @@ def _run_lm_eval(setup) -> tuple[dict, dict[str, list[dict]], str]:
                f"model=tiny-play,base_url={url}/v1/completions,tokenizer_backend=remote,max_length={CONTEXT},"
                "num_concurrent=1,max_retries=1",
                "--include_path", str(PROJECT_ROOT / "evals/lm_eval_tasks"),
-               "--tasks", "astrai_next_speaker,astrai_speech_ppl", "--output_path", str(run / "out"), "--log_samples"]
+               "--tasks", ",".join(FILES), "--output_path", str(run / "out"), "--log_samples"]
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=run, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     results = json.loads(next((run / "out").rglob("results_*.json")).read_text())
     samples = {task: [json.loads(line) for line in next((run / "out").rglob(f"samples_{task}_*.jsonl")).open()]
-               for task in ("astrai_next_speaker", "astrai_speech_ppl")}
+               for task in FILES}
     return results, samples, made.stdout
 
 
-def test_lm_eval_scores_equal_the_projects_offline_scoring(setup):
-    results, samples, made = _run_lm_eval(setup)
+def test_lm_eval_scores_equal_the_projects_offline_scoring(setup, http_run):
+    results, samples, made = http_run
     print(made, json.dumps(results["results"], indent=1))
     model, tok = setup["model"], setup["tokenizer"]
 
@@ -155,3 +159,39 @@ def test_lm_eval_scores_equal_the_projects_offline_scoring(setup):
     assert scores["word_perplexity,none"] == pytest.approx(math.exp(nll / words), rel=1e-5)
     assert scores["byte_perplexity,none"] == pytest.approx(math.exp(nll / size), rel=1e-5)
     assert scores["bits_per_byte,none"] == pytest.approx(nll / size / math.log(2), rel=1e-5)
+
+
+def test_in_process_lm_eval_equals_the_http_route(setup, http_run):
+    """The evaluate stage's route (tasks/lm_eval_adapter.py: lm-eval's simple_evaluate on an LM over the loaded
+    model, no server) gives what `lm_eval --model local-completions` got from `astrai serve` on the same items:
+    every request's loglikelihood, every document's, every greedy reply, and every reported score."""
+    from tasks.lm_eval_adapter import run_tasks, scores
+
+    results, samples, _ = http_run
+    ours = run_tasks(setup["model"], setup["tokenizer"], list(FILES), setup["root"] / "run/evals/lm_eval_tasks/data",
+                     batch_size=8)
+    replies = 0
+    for task in FILES:
+        http = sorted(samples[task], key=lambda s: s["doc_id"])
+        mine = sorted(ours["samples"][task], key=lambda s: s["doc_id"])
+        assert [s["doc_id"] for s in mine] == [s["doc_id"] for s in http] and len(mine) >= 10, task
+        for a, b in zip(http, mine):
+            if results["configs"][task]["output_type"] == "generate_until":
+                assert b["resps"] == a["resps"], (task, a["doc_id"])  # the greedy reply, text for text
+                replies += sum(bool(r[0].strip()) for r in a["resps"])
+                continue
+            served, in_process = ([float(r[0][0] if isinstance(r[0], (list, tuple)) else r[0]) for r in s["resps"]]
+                                  for s in (a, b))  # (loglikelihood, greedy) per choice, or a document's
+            assert np.allclose(in_process, served, rtol=0, atol=1e-4), (task, a["doc_id"], served, in_process)
+        for key, value in results["results"][task].items():
+            if isinstance(value, float) and "stderr" not in key:
+                assert ours["results"][task][key] == pytest.approx(value, rel=1e-6, abs=1e-12), (task, key)
+    assert replies > 50  # the families' replies are text, not empty strings that would match trivially
+    metrics, items = scores(ours)
+    assert metrics["astrai_next_speaker_acc"] == results["results"]["astrai_next_speaker"]["acc,none"]
+    assert items["astrai_next_speaker_acc"] == [int(s["acc"]) for s in sorted(
+        samples["astrai_next_speaker"], key=lambda s: s["doc_id"])]
+    assert metrics["astrai_speech_ppl_bits_per_byte"] == pytest.approx(
+        results["results"]["astrai_speech_ppl"]["bits_per_byte,none"], rel=1e-6)
+    assert metrics["astrai_speech_count_exact_match"] == results["results"]["astrai_speech_count"]["exact_match,none"]
+    assert len(items["astrai_speech_count_exact_match"]) == len(samples["astrai_speech_count"])
