@@ -440,6 +440,28 @@ def lm_eval_data(corpus: Path = typer.Option(Path("data/corpus"), help="The corp
         print(f"{task}: {n} items -> {out / FILES[task]}")
 
 
+@app.command()
+def promote(source: str = typer.Argument(..., help="The version: models:/NAME@ALIAS or models:/NAME/VERSION."),
+            to: str = typer.Option(..., "--to", help="The registered model to copy it to, e.g. astrai-prod."),
+            alias: str = typer.Option("champion", help="The target's alias to move to the copy."),
+            force: bool = typer.Option(False, "--force", help="Promote even if it does not beat the target's "
+                                       "alias on the register gate.")) -> None:
+    """Copy a registered version to another registered model (MLflow's copy_model_version) with its lineage tags and
+    who promoted it from where, and move the target's alias to it: refused unless it beats the version that alias
+    points to on the register stage's gate (or --force). Serve it with `astrai serve --model models:/TARGET@ALIAS`."""
+    import mlflow
+
+    from tasks.models import use_tracking_store
+    from tasks.promote import promote as run
+    from tasks.register import registry_lock_uri
+
+    params = use_tracking_store()
+    try:
+        print(run(mlflow.MlflowClient(), source, to, alias, force, registry_lock_uri(params)))
+    except AstraiError as e:
+        _fail(str(e))
+
+
 services_app = typer.Typer(help="The team services: PostgreSQL, the MLflow and Prefect servers on it, a process "
                              "worker (docs/scaling-out.md, Team setup).", no_args_is_help=True)
 app.add_typer(services_app, name="services")

@@ -10,6 +10,11 @@ DEFAULTS = {
     # The temporary Prefect server migrates a fresh database before it answers; Prefect waits 20 s for it, which a
     # busy 2-core machine exceeded ("Timed out while attempting to connect to ephemeral Prefect API server").
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    # A call to the MLflow tracking server that fails (refused, or a 5xx while its database restarts) is tried again
+    # 6 times, after 0, 2, 4, 8, 16 and 32 s (backoff factor 1, plus up to 1 s of MLflow's jitter each): a database
+    # outage of about a minute is survived, and a dead server fails the stage after about a minute, not MLflow's
+    # default 4 (7 retries, factor 2). Every stage, training rank and flow run inherits these; set them to change it.
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "6", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
 }
 
 

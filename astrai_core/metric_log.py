@@ -3,6 +3,10 @@
 The run belongs to whoever launched training (the Prefect task, the CLI): it starts the run and passes
 MLFLOW_RUN_ID (and MLFLOW_TRACKING_URI, which MLflow reads itself) through the environment. This module only
 logs into that run and never starts or ends one. Without MLFLOW_RUN_ID, metrics go to metrics.jsonl only.
+
+The metrics reach MLflow from a thread of their own, not from the training step: an HTTP call to a tracking server
+(and its retries while the server's database restarts) would otherwise stall every rank at the next collective.
+bench/tracking_overhead.py measured what that saves.
 """
 
 from __future__ import annotations
@@ -11,12 +15,15 @@ import contextlib
 import json
 import logging
 import os
+import queue
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 MAX_PARAM_CHARS = 500  # MLflow's limit on a param value
 PARAMS_PER_BATCH = 100  # MLflow's limit on params per log_batch call
+METRICS_PER_BATCH = 1000  # MLflow's limit on metrics per log_batch call
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -41,14 +48,23 @@ class MetricLogger:
 
     `enabled=False` (non-zero ranks) turns every method into a no-op, so the training loop calls it unconditionally.
     The file is truncated when the logger is created (one file per training run), except that a run resumed
-    at step `resume_step` keeps the lines up to that step and appends after them.
+    at step `resume_step` keeps the lines up to that step and appends after them. The file is written in the
+    call; MLflow gets the metrics from a sender thread (`background`), in order, several logged steps in one
+    log_batch when it lags. `flush` waits until it has sent everything. A send that fails (after the MLflow
+    client's retries, astrai/env.py) is raised by the next `log` or `flush`, so the run fails as if it had failed
+    in the step.
     """
+
+    background = True  # False: send in the caller's thread (bench/tracking_overhead.py compares the two)
 
     def __init__(self, out_dir: str | os.PathLike, enabled: bool = True, resume_step: int | None = None) -> None:
         self.path = Path(out_dir) / "metrics.jsonl"
         self.enabled = enabled
         self.run_id = os.environ.get("MLFLOW_RUN_ID") or None
         self._client = None
+        self._queue: queue.Queue[list | None] = queue.Queue()
+        self._sender: threading.Thread | None = None
+        self._failed: BaseException | None = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             kept = ""
@@ -75,7 +91,47 @@ class MetricLogger:
             from mlflow.entities import Metric
 
             batch = [Metric(key=k, value=float(v), timestamp=now_ms, step=step) for k, v in metrics.items()]
-            self.client.log_batch(self.run_id, metrics=batch)
+            if not self.background:
+                self.client.log_batch(self.run_id, metrics=batch)
+                return
+            self._raise_failed()
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._send, name="mlflow-metrics", daemon=True)
+                self._sender.start()
+            self._queue.put(batch)
+
+    def _send(self) -> None:
+        """The sender thread: each queued batch (and what queued behind it, up to MLflow's limit) in one log_batch,
+        until the None that `flush` queues."""
+        while (batch := self._queue.get()) is not None:
+            ended = False
+            while len(batch) < METRICS_PER_BATCH and not self._queue.empty():
+                more = self._queue.get()
+                if more is None:
+                    ended = True
+                    break
+                batch += more
+            try:
+                for i in range(0, len(batch), METRICS_PER_BATCH):
+                    self.client.log_batch(self.run_id, metrics=batch[i : i + METRICS_PER_BATCH])
+            except BaseException as e:  # noqa: BLE001 - raised in the training thread by the next log or flush
+                self._failed = e
+                return
+            if ended:
+                return
+
+    def _raise_failed(self) -> None:
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
+
+    def flush(self) -> None:
+        """Wait until every logged metric is in MLflow; raise a send that failed."""
+        if self._sender is not None:
+            self._queue.put(None)
+            self._sender.join()
+            self._sender = None
+        self._raise_failed()
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         if not self.enabled or not self.run_id:

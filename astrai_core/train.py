@@ -318,6 +318,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
                     run.epoch = t.strategy.epoch
                     emit(callbacks, "on_epoch_begin", run)
             emit(callbacks, "on_epoch_end", run)
+            log.flush()  # the metrics still on their way to MLflow (metric_log.py: sent off the training step)
 
             if run.stop:
                 print0(f"stopped at step {run.step}/{t.max_steps}: {run.stop}")

@@ -12,9 +12,12 @@ import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 
 from astrai_core.errors import AstraiError
+
+if TYPE_CHECKING:
+    from tasks.params import Params
 
 REFERENCE_HELP = ("models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/model (from the pipeline's MLflow store), "
                   "a checkpoint directory or a Hugging Face model directory")
@@ -26,9 +29,9 @@ class Resolved(NamedTuple):
     aliases: list[str]  # other names it answers to: NAME, and NAME@ALIAS when asked for by alias
 
 
-def use_tracking_store() -> None:
+def use_tracking_store() -> Params:
     """Point MLflow at the store the pipeline uses: MLFLOW_TRACKING_URI, else params.yaml's tracking.uri, else
-    mlflow/ in the current directory."""
+    mlflow/ in the current directory. Returns the params it read (defaults without a params.yaml)."""
     import mlflow
 
     from tasks.params import Params, load_params
@@ -36,6 +39,16 @@ def use_tracking_store() -> None:
 
     params = load_params("params.yaml") if Path("params.yaml").is_file() else Params()
     mlflow.set_tracking_uri(tracking_uri(params, Path.cwd()))
+    return params
+
+
+def registry_version(client, uri: str):
+    """The ModelVersion that models:/NAME@ALIAS or models:/NAME/VERSION names (MlflowException if there is none)."""
+    ref = uri.removeprefix("models:/")
+    name, sep, which = ref.partition("@") if "@" in ref else ref.rpartition("/")
+    if not (uri.startswith("models:/") and name and sep and which):
+        raise AstraiError(f"{uri}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
+    return client.get_model_version_by_alias(name, which) if sep == "@" else client.get_model_version(name, which)
 
 
 def resolve_model(ref: str, dst: Path) -> Resolved:
@@ -78,14 +91,10 @@ def _download(uri: str, dst: Path) -> Resolved:
             local = mlflow.artifacts.download_artifacts(uri, dst_path=str(dst))
             model_id, aliases = uri.removeprefix("runs:/").strip("/"), []
         else:
+            mv = registry_version(mlflow.MlflowClient(), uri)
+            local = mlflow.artifacts.download_artifacts(f"models:/{mv.name}/{mv.version}", dst_path=str(dst))
             ref = uri.removeprefix("models:/")
-            name, sep, which = ref.partition("@") if "@" in ref else ref.rpartition("/")
-            if not (name and sep and which):
-                raise AstraiError(f"{uri}: expected {REFERENCE_HELP}")
-            client = mlflow.MlflowClient()
-            mv = client.get_model_version_by_alias(name, which) if sep == "@" else client.get_model_version(name, which)
-            local = mlflow.artifacts.download_artifacts(f"models:/{name}/{mv.version}", dst_path=str(dst))
-            model_id, aliases = f"{name}/{mv.version}", [name] + ([ref] if sep == "@" else [])
+            model_id, aliases = f"{mv.name}/{mv.version}", [mv.name] + ([ref] if "@" in ref else [])
     except MlflowException as e:  # no such model, version, alias or run
         raise AstraiError(f"{uri}: {str(e.message).splitlines()[0]} (store: {mlflow.get_tracking_uri()})") from None
     # The register stage logs the checkpoint directory as the pyfunc artifact "checkpoint"; MLmodel says where.

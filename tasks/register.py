@@ -121,22 +121,27 @@ def gate_record(metrics: dict, items: dict, stage: str) -> dict:
             "item_sets": items.get("item_sets", {})}
 
 
-def champion_record(client: mlflow.MlflowClient, name: str) -> tuple[str | None, dict | None]:
-    """(version, gate_record) of the current champion, from its tags and its registration run's GATE_ITEMS (empty
-    when it was registered without them); (None, None) without a champion."""
+def champion_record(client: mlflow.MlflowClient, name: str, alias: str = "champion") -> tuple[str | None, dict | None]:
+    """(version, version_record) of the version alias `alias` (the champion) points to; (None, None) without one."""
     try:
-        champ = client.get_model_version_by_alias(name, "champion")
+        champ = client.get_model_version_by_alias(name, alias)
     except MlflowException:
         return None, None
-    record = {"values": {k: float(v) for k, v in champ.tags.items() if k in METRICS or k.rsplit("_", 1)[0] in METRICS
+    return str(champ.version), version_record(champ)
+
+
+def version_record(mv) -> dict:
+    """gate_record of a registered version, from its tags and its registration run's GATE_ITEMS (none when it was
+    registered without them: its own intervals only). A copy (`astrai promote`) keeps the tags, so the same."""
+    record = {"values": {k: float(v) for k, v in mv.tags.items() if k in METRICS or k.rsplit("_", 1)[0] in METRICS
                          and k.endswith(("_low", "_high"))}, "items": {}, "item_sets": {}}
-    run_id = champ.tags.get("mlflow_run_id")
+    run_id = mv.tags.get("mlflow_run_id")
     if run_id:
         try:
             record |= mlflow.artifacts.load_dict(f"runs:/{run_id}/{GATE_ITEMS}")
         except (MlflowException, OSError):
             pass  # registered before the gate kept per-item results: intervals of their own only
-    return str(champ.version), record
+    return record
 
 
 def _compare(metric: str, new: dict, old: dict) -> tuple[str, float, float | None, float | None] | None:
@@ -233,6 +238,11 @@ def claim_champion(client: mlflow.MlflowClient, name: str, version: str, metric:
     raise AstraiError(f"model {name!r}: alias champion keeps moving; another registration is racing this one")
 
 
+def registry_lock_uri(params: Params) -> str | None:
+    """Where the registry lock is: ASTRAI_REGISTRY_LOCK_URI, else tracking.registry_lock_uri, else none."""
+    return os.environ.get(REGISTRY_LOCK_ENV) or params.tracking.registry_lock_uri
+
+
 @contextlib.contextmanager
 def registry_lock(uri: str | None, name: str) -> Iterator[bool]:
     """While held, no other registration of model `name` holds it, on any machine: a PostgreSQL advisory lock on
@@ -256,7 +266,8 @@ def registry_lock(uri: str | None, name: str) -> Iterator[bool]:
         with conn.cursor() as cur:
             cur.execute("SELECT pg_try_advisory_lock(%s)", (key,))
             if not cur.fetchone()[0]:
-                print(f"register: waiting for another registration of {name!r} to finish (registry lock)", flush=True)
+                print(f"registry: waiting for another registration or promotion of {name!r} to finish (registry lock)",
+                      flush=True)
                 cur.execute("SELECT pg_advisory_lock(%s)", (key,))
         yield True
     finally:
@@ -298,7 +309,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
     record = gate_record(metrics, items, stage)  # what the gate compares, item by item
     # Under the lock, "same weights already registered?", the new version and the champion decision are one step for
     # every registration of this name on any machine (see registry_lock); without one, claim_champion looks again.
-    with registry_lock(os.environ.get(REGISTRY_LOCK_ENV) or params.tracking.registry_lock_uri, name) as locked:
+    with registry_lock(registry_lock_uri(params), name) as locked:
         weights_sha256 = sha256_file(checkpoint_dir / "model.safetensors")
         # weights_sha256 is written with the version itself (one transaction), so this finds every version of these
         # weights, also one whose registration a kill cut short before its aliases: that one is finished here.

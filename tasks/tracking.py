@@ -13,12 +13,14 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import warnings
 from pathlib import Path
 from typing import Iterator
 
 import mlflow
 import yaml
+from mlflow.exceptions import MlflowException
 
 from astrai_core.config import TrainConfig
 from astrai_core.metric_log import mlflow_params as flatten  # the MLflow params of a config tree
@@ -97,7 +99,12 @@ def setup(params: Params, project_dir: Path) -> str:
             if uri.startswith("sqlite:///"):
                 # Keep artifacts beside the sqlite file, not in whatever directory the process happens to run in.
                 artifacts = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").resolve().as_uri()
-            exp_id = mlflow.create_experiment(params.tracking.experiment, artifact_location=artifacts)
+            try:
+                exp_id = mlflow.create_experiment(params.tracking.experiment, artifact_location=artifacts)
+            except MlflowException as e:  # a server's store: another pipeline created it at the same moment
+                if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                exp_id = mlflow.get_experiment_by_name(params.tracking.experiment).experiment_id
         if exp is None or EXPERIMENT_KIND not in exp.tags:  # one made before the kind was set gets it too
             mlflow.MlflowClient().set_experiment_tag(exp_id, EXPERIMENT_KIND, TRAINING_RUNS)
     mlflow.set_experiment(experiment_id=exp_id)
@@ -117,13 +124,23 @@ def stage_run(stage: str, params: Params, project_dir: Path) -> Iterator[mlflow.
         tags["prefect.flow_run_id"] = os.environ[FLOW_RUN_ENV]
     if os.environ.get("DVC_EXP_NAME"):  # `dvc exp run` (workspace, queue or temp) names its experiment here
         tags[DVC_EXPERIMENT_TAG] = os.environ["DVC_EXP_NAME"]
-    with mlflow.start_run(run_name=stage, parent_run_id=parent, nested=parent is not None, tags=tags) as run:
+    run = mlflow.start_run(run_name=stage, parent_run_id=parent, nested=parent is not None, tags=tags)
+    try:
         record({"mlflow_run": run.info.run_id, "tracking_uri": mlflow.get_tracking_uri()})  # a kill: marked KILLED
         if section := stage_params(params, stage):
             mlflow.log_params(flatten(section, f"{stage}."))
         mlflow.log_text(json.dumps(params.model_dump(mode="json"), indent=2), "params.json")
         log_stage_inputs(stage, project_dir)
         yield run
+    except BaseException:
+        try:
+            mlflow.end_run("FAILED")
+        except MlflowException as e:  # the store may be what failed: the stage's own error stays the one reported
+            why = str(e.message).splitlines()[0][:200]
+            print(f"{stage}: could not mark MLflow run {run.info.run_id} FAILED ({why}); the next run of this stage on "
+                  "this host will", file=sys.stderr, flush=True)
+        raise
+    mlflow.end_run("FINISHED")
 
 
 def stage_params(params: Params, stage: str) -> dict:

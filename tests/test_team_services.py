@@ -1,8 +1,9 @@
 """The team services on PostgreSQL (`astrai services start|stop`, astrai/services.py): a real PostgreSQL 15 in a temp
 directory, the MLflow tracking server on it with proxied artifacts, the Prefect server on it and a process worker,
-all on loopback ports. A checkout pointed at them by settings alone runs the quick pipeline as a deployment run;
-its runs, registered version, tags and aliases are then in PostgreSQL, and `astrai serve` pulls the champion
-through the MLflow server. Two registrations racing into one registry decide the champion one after the other
+all on loopback ports. Two checkouts pointed at them by settings alone run the quick pipeline at once, each as a
+deployment run; their runs, registered versions (two, once each), tags and aliases are then in PostgreSQL, checked
+in its tables. `astrai promote` copies the champion to MODEL-prod under the registry lock, and `astrai serve` pulls
+it through the MLflow server. Two registrations racing into one registry decide the champion one after the other
 (tasks/register.py registry_lock).
 
 Skipped with the reason where Debian's postgresql-15 or root (PostgreSQL then runs as user postgres) is missing;
@@ -11,6 +12,7 @@ ASTRAI_REQUIRE_POSTGRES=1 (set by .ci/run) turns the skip into a failure.
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import shutil
@@ -110,37 +112,53 @@ def test_services_run_on_postgres(services):
 
 
 @pytest.fixture(scope="module")
-def deployment_run(services, tmp_path_factory):
-    """The quick pipeline as `prefect deployment run` on the services' worker, from a checkout that knows them by
-    environment alone (MLFLOW_TRACKING_URI, PREFECT_API_URL, ASTRAI_REGISTRY_LOCK_URI)."""
-    root = tmp_path_factory.mktemp("team-project")
-    repo = root / "project"
-    env = make_project(repo, root / "remote", MODEL)
-    shutil.copytree(PROJECT_ROOT / "profiles", repo / "profiles")
-    run_ok(["git", "add", "-A"], repo, env)
-    run_ok(["git", "commit", "-q", "-m", "profiles"], repo, env)
-    env.update(services["env"])
-    env.update({"PREFECT_HOME": str(root / "prefect"), "ASTRAI_PROJECT_DIR": str(repo)})
+def deployment_runs(services, tmp_path_factory):
+    """Two people's quick pipelines started together as `prefect deployment run` on the services' worker, each from
+    a checkout of its own that knows the services by environment alone (MLFLOW_TRACKING_URI, PREFECT_API_URL,
+    ASTRAI_REGISTRY_LOCK_URI) and has a deployment of its own; b's pretrain seed differs, so its weights do. Both
+    register under MODEL-quick."""
     prefect = str(VENV_BIN / "prefect")
-    run_ok([prefect, "--no-prompt", "deploy", "--all"], repo, env)
+    checkouts = {}
+    for who, deployment, seed in (("a", "default", None), ("b", "b", 1338)):
+        root = tmp_path_factory.mktemp(f"team-{who}")
+        repo = root / "project"
+        env = make_project(repo, root / "remote", MODEL)
+        shutil.copytree(PROJECT_ROOT / "profiles", repo / "profiles")
+        if seed is not None:
+            params = (repo / "params.yaml").read_text()
+            (repo / "params.yaml").write_text(params.replace("  seed: 1337\n", f"  seed: {seed}\n", 1))
+            spec = (repo / "prefect.yaml").read_text()
+            (repo / "prefect.yaml").write_text(spec.replace("  - name: default\n", f"  - name: {deployment}\n", 1))
+        run_ok(["git", "add", "-A"], repo, env)
+        run_ok(["git", "commit", "-q", "-m", "profiles"], repo, env)
+        env.update(services["env"])
+        env.update({"PREFECT_HOME": str(root / "prefect"), "ASTRAI_PROJECT_DIR": str(repo)})
+        run_ok([prefect, "--no-prompt", "deploy", "--all"], repo, env)
+        checkouts[who] = {"repo": repo, "env": env, "deployment": f"astrai-pipeline/{deployment}"}
     t0 = time.time()
-    out = subprocess.run([prefect, "deployment", "run", "astrai-pipeline/default", "-p", "profile=quick", "--watch",
-                          "--watch-timeout", "900"], cwd=repo, env=env, capture_output=True, text=True)
+    procs = {who: subprocess.Popen([prefect, "deployment", "run", c["deployment"], "-p", "profile=quick", "--watch",
+                                    "--watch-timeout", "2400"], cwd=c["repo"], env=c["env"], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True) for who, c in checkouts.items()}
+    outs = {who: p.communicate(timeout=2500)[0] for who, p in procs.items()}
     worker_log = (services["dir"] / "worker.log").read_text()
-    assert out.returncode == 0, f"{out.stdout}\n{out.stderr}\n--- worker log ---\n{worker_log[-5000:]}"
-    print(f"deployment run (quick profile) took {time.time() - t0:.0f} s", file=sys.stderr)
-    return {"repo": repo, "env": env}
+    assert all(p.returncode == 0 for p in procs.values()), f"{outs}\n--- worker log ---\n{worker_log[-5000:]}"
+    print(f"two deployment runs (quick profile) at once took {time.time() - t0:.0f} s", file=sys.stderr)
+    return checkouts
 
 
-def test_pipeline_runs_register_and_serve_through_the_servers(services, deployment_run, tmp_path):
+@pytest.fixture(scope="module")
+def deployment_run(deployment_runs):
+    """The first person's checkout, after its pipeline ran."""
+    return deployment_runs["a"]
+
+
+def test_pipeline_runs_and_registers_through_the_servers(services, deployment_run, tmp_path):
     import mlflow
-
-    from astrai.services import wait_healthy
 
     client = mlflow.MlflowClient(services["env"]["MLFLOW_TRACKING_URI"])
     name = f"{MODEL}-quick"  # a profile's run registers under NAME-PROFILE
     mv = client.get_model_version_by_alias(name, "champion")
-    assert sorted(mv.aliases) == ["candidate", "champion"]
+    assert "champion" in mv.aliases
     for tag in ("git_commit", "weights_sha256", "params_hash", "mlflow_run_id", "register_metric"):
         assert mv.tags.get(tag, "unknown") != "unknown", (tag, mv.tags)
     assert mv.tags["profile"] == "quick"
@@ -158,26 +176,101 @@ def test_pipeline_runs_register_and_serve_through_the_servers(services, deployme
 
     # The same facts in PostgreSQL: the server wrote them there, not to a file of this machine.
     mlflow_db = _db(services, "mlflow")
-    assert _sql(mlflow_db, f"SELECT alias, version FROM registered_model_aliases WHERE name = '{name}' ORDER BY alias") \
-        == [("candidate", int(mv.version)), ("champion", int(mv.version))]
+    assert _sql(mlflow_db, f"SELECT version FROM registered_model_aliases WHERE name = '{name}' AND alias = "
+                "'champion'") == [(int(mv.version),)]
     assert _sql(mlflow_db, f"SELECT count(*) FROM runs WHERE experiment_id = {exp.experiment_id}")[0][0] == len(runs)
-    assert _sql(_db(services, "prefect"), "SELECT state_type FROM flow_run") == [("COMPLETED",)]
+    assert _sql(_db(services, "prefect"), "SELECT state_type FROM flow_run") == [("COMPLETED",)] * 2
     assert not (deployment_run["repo"] / "mlflow" / "mlflow.db").exists()  # no local store on the side
 
-    # astrai serve pulls the champion's weights through the MLflow server and answers.
+
+def test_two_pipelines_at_once_register_once_each(services, deployment_runs, monkeypatch):
+    """Both pipelines registered, under one name: in MLflow's tables, two versions, each once, each the weights of
+    its checkout; `candidate` on the later one; `champion` where the register gate, run again here on the two
+    versions' records, says; and each stage's report says what the tables show."""
+    import mlflow
+
+    from astrai_core.io import sha256_file
+    from tasks.layout import model_dir
+    from tasks.register import gate, version_record
+
+    name, db = f"{MODEL}-quick", _db(services, "mlflow")
+    reports = {who: json.loads((c["repo"] / "data" / "register" / "registration.json").read_text())
+               for who, c in deployment_runs.items()}
+    assert all(r["registered"] for r in reports.values()), reports
+    rows = _sql(db, f"SELECT version, run_id, status FROM model_versions WHERE name = '{name}' ORDER BY version")
+    assert [v for v, _, _ in rows] == [1, 2] and len({run for _, run, _ in rows}) == 2, rows  # none lost or doubled
+    assert {status for _, _, status in rows} == {"READY"}, rows
+    assert sorted(r["version"] for r in reports.values()) == [1, 2], reports
+    weights = dict(_sql(db, f"SELECT version, value FROM model_version_tags WHERE name = '{name}' AND key = "
+                            "'weights_sha256'"))
+    for who, r in reports.items():
+        repo = deployment_runs[who]["repo"]
+        assert weights[r["version"]] == sha256_file(model_dir(repo, r["stage"]) / "model.safetensors"), who
+    assert weights[1] != weights[2]
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", services["env"]["MLFLOW_TRACKING_URI"])  # version_record reads runs
+    client = mlflow.MlflowClient()
+    first, second = (client.get_model_version(name, str(v)) for v in (1, 2))
+    metric = second.tags["register_metric"]
+    second_wins, why = gate(metric, version_record(second), version_record(first))
+    champion = 2 if second_wins else 1
+    aliases = dict(_sql(db, f"SELECT alias, version FROM registered_model_aliases WHERE name = '{name}'"))
+    assert aliases == {"candidate": 2, "champion": champion}, (aliases, why)
+    by_version = {r["version"]: r for r in reports.values()}
+    assert "no previous champion" in by_version[1]["decision"], by_version
+    assert ("champion" in by_version[2]["aliases"]) == second_wins, (by_version[2], why)
+    print(f"two pipelines: versions 1 and 2, champion {champion} ({why})", file=sys.stderr)
+
+
+def test_promote_to_prod_under_the_lock_and_serve_it(services, deployment_run, tmp_path):
+    """`astrai promote models:/MODEL-quick@champion --to MODEL-prod` waits for the registry lock of MODEL-prod while
+    another holder has it, then copies the version with its lineage, moves MODEL-prod@champion, and `astrai serve
+    --model models:/MODEL-prod@champion` pulls those weights through the MLflow server and answers."""
+    import mlflow
+
+    from astrai.services import wait_healthy
+    from tasks.register import registry_lock
+
+    client = mlflow.MlflowClient(services["env"]["MLFLOW_TRACKING_URI"])
+    source, target = client.get_model_version_by_alias(f"{MODEL}-quick", "champion"), f"{MODEL}-prod"
+    env, astrai = deployment_run["env"], str(VENV_BIN / "astrai")
+    with registry_lock(services["env"]["ASTRAI_REGISTRY_LOCK_URI"], target) as locked:
+        assert locked
+        proc = subprocess.Popen([astrai, "promote", f"models:/{MODEL}-quick@champion", "--to", target], cwd=tmp_path,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: [lines.append(line) for line in proc.stdout], daemon=True)
+        reader.start()
+        deadline = time.time() + 300
+        while not any("waiting for another registration or promotion" in line for line in lines):
+            assert proc.poll() is None and time.time() < deadline, lines  # it waits, and only for the lock
+            time.sleep(0.5)
+        assert _sql(_db(services, "mlflow"), f"SELECT count(*) FROM model_versions WHERE name = '{target}'") == [(0,)]
+    assert proc.wait(timeout=300) == 0, lines
+    reader.join(timeout=30)
+    rest = "".join(lines)
+    assert f"copied to {target} version 1, now {target}@champion; {target} has no champion" in rest, rest
+    copy = client.get_model_version_by_alias(target, "champion")
+    assert {k: copy.tags[k] for k in source.tags} == dict(source.tags)  # the lineage, every tag of the source
+    assert copy.tags["promoted_from"] == f"models:/{MODEL}-quick/{source.version}"
+    assert copy.tags["promoted_by"] == f"{getpass.getuser()}@{socket.gethostname()}"
+    assert _sql(_db(services, "mlflow"), f"SELECT version FROM registered_model_aliases WHERE name = '{target}'") \
+        == [(1,)]
+
+    # astrai serve pulls the promoted version's weights through the MLflow server and answers.
     port = _free_port()
-    serve_env = {**deployment_run["env"], "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([str(VENV_BIN / "astrai"), "serve", "--model", f"models:/{name}@champion", "--port",
-                             str(port), "--engine-thread"], cwd=tmp_path, env=serve_env,
+    serve_env = {**env, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([astrai, "serve", "--model", f"models:/{target}@champion", "--port", str(port),
+                             "--engine-thread"], cwd=tmp_path, env=serve_env,
                             stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", proc.pid, tmp_path / "serve.log", timeout=300)
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
                                      headers={"Content-Type": "application/json"},
-                                     data=json.dumps({"model": name, "prompt": "ROMEO.\n", "max_tokens": 8}).encode())
+                                     data=json.dumps({"model": target, "prompt": "ROMEO.\n", "max_tokens": 8}).encode())
         with urllib.request.urlopen(req, timeout=60) as r:
             answer = json.loads(r.read())
-        assert answer["model"] == f"{name}/{mv.version}" and answer["choices"][0]["text"], answer
+        assert answer["model"] == f"{target}/1" and answer["choices"][0]["text"], answer
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
@@ -292,3 +385,85 @@ def test_champion_decisions_are_one_step_under_the_lock(services, monkeypatch):
         assert sum("no previous champion" in why for _, why in results.values()) == 1, (round_, results)
         assert str(client.get_model_version_by_alias(name, "champion").version) == "1", (round_, results)
         assert results["1"][0] is True, (round_, results)
+
+
+def test_a_stage_logging_through_a_postgres_restart(services, data_tokenizer, core_write_packed, tmp_path):
+    """PostgreSQL stopped for 5 s and started again under `astrai stage pretrain` (a tiny model, 300 steps, rank 0
+    logging every step to the stage's run on the MLflow server): with the retries astrai/env.py sets, the stage
+    finishes, its run is FINISHED and holds every step's metrics once. Without retries
+    (MLFLOW_HTTP_REQUEST_MAX_RETRIES=0) the same outage fails the stage with one line; its run, which it could not
+    end while the database was down, is left RUNNING, and the stage run again marks it FAILED (its process is gone)
+    and finishes."""
+    import urllib.parse
+
+    import mlflow
+    import numpy as np
+    import yaml
+
+    from astrai.services import _pg, start_postgres
+    from astrai_core.io import sha256_file
+
+    d, db = services["dir"], _db(services, "mlflow")
+    data = d / "postgres" / "data"
+    port = urllib.parse.urlsplit(services["state"]["postgres"]).port
+    project = tmp_path / "project"  # what pretrain reads: a tokenizer (the tokenizer stage's kind) and packed splits
+    (project / "data" / "tokenizer").mkdir(parents=True)
+    (project / "data" / "packed").mkdir(parents=True)
+    data_tokenizer.save(str(project / "data" / "tokenizer" / "tokenizer.json"))
+    vocab = data_tokenizer.get_vocab_size()
+    ids = np.random.default_rng(0).integers(0, vocab, 1 << 14)
+    for split in ("train", "validation"):
+        core_write_packed(project / "data" / "packed" / f"{split}.h5", ids, split=split, vocab_size=vocab,
+                          tokenizer_sha256=sha256_file(project / "data" / "tokenizer" / "tokenizer.json"))
+    params = yaml.safe_load((PROJECT_ROOT / "params.yaml").read_text())
+    params["tokenizer"]["vocab_size"] = params["model"]["vocab_size"] = vocab
+    params["model"].update(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    params["pretrain"].update(nproc=1, seq_len=32, batch_size=4, max_steps=300, log_every=1, eval_every=0,
+                              checkpoint_every=0, dtype="fp32")
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    client = mlflow.MlflowClient(services["env"]["MLFLOW_TRACKING_URI"])
+    metrics = project / "data" / "pretrain.logs" / "metrics.jsonl"
+
+    def run_stage(restart: bool, **env: str) -> tuple[subprocess.Popen, str, str, list[int], bool]:
+        """The stage from scratch; with `restart`, PostgreSQL down for 5 s once 20 steps are logged. Returns (its
+        process, ended; its stderr; its MLflow run's id; the steps of its metrics.jsonl; whether it still ran when
+        PostgreSQL was back)."""
+        shutil.rmtree(project / "data" / "pretrain", ignore_errors=True)
+        metrics.unlink(missing_ok=True)
+        proc = subprocess.Popen([str(VENV_BIN / "astrai"), "stage", "pretrain"], cwd=project,
+                                env={**os.environ, **services["env"], **env}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        if restart:
+            deadline = time.time() + 300
+            while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 20):
+                assert proc.poll() is None and time.time() < deadline, proc.communicate()
+                time.sleep(0.2)
+            before = (data / "postmaster.pid").read_text().split()[0]
+            _pg("pg_ctl", "-D", str(data), "-m", "fast", "-w", "stop", log=d / "postgres" / "pg_ctl.log")
+            time.sleep(5)
+            start_postgres(d, "127.0.0.1", port)
+            assert (data / "postmaster.pid").read_text().split()[0] != before  # a new postmaster
+        running = proc.poll() is None
+        err = proc.communicate(timeout=600)[1]
+        run = client.search_runs(["0", client.get_experiment_by_name("astrai").experiment_id],
+                                 f"tags.`astrai.pid` = '{proc.pid}'")
+        steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+        return proc, err, run[0].info.run_id, steps, restart and running
+
+    survived, err, run_id, steps, through = run_stage(restart=True)
+    assert through and survived.returncode == 0, err[-3000:]  # it ran (and logged) through the outage
+    assert _sql(db, f"SELECT status FROM runs WHERE run_uuid = '{run_id}'") == [("FINISHED",)]
+    logged = [s for (s,) in _sql(db, f"SELECT step FROM metrics WHERE run_uuid = '{run_id}' AND key = 'train/loss' "
+                                     "ORDER BY step")]
+    assert steps == list(range(1, 301)) and logged == steps  # every step, once, through the outage
+
+    failed, err, dead_run, _, _ = run_stage(restart=True, MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
+    lines = err.strip().splitlines()
+    assert failed.returncode != 0 and lines[-1].startswith("astrai: error: "), err[-3000:]
+    print(f"without retries the stage failed with: {lines[-1]}", file=sys.stderr)
+    assert _sql(db, f"SELECT status FROM runs WHERE run_uuid = '{dead_run}'") == [("RUNNING",)]
+
+    rerun, err, run_id, _, _ = run_stage(restart=False)
+    assert rerun.returncode == 0, err[-3000:]
+    assert _sql(db, f"SELECT status FROM runs WHERE run_uuid IN ('{dead_run}', '{run_id}') ORDER BY status") == \
+        [("FAILED",), ("FINISHED",)]

@@ -93,6 +93,31 @@ def test_metric_logger(tmp_path, monkeypatch):
     assert flatten({"model": {"dim": 8}, "seed": 1}) == {"model.dim": 8, "seed": 1}
 
 
+def test_metric_logger_sends_to_mlflow_off_the_step_and_raises_a_failed_send(tmp_path, monkeypatch):
+    """With MLFLOW_RUN_ID the metrics reach the run from the sender thread, every step once and in order, by the
+    time flush returns; a send that fails (here: a run the store does not have) is raised by the next flush."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("m", artifact_location=str(tmp_path / "a"))).info.run_id
+    monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
+    log = MetricLogger(tmp_path / "on")
+    for step in range(1, 31):
+        log.log({"loss": 1.0 / step, "lr": 0.1}, step=step)
+    assert log._sender is not None and log._sender.is_alive()  # sent from its own thread
+    log.flush()
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(1, 31))
+    assert [m.value for m in client.get_metric_history(run_id, "loss")] == [1.0 / s for s in range(1, 31)]
+    monkeypatch.setenv("MLFLOW_RUN_ID", "0" * 32)
+    lost = MetricLogger(tmp_path / "lost")
+    lost.log({"loss": 1.0}, step=1)
+    with pytest.raises(MlflowException):
+        lost.flush()
+
+
 def test_resolve_nproc():
     assert resolve_nproc(3, "cpu") == 3
     assert resolve_nproc("auto", "cpu") >= 1

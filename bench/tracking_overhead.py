@@ -1,0 +1,178 @@
+"""Training steps/s with its metrics tracked to an MLflow server on PostgreSQL, against tracking off.
+
+    python bench/tracking_overhead.py                         # starts the team services in a temporary directory
+    python bench/tracking_overhead.py --services /srv/astrai-team    # or uses running ones (astrai services start)
+    python bench/tracking_overhead.py --quick                 # 1 repeat, fewer steps: a smoke run, nothing written
+
+What is measured, in one run on one machine: the pretrain stage's run config with profiles/quick.yaml over
+params.yaml (a small model whose short steps make logging weigh more; `--configs demo` takes params.yaml as is,
+~10x longer steps with log_every 10) trained in this process on synthetic packed tokens (astrai_core.train.train, one rank,
+every core), three ways: "off" (no MLFLOW_RUN_ID: metrics.jsonl only); "tracked" (MLFLOW_RUN_ID set to a run on
+the MLflow server: rank 0's MetricLogger sends each logged step's metrics with log_batch over HTTP from its sender
+thread, and the server writes them to PostgreSQL); "tracked_inline" (the same, the log_batch call made in the
+training step itself, as before the sender thread: MetricLogger.background = False). steps/s is taken from
+metrics.jsonl's own time stamps, from the first logged step to the last: what the run sees, each interval holding
+log_every training steps and one logging call (the loop's tokens_per_sec leaves the logging out). The runs of a
+repeat go in a rotating order, so load drift on this shared machine hits every side alike; the report gives each
+side's median, its ratio to off, and the median time the training thread spent in MetricLogger.log per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from astrai import env  # noqa: E402
+
+env.apply()  # telemetry off, the MLflow client's retries: as every astrai command has them
+
+from astrai_core.metric_log import flatten  # noqa: E402
+from tasks.params import load_params, load_profile  # noqa: E402
+from throughput import machine, synthetic_data  # noqa: E402
+
+TARGET = 0.03  # tracking may cost at most 3% of the steps/s
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_config(profile: str | None):
+    """pretrain's TrainConfig from params.yaml (with profiles/PROFILE.yaml over it)."""
+    overrides = flatten(load_profile(ROOT, profile)) if profile else {}
+    return load_params(ROOT / "params.yaml", overrides).train_config("pretrain")
+
+
+def steps_per_sec(cfg, data: dict, out: Path, steps: int, run_id: str | None, inline: bool,
+                  log_seconds: list[float]) -> float:
+    """One training run of `steps` steps, tracked to MLflow run `run_id` (or not; `inline`: sent in the step); its
+    steps/s between the first and the last logged step. Appends the seconds each MetricLogger.log call took."""
+    from astrai_core.metric_log import MetricLogger
+    from astrai_core.train import train
+
+    log = MetricLogger.log
+
+    def timed(self, metrics, step):
+        t0 = time.perf_counter()
+        log(self, metrics, step)
+        log_seconds.append(time.perf_counter() - t0)
+
+    MetricLogger.log, MetricLogger.background = timed, not inline
+
+    shutil.rmtree(out, ignore_errors=True)
+    run_cfg = cfg.model_copy(update=dict(train_data=str(data["train"]), val_data=None, tokenizer=str(data["tokenizer"]),
+                                         out_dir=str(out / "model"), max_steps=steps, eval_every=0,
+                                         checkpoint_every=0, device="cpu", resume="never"))
+    if run_id:
+        os.environ["MLFLOW_RUN_ID"] = run_id
+    else:
+        os.environ.pop("MLFLOW_RUN_ID", None)
+    try:
+        train(run_cfg)
+    finally:
+        MetricLogger.log, MetricLogger.background = log, True
+    lines = [json.loads(line) for line in (out / "model.logs" / "metrics.jsonl").read_text().splitlines()]
+    first, last = lines[0], lines[-1]
+    return (last["step"] - first["step"]) / (last["time"] - first["time"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--services", type=Path, default=None, help="a directory of running team services "
+                        "(astrai services start DIR); default: start them in a temporary directory")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default: 8 logging intervals)")
+    parser.add_argument("--configs", nargs="+", default=["quick"], choices=["demo", "quick"],
+                        help="demo: params.yaml as is (steps ~10x longer: long runs on 2 cores); quick: the profile")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "tracking_overhead.json"))
+    parser.add_argument("--quick", action="store_true", help="1 repeat of 3 logging intervals, nothing written")
+    args = parser.parse_args()
+    import mlflow
+    import torch
+
+    from astrai import services
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    report = {"machine": machine(), "method": __doc__.split("What is measured", 1)[1].strip(),
+              "command": " ".join(sys.argv), "retries": {k: os.environ[k] for k in env.DEFAULTS
+                                                         if k.startswith("MLFLOW_HTTP")}}
+    with tempfile.TemporaryDirectory(prefix="astrai-bench-") as tmp:
+        tmp = Path(tmp)
+        if args.services:
+            state = services.load(args.services)
+        else:
+            (tmp / "services").mkdir(mode=0o755)  # as root, user postgres must reach its directory
+            tmp.chmod(0o755)
+            t0 = time.time()
+            state = services.start(tmp / "services", pg_port=free_port(), mlflow_port=free_port(),
+                                   prefect_port=free_port())
+            print(f"services up in {time.time() - t0:.0f} s", flush=True)
+        try:
+            client = mlflow.MlflowClient(state["mlflow_url"])
+            os.environ["MLFLOW_TRACKING_URI"] = state["mlflow_url"]
+            exp = client.get_experiment_by_name("tracking-overhead") or None
+            exp_id = exp.experiment_id if exp else client.create_experiment("tracking-overhead")
+            results = []
+            for name in args.configs:
+                cfg = run_config(None if name == "demo" else name)
+                steps = args.steps or cfg.log_every * (3 if args.quick else 8) + 1
+                data = synthetic_data(_fresh(tmp / name), cfg.model.vocab_size)
+                sides = ("off", "tracked", "tracked_inline")
+                runs: dict[str, list[float]] = {side: [] for side in sides}
+                log_seconds: dict[str, list[float]] = {side: [] for side in sides}
+                for repeat in range(1 if args.quick else args.repeats):
+                    for side in sides[repeat % 3:] + sides[:repeat % 3]:  # rotating order
+                        run_id = None
+                        if side != "off":
+                            run_id = client.create_run(exp_id, run_name=f"{name}-{side}-{repeat}").info.run_id
+                        runs[side].append(steps_per_sec(cfg, data, tmp / name / "run", steps, run_id,
+                                                        side == "tracked_inline", log_seconds[side]))
+                        if run_id:
+                            client.set_terminated(run_id)
+                        print(f"{name} {side}: {runs[side][-1]:.3f} steps/s", flush=True)
+                median = {side: statistics.median(v) for side, v in runs.items()}
+                row = {"config": name, "dtype": cfg.dtype, "model_dim": cfg.model.dim, "n_layers": cfg.model.n_layers,
+                       "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "log_every": cfg.log_every,
+                       "steps_per_run": steps}
+                for side in sides:
+                    row[side] = {"steps_per_sec": round(median[side], 3),
+                                 "log_call_ms_median": round(1000 * statistics.median(log_seconds[side]), 2),
+                                 "runs": [round(v, 3) for v in runs[side]]}
+                    if side != "off":
+                        ratio = median[side] / median["off"]
+                        row[side] |= {"ratio_vs_off": round(ratio, 4), "overhead_pct": round(100 * (1 - ratio), 2),
+                                      "within_target": 1 - ratio <= TARGET}
+                print(json.dumps(row), flush=True)
+                results.append(row)
+        finally:
+            if not args.services:
+                services.stop(tmp / "services")
+    report["results"] = results
+    report["target"] = f"tracked steps/s >= {1 - TARGET:.2f} x off"
+    report["machine"]["load_average_at_end"] = os.getloadavg()
+    if not args.quick:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+
+
+def _fresh(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""`astrai promote SOURCE --to TARGET`: promotion between environments, as MLflow's registry intends now that stages
+are deprecated: a registered version (e.g. models:/astrai@champion) is copied to another registered model (e.g.
+astrai-prod) with MlflowClient.copy_model_version, and the target's alias (champion) moves to the copy.
+
+The copy keeps every tag of the source version (its lineage: stage, params_hash, git_commit, mlflow_run_id, the
+DVC hashes, its held-out metrics) and gets five more: promoted_by (user@host), promoted_at (UTC), promoted_from
+(models:/NAME/VERSION), promoted_from_uri (SOURCE as given) and promotion (the decision, in words). The decision
+is the register stage's gate (tasks/register.py gate), against the version the target's alias points to, on the source's register_metric: the
+copy keeps mlflow_run_id, whose registration run holds the per-item results, so the paired interval applies as it
+does at registration. A version that does not pass is refused (AstraiError, nothing copied) unless `force`. The
+whole step runs under the registry lock of the target's name (registry_lock), so neither a registration nor
+another promotion into it can interleave. Weights already in the target (the same weights_sha256) are not copied
+again: the alias moves to that version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import getpass
+import io
+import os
+import socket
+
+import mlflow
+from mlflow.exceptions import MlflowException
+
+from astrai_core.errors import AstraiError
+from tasks.register import PENDING, REGISTRATION, champion_record, gate, registry_lock, version_record
+
+
+def promote(client: mlflow.MlflowClient, source: str, target: str, alias: str = "champion", force: bool = False,
+            lock_uri: str | None = None) -> str:
+    """Copy the version `source` names (models:/NAME@ALIAS or models:/NAME/VERSION) to registered model `target`
+    and point the target's `alias` at it (see the module's docstring); returns what it did, in one line."""
+    from tasks.models import registry_version
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the gate reads the runs' items
+    try:
+        src = registry_version(client, source)
+    except MlflowException as e:
+        raise AstraiError(f"{source}: {str(e.message).splitlines()[0]}") from None
+    where = f"models:/{src.name}/{src.version}"
+    if src.name == target:
+        raise AstraiError(f"--to {target}: {source} is already a version of {target}; promote to another name")
+    if src.tags.get(REGISTRATION) == PENDING:
+        raise AstraiError(f"{source}: version {src.version}'s registration was cut short (tag registration=pending); "
+                          "register again to finish it")
+    metric = src.tags.get("register_metric")
+    new = version_record(src)
+    with registry_lock(lock_uri, target):
+        held, current = champion_record(client, target, alias)
+        same = [str(v.version) for v in client.search_model_versions(
+            f"name = '{target}' and tags.weights_sha256 = '{src.tags['weights_sha256']}'")] \
+            if "weights_sha256" in src.tags else []
+        if held in same:
+            return f"{where} ({source}) is {target}@{alias} already (version {held}): nothing to do"
+        if current is None:
+            passed, why = True, f"{target} has no {alias}"
+        elif metric is None or new["values"].get(metric) is None:
+            passed, why = False, f"{where} has no register_metric to compare (not registered by the register stage?)"
+        elif current["values"].get(metric) is None:
+            passed, why = True, f"{target}@{alias} (version {held}) has no {metric} to compare"
+        else:
+            passed, why = gate(metric, new, current)
+            verdict = "passes" if passed else "fails"
+            why = f"{verdict} the register gate against {target}@{alias} (version {held}): {why}"
+        if not passed and not force:
+            raise AstraiError(f"{where} not promoted to {target}: {why} (--force to promote anyway)")
+        decision = why if passed else f"forced past the gate: {why}"
+        if same:
+            version, did = min(same, key=int), "already there as"
+        else:
+            with contextlib.redirect_stderr(io.StringIO()):  # MLflow prints its own three lines about it
+                copy = client.copy_model_version(where, target)
+            version, did = str(copy.version), "copied to"
+            now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            for key, value in {"promoted_by": f"{getpass.getuser()}@{socket.gethostname()}", "promoted_at": now,
+                               "promoted_from": where, "promoted_from_uri": source, "promotion": decision}.items():
+                client.set_model_version_tag(target, version, key, value)
+        client.set_registered_model_alias(target, alias, version)
+    return f"promoted {where} ({source}): {did} {target} version {version}, now {target}@{alias}; {decision}"
