@@ -99,7 +99,9 @@ def test_a_training_stage_run_shows_system_metrics_and_each_setting_once(store, 
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     client = mlflow.MlflowClient(store)
     logged = client.get_run(run.info.run_id).data
-    assert {k for k in logged.params if k.startswith("pretrain.")} == {"pretrain.nproc", "pretrain.max_restarts"}
+    # the section's launch keys only: its training settings are the TrainConfig's (optim.lr), logged once
+    assert {k for k in logged.params if k.startswith("pretrain.")} == {"pretrain.nproc", "pretrain.max_restarts",
+                                                                      "pretrain.enabled"}
     assert not [k for k in logged.params if k.startswith(("dpo.", "grpo."))], logged.params
     assert (logged.params["optim.lr"], logged.params["model.dim"], logged.params["strategy"]) == ("0.01", "32", "seq")
     assert "system/cpu_utilization_percentage" in logged.metrics and "system/system_memory_usage_megabytes" in \
