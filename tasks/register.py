@@ -191,12 +191,13 @@ def gate(metric: str, new: dict, old: dict) -> tuple[bool, str]:
     return beats and not regressed, "; ".join(reasons)
 
 
-def no_skill(values: dict) -> str | None:
-    """Why a model with these held-out metrics must not be champion: every task metric it has (metrics.CHANCE) is no
-    better than chance (its 95% interval reaches chance; without one, its value), e.g. a quick run's 0.000 on every
-    task. None when one task is beaten, or when it has none (a language model only: bits/char decides)."""
+def no_skill(metric: str, values: dict) -> str | None:
+    """Why a model chosen by a task metric (`metric` in metrics.CHANCE) with these held-out metrics must not be
+    champion: every task metric it has is no better than chance (its 95% interval reaches chance; without one, its
+    value), e.g. a quick run's 0.000 on every task. None when one task is beaten, or when `metric` is not a task's
+    (register.metric: test_bits_per_char crowns on language modeling alone)."""
     tasks = [m for m in CHANCE if m in values]
-    if not tasks or any(values.get(f"{m}_low", values[m]) > CHANCE[m] for m in tasks):
+    if metric not in CHANCE or any(values.get(f"{m}_low", values[m]) > CHANCE[m] for m in tasks):
         return None
     scores = ", ".join(f"{m} {values[m]:.3f}" + (f" [{values[f'{m}_low']:.3f}, {values[f'{m}_high']:.3f}]"
                                                   if f"{m}_low" in values and f"{m}_high" in values else "")
@@ -397,7 +398,7 @@ def _decide(client: mlflow.MlflowClient, name: str, mv: str, metric: str, record
     # Its card, as the version's description (the Models page shows it; `astrai export-hf` writes the same README.md)
     client.update_model_version(name, mv, description=model_card(
         f"{name} version {mv}", f"models:/{name}/{mv}", {k: v for k, v in tags.items() if k != REGISTRATION}))
-    unskilled = no_skill(record["values"])
+    unskilled = no_skill(metric, record["values"])
     if unskilled:
         promote, decision = False, f"version {mv} stays candidate: {unskilled}"
     else:  # under the registry lock nothing else moves champion: the compare and the set are one step, no look again

@@ -52,7 +52,10 @@ def make_project(repo: _Path, remote: _Path, model_name: str) -> dict:
     for pkg in ("astrai_core", "tasks", "flows", "evals"):  # dvc.yaml lists code files (and the lm-eval tasks) as deps
         _shutil.copytree(PROJECT_ROOT / pkg, repo / pkg, ignore=_shutil.ignore_patterns("__pycache__", "data"))
     params = yaml.safe_load((PROJECT_ROOT / "params.yaml").read_text())
-    for section, values in {**TINY_PARAMS, "register": {"model_name": model_name}}.items():
+    # Registered by test bits/char: a model this tiny scores 0 on the tasks, and chosen by a task metric it would stay
+    # candidate (tasks/register.py no_skill); these projects test the registry and serving, which need a champion.
+    register = {"model_name": model_name, "metric": "test_bits_per_char"}
+    for section, values in {**TINY_PARAMS, "register": register}.items():
         for key, value in values.items():
             if isinstance(value, dict) and isinstance(params[section].get(key), dict):
                 params[section][key].update(value)
