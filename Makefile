@@ -64,8 +64,11 @@ worker: setup
 	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api nohup $(BIN)/prefect worker start --pool $(POOL) > $(PREFECT_HOME)/worker.log 2>&1 & echo $$! > $(PREFECT_HOME)/worker.pid
 	@echo "worker for pool $(POOL) started (log: $(PREFECT_HOME)/worker.log)"
 
+# deploy registers with the Prefect server PREFECT_API_URL names (the team's, after `eval "$(astrai services env DIR)"`),
+# else the local one of `make server`.
 deploy: setup
-	ASTRAI_PROJECT_DIR=$(CURDIR) PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(BIN)/prefect --no-prompt deploy --all
+	ASTRAI_PROJECT_DIR=$(CURDIR) PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:$(PREFECT_PORT)/api} \
+	$(BIN)/prefect --no-prompt deploy --all
 
 # Without a server, prefect would print a traceback ("Timed out while attempting to connect ..."): say it in one line.
 run-deployment:
