@@ -75,10 +75,13 @@ def test_queued_experiments_log_to_the_project_store_and_apply_cleanly(tmp_path,
     env.pop("MLFLOW_RUN_ID", None)
     env["PYTHONPATH"] = str(repo)
     dvc = [VENV_BIN / "dvc"]
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["register"]["metric"] = "task_accuracy"  # the default; the queued experiments change it
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     _fake_upstream(repo, core_tiny_data["tokenizer"])
     upstream = [s for s in yaml.safe_load((repo / "dvc.yaml").read_text())["stages"] if s != "register"]
     run_ok(dvc + ["commit", "-f", "-q", *upstream], repo, env)  # recorded as run: only register is left to run
-    run_ok(["git", "add", "dvc.lock"], repo, env)
+    run_ok(["git", "add", "dvc.lock", "params.yaml"], repo, env)
     run_ok(["git", "commit", "-q", "-m", "upstream outputs"], repo, env)
     original = load_params(repo / "params.yaml")
 
