@@ -370,7 +370,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
             "register_metric": metric,  # what this version was chosen by and is compared with the champion on
             "stage": stage,  # which training stage of the chain made this model
             # its held-out metrics (evaluation of this model, not of the chain's last one)
-            **{k: f"{metrics[f'{stage}/{k}{end}']:.6f}" for k in METRICS for end in ("", "_low", "_high")
+            **{f"{k}{end}": f"{metrics[f'{stage}/{k}{end}']:.6f}" for k in METRICS for end in ("", "_low", "_high")
                if f"{stage}/{k}{end}" in metrics},
             "hf_export": hf_export,
             "gguf_export": gguf_export,

@@ -160,6 +160,10 @@ def test_champion_moves_only_beyond_the_paired_interval_and_without_regressing_b
         exp = mlflow.create_experiment("gate", artifact_location=(tmp_path / "artifacts").as_uri())
         first = register_version(1, base, 2.0)
         assert first["aliases"] == ["candidate", "champion"]
+        tags = mlflow.MlflowClient().get_model_version("g", "1").tags  # the value and its interval, each its own tag
+        low, high = wilson_interval(217, n)
+        assert (tags["task_accuracy"], tags["task_accuracy_low"], tags["task_accuracy_high"]) == \
+            ("0.434000", f"{low:.6f}", f"{high:.6f}")
         # 40 items right that were wrong, 34 the other way: 0.4460 against 0.4340, inside the paired interval; and
         # bits/char 19% worse.
         small = register_version(2, flip(base, 40, 34), 2.38)
