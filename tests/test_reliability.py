@@ -195,7 +195,7 @@ def test_metrics_compare_across_commits_and_plots_render(tmp_path):
 
     repo = tmp_path / "project"
     env = make_project(repo, tmp_path / "remote", "unused")
-    for dep in ("pretrain", "sft", "dpo", "grpo", "packed", "chat", "dpo_reference"):
+    for dep in ("pretrain", "sft", "dpo", "grpo", "packed", "chat", "dpo_reference", "corpus"):
         (repo / "data" / dep).mkdir(parents=True)
         (repo / "data" / dep / "x").write_text(dep)
     for step in (1, 2):
