@@ -78,7 +78,8 @@ class MetricLogger:
         if self._client is None:
             from mlflow.tracking import MlflowClient  # imported lazily: ~1 s, and only when a run is attached
 
-            self._client = MlflowClient()
+            # the run's store as the environment names it, whatever this process's mlflow module was pointed at
+            self._client = MlflowClient(os.environ.get("MLFLOW_TRACKING_URI"))
         return self._client
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
