@@ -92,21 +92,28 @@ def setup(params: Params, project_dir: Path) -> str:
     os.environ["MLFLOW_TRACKING_URI"] = uri  # for child processes (torchrun ranks)
     with store_lock(uri):  # also makes "create the experiment if missing" one step
         exp = mlflow.get_experiment_by_name(params.tracking.experiment)
-        if exp is not None:
-            exp_id = exp.experiment_id
-        else:
+        if exp is None:
             artifacts = None
             if uri.startswith("sqlite:///"):
                 # Keep artifacts beside the sqlite file, not in whatever directory the process happens to run in.
                 artifacts = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").resolve().as_uri()
-            try:
-                exp_id = mlflow.create_experiment(params.tracking.experiment, artifact_location=artifacts)
+            try:  # created with its kind in one call: two pipelines starting at once do not both write the tag
+                return _use(mlflow.create_experiment(params.tracking.experiment, artifact_location=artifacts,
+                                                     tags={EXPERIMENT_KIND: TRAINING_RUNS}))
             except MlflowException as e:  # a server's store: another pipeline created it at the same moment
                 if e.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
-                exp_id = mlflow.get_experiment_by_name(params.tracking.experiment).experiment_id
-        if exp is None or EXPERIMENT_KIND not in exp.tags:  # one made before the kind was set gets it too
-            mlflow.MlflowClient().set_experiment_tag(exp_id, EXPERIMENT_KIND, TRAINING_RUNS)
+                exp = mlflow.get_experiment_by_name(params.tracking.experiment)
+        if EXPERIMENT_KIND not in exp.tags:  # one made before the kind was set gets it too
+            try:
+                mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, TRAINING_RUNS)
+            except MlflowException:  # another pipeline set it at the same moment (a server's store): it is there
+                if EXPERIMENT_KIND not in mlflow.get_experiment(exp.experiment_id).tags:
+                    raise
+    return _use(exp.experiment_id)
+
+
+def _use(exp_id: str) -> str:
     mlflow.set_experiment(experiment_id=exp_id)
     return exp_id
 

@@ -141,7 +141,9 @@ def deployment_runs(services, tmp_path_factory):
                                    stderr=subprocess.STDOUT, text=True) for who, c in checkouts.items()}
     outs = {who: p.communicate(timeout=2500)[0] for who, p in procs.items()}
     worker_log = (services["dir"] / "worker.log").read_text()
-    assert all(p.returncode == 0 for p in procs.values()), f"{outs}\n--- worker log ---\n{worker_log[-5000:]}"
+    assert all(p.returncode == 0 for p in procs.values()), (f"{outs}\n--- the worker log's errors ---\n" +
+                                                       "\n".join(line for line in worker_log.splitlines()
+                                                                 if "error" in line.lower())[-6000:])
     print(f"two deployment runs (quick profile) at once took {time.time() - t0:.0f} s", file=sys.stderr)
     return checkouts
 
