@@ -191,4 +191,10 @@ def log_stage_inputs(stage: str, project_dir: Path) -> None:
             with warnings.catch_warnings():  # MLflow registers its local source twice and warns of the ambiguity
                 warnings.simplefilter("ignore", UserWarning)
                 source = resolve_dataset_source(str((project_dir / dep).resolve()))
-            mlflow.log_input(MetaDataset(source, name=dep, digest=md5[dep].removesuffix(".dir")), context=stage)
+            dataset = MetaDataset(source, name=dep, digest=md5[dep].removesuffix(".dir"))
+            try:
+                mlflow.log_input(dataset, context=stage)
+            except MlflowException as e:  # another pipeline inserted the same dataset (name, digest) at this moment:
+                if e.error_code != "BAD_REQUEST":  # a server's PostgreSQL says UniqueViolation; now it is there
+                    raise
+                mlflow.log_input(dataset, context=stage)
