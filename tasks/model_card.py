@@ -52,9 +52,9 @@ def card_of(reference: str, checkpoint: Path) -> str:
     if reference.startswith("models:/"):
         import mlflow
 
-        ref = reference.removeprefix("models:/")
-        name, sep, which = ref.partition("@") if "@" in ref else ref.rpartition("/")
-        client = mlflow.MlflowClient()  # resolve_model pointed MLflow at the pipeline's store
-        mv = client.get_model_version_by_alias(name, which) if sep == "@" else client.get_model_version(name, which)
-        return model_card(f"{name} version {mv.version}", f"models:/{name}/{mv.version}", tags | mv.tags)
+        from tasks.models import registry_version
+
+        # resolve_model pointed MLflow at the pipeline's store
+        mv = registry_version(mlflow.MlflowClient(), reference)
+        return model_card(f"{mv.name} version {mv.version}", f"models:/{mv.name}/{mv.version}", tags | mv.tags)
     return model_card(Path(reference).resolve().name, reference, tags)
