@@ -86,6 +86,28 @@ def make_quick_project(tmp_path: _Path) -> tuple[_Path, dict]:
     env.pop("PREFECT_API_URL", None)
     return repo, env
 
+# --- MLflow's process-global tracking URI: each test starts where the last one started ---------------------------
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_tracking_uri_restored():
+    """`mlflow.set_tracking_uri` sets a module global that wins over MLFLOW_TRACKING_URI, and writes that variable too:
+    a URI one test sets would otherwise send a later test's `MlflowClient()` to a store of the earlier test's."""
+    yield
+    utils = _sys.modules.get("mlflow.tracking._tracking_service.utils")
+    if utils is not None:
+        utils._tracking_uri = None
+    if _os.environ.get("MLFLOW_TRACKING_URI") != _TRACKING_URI_AT_START:
+        _os.environ.pop("MLFLOW_TRACKING_URI", None)
+        if _TRACKING_URI_AT_START is not None:
+            _os.environ["MLFLOW_TRACKING_URI"] = _TRACKING_URI_AT_START
+
+
+_TRACKING_URI_AT_START = _os.environ.get("MLFLOW_TRACKING_URI")
+
+
 # --- data stages (corpus, tokenizer, pack): fixtures prefixed data_ ---------------------------------------------
 
 import json

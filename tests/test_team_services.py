@@ -185,7 +185,7 @@ def test_pipeline_runs_and_registers_through_the_servers(services, deployment_ru
     assert not (deployment_run["repo"] / "mlflow" / "mlflow.db").exists()  # no local store on the side
 
 
-def test_two_pipelines_at_once_register_once_each(services, deployment_runs, monkeypatch):
+def test_two_pipelines_at_once_register_once_each(services, deployment_runs):
     """Both pipelines registered, under one name: in MLflow's tables, two versions, each once, each the weights of
     its checkout; `candidate` on the later one; `champion` where the register gate, run again here on the two
     versions' records, says; and each stage's report says what the tables show."""
@@ -210,7 +210,7 @@ def test_two_pipelines_at_once_register_once_each(services, deployment_runs, mon
         assert weights[r["version"]] == sha256_file(model_dir(repo, r["stage"]) / "model.safetensors"), who
     assert weights[1] != weights[2]
 
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", services["env"]["MLFLOW_TRACKING_URI"])  # version_record reads runs
+    mlflow.set_tracking_uri(services["env"]["MLFLOW_TRACKING_URI"])  # version_record reads runs' artifacts
     client = mlflow.MlflowClient()
     first, second = (client.get_model_version(name, str(v)) for v in (1, 2))
     metric = second.tags["register_metric"]
