@@ -248,6 +248,8 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
     status 1 (serving/server.py), for a supervisor to restart it."""
     if not 1 <= port <= 65535:  # before the imports: bind() would raise OverflowError
         _fail(f"--port {port}: expected a TCP port from 1 to 65535")
+    if not alias_poll >= 0:
+        _fail(f"--alias-poll {alias_poll:g}: expected seconds >= 0 (0: never look again)")
     import ipaddress
     import tempfile
 
