@@ -10,7 +10,7 @@ copy keeps mlflow_run_id, whose registration run holds the per-item results, so 
 does at registration. A version that does not pass is refused (AstraiError, nothing copied) unless `force`. The
 whole step runs under the registry lock of the target's name (registry_lock), so neither a registration nor
 another promotion into it can interleave. Weights already in the target (the same weights_sha256) are not copied
-again: the alias moves to that version.
+again: the alias moves to that version, and a copy a cut-short promotion left without its promoted_* tags gets them.
 """
 
 from __future__ import annotations
@@ -72,8 +72,9 @@ def promote(client: mlflow.MlflowClient, source: str, target: str, alias: str = 
             version, did = min(same, key=int), "already there as"
         else:
             with contextlib.redirect_stderr(io.StringIO()):  # MLflow prints its own three lines about it
-                copy = client.copy_model_version(where, target)
-            version, did = str(copy.version), "copied to"
+                version, did = str(client.copy_model_version(where, target).version), "copied to"
+        mv = client.get_model_version(target, version)
+        if mv.source == where and "promoted_from" not in mv.tags:  # a copy (this one, or one a cut-short run made)
             now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
             for key, value in {"promoted_by": f"{getpass.getuser()}@{socket.gethostname()}", "promoted_at": now,
                                "promoted_from": where, "promoted_from_uri": source, "promotion": decision}.items():

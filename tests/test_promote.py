@@ -105,6 +105,13 @@ def test_promote_copies_with_lineage_and_moves_the_alias_only_past_the_gate(tmp_
         assert len(client.search_model_versions("name = 'g-prod'")) == 2
         assert "nothing to do" in promote(client, "models:/g/1", "g-prod")
 
+        # A promotion cut short between the copy and its tags (a crash, a lost connection): the copy is there with
+        # the source's lineage only; the next promote finds it by its weights and completes it.
+        client.copy_model_version("models:/g/2", "g-cut")
+        assert "promoted_from" not in client.get_model_version("g-cut", "1").tags
+        assert "already there as g-cut version 1" in promote(client, "models:/g/2", "g-cut")
+        assert client.get_model_version("g-cut", "1").tags["promoted_from"] == "models:/g/2"
+
         # Another alias of the target, and bad references: one line naming what is wrong.
         assert "now g-prod@staging" in promote(client, "models:/g/2", "g-prod", alias="staging")
         for source, target, message in (("models:/g/9", "g-prod", "models:/g/9: "),
