@@ -217,15 +217,28 @@ def load(d: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` still runs (zombies aside, as in _alive)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue
+        if int(pgrp) == pgid and state != "Z":
+            return True
+    return False
+
+
 def _stop_pid(pid: int, *signals: int) -> None:
-    """Each signal in turn to the process group, 10 s for it to end; then SIGKILL."""
+    """Each signal in turn to the process group, 10 s for all of it to end; then SIGKILL. The whole group, not its
+    leader only: the worker's flow runs (and what they started) are in it, and outlive a worker that exits."""
     for sig in (*signals, signal.SIGKILL):
         try:
             os.killpg(pid, sig)
         except ProcessLookupError:
             return
         for _ in range(100):
-            if not _alive(pid):
+            if not _group_alive(pid):
                 return
             time.sleep(0.1)
 

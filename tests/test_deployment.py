@@ -117,3 +117,30 @@ def test_make_server_on_another_port_serves_a_ui_that_calls_that_port(tmp_path):
             assert json.loads(r.read())["api_url"] == f"http://127.0.0.1:{port}/api"
     finally:
         run_ok(make + ["stop"], PROJECT_ROOT, env)
+
+
+def test_stopping_a_service_ends_its_whole_process_group(tmp_path):
+    """`astrai services stop` signals each service's process group and waits for all of it: a worker's flow runs
+    are in its group and ignore the SIGTERM that ends the worker; they must not outlive it."""
+    import contextlib
+    import sys
+
+    from astrai.services import _spawn, _stop_pid
+
+    child = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             "open('child.pid', 'w').write(str(__import__('os').getpid())); time.sleep(300)")
+    leader = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(300)"
+    pid = _spawn(tmp_path, "worker", [sys.executable, "-c", leader], dict(os.environ))
+    deadline = time.time() + 60
+    while not (tmp_path / "child.pid").exists() or not (tmp_path / "child.pid").read_text():
+        assert time.time() < deadline
+        time.sleep(0.1)
+    flow_run = int((tmp_path / "child.pid").read_text())
+    try:
+        _stop_pid(pid, signal.SIGTERM)
+        time.sleep(0.5)  # init reaps the orphan it adopted
+        assert not os.path.exists(f"/proc/{flow_run}") or \
+            open(f"/proc/{flow_run}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", "the flow run outlived the stop"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
