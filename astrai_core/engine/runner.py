@@ -101,7 +101,9 @@ class Runner:
         self.model, self.pool, self.batch_invariant = model, pool, batch_invariant
         self.device = next(model.parameters()).device
         # EngineConfig.compile: decode steps (one new token per row) run _forward as a torch.compile'd graph.
-        self.compiled = torch.compile(self._forward) if compile else None
+        # cpp_wrapper: the graph's kernel calls from C++, not a Python wrapper (a 1-row step on the demo's shape:
+        # 0.41 against 0.50 ms, measured on 2 busy cores; freezing the weights gained nothing).
+        self.compiled = torch.compile(self._forward, options={"cpp_wrapper": True}) if compile else None
 
     def warm_up(self) -> None:
         """Compile the decode graphs now, not in the first requests' steps: one for a batch of one row, one for
