@@ -145,6 +145,7 @@ class Runner:
                             for s, n in batch], device=dev)
         counts_t = torch.tensor(counts, device=dev)
         keys = torch.arange(max(S, MIN_KEYS) if self.batch_invariant else S, device=dev)
+        # decode steps compiled; prefill chunks and a 1-token prompt's step (1 key: a graph of its own) eager
         forward = self.compiled if self.compiled is not None and T == 1 and S > 1 else self._forward
         with sdpa_kernel(SDPBackend.MATH) if self.batch_invariant else contextlib.nullcontext():
             logits = forward(idx, torch.tensor(starts, device=dev), counts_t, tables, keys)
