@@ -73,7 +73,6 @@ class Submission:
     def __init__(self, engine: EngineClient, prompt_ids: list[int], params: SamplingParams, relay: EventRelay) -> None:
         self.engine, self.done = engine, False
         self.events: asyncio.Queue[tuple[list[int], str | None, list]] = asyncio.Queue()
-        self._held: tuple[list[int], str | None, list] | None = None  # an event taken from the queue, not yet returned
         # With params.logprobs or prompt_logprobs: the entries of the events taken so far (sequence.OnEvent)
         self.logprobs: list[TokenLogprob | None] = []
         loop = asyncio.get_running_loop()
@@ -93,22 +92,10 @@ class Submission:
             raise ApiError(400, str(e)) from None
 
     async def next_event(self) -> tuple[list[int], str | None]:
-        """The next event's tokens and finish reason, with those of every event already queued behind it: when the
-        engine runs ahead of this loop (a compiled decode step takes less than a streamed event's work here), the
-        tokens that have arrived go out as one piece, not as one event each."""
         # No timeout needed: the engine ends every request it accepted with a last event, "error" included
         # when its loop dies.
-        event, self._held = self._held or await self.events.get(), None
-        ids, finish, logprobs = event
+        ids, finish, logprobs = await self.events.get()
         self.logprobs += logprobs
-        while finish is None and not self.events.empty():
-            event = self.events.get_nowait()
-            if event[1] in ("error", "cancelled"):  # kept for the next call: the tokens before it go out first
-                self._held = event
-                break
-            more, finish, logprobs = event
-            ids = ids + more
-            self.logprobs += logprobs
         return ids, finish
 
     def cancel(self) -> None:
