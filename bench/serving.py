@@ -212,10 +212,12 @@ class Server:
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen([*self.command, "--port", str(self.port)], cwd=self.cwd, env=self.env,
                                          stdout=log, stderr=subprocess.STDOUT)
-        for _ in range(600):
+        start = time.monotonic()
+        while time.monotonic() < start + 600:  # astrai serve --compile compiles before it answers
             try:
                 answer = httpx.get(f"{self.url}{self.ready}", timeout=1)
                 answer.raise_for_status()
+                self.start_up_s = round(time.monotonic() - start, 1)  # launch to first answer
                 return self
             except (httpx.TransportError, httpx.HTTPStatusError):
                 if self.proc.poll() is not None:
@@ -223,7 +225,7 @@ class Server:
                                        f"{self.log_path.read_text()[-2000:]}")
                 time.sleep(0.2)
         self.proc.kill()
-        raise RuntimeError(f"{self.name} did not start in 2 minutes")
+        raise RuntimeError(f"{self.name} did not start in 10 minutes")
 
     def peak_rss_mib(self) -> float:
         """The most resident memory the server's process and its children (astrai's engine) have held."""
@@ -352,6 +354,8 @@ def main() -> None:
     ap.add_argument("--llama-cpp", type=Path, help="llama.cpp's bin/ (scripts/build_llama_cpp.sh): also measure "
                     "`llama-server` on the same model exported with astrai export-gguf (f32), -t 1 and -t 2")
     ap.add_argument("--llama-threads", type=int, nargs="*", default=(1, 2), help="llama-server's -t (and -tb) settings")
+    ap.add_argument("--compile", action="store_true", help="also measure `astrai serve --compile` (decode steps "
+                    "as a torch.compile'd graph), as the server astrai_compile")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine alone (its ratios are then missing)")
     ap.add_argument("--no-prefix-scenario", action="store_true", help="skip the shared-prefix TTFT comparison")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "serving_report.json")
@@ -379,6 +383,8 @@ def main() -> None:
                               for i, r in enumerate(args.rates)})
 
         servers = {"astrai": lambda: astrai_server(ckpt, tmp)}
+        if args.compile:
+            servers["astrai_compile"] = lambda: astrai_server(ckpt, tmp, ("--compile",))
         if args.peer_venv:
             hf = tmp / "hf-export"
             subprocess.run([sys.executable, "-m", "astrai.cli", "export-hf", str(ckpt), str(hf)], cwd=ROOT, check=True,
@@ -407,6 +413,8 @@ def main() -> None:
                 try:
                     with make() as server:
                         model_id = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+                        if name.startswith("astrai"):
+                            report.setdefault("start_up_s", {}).setdefault(name, []).append(server.start_up_s)
                         if name == "astrai":
                             m = metrics(server.url)
                             report["astrai_serve"] = {"torch_threads": int(m["astrai_torch_threads"]),
@@ -414,7 +422,7 @@ def main() -> None:
                         rows[name].append(measure(server, model_id, workloads))
                         peak_rss.setdefault(name, []).append(server.peak_rss_mib())
                 except Exception as e:  # noqa: BLE001 - a peer that fails is reported, ours is fatal
-                    if name == "astrai":
+                    if name.startswith("astrai"):
                         raise
                     errors[name] = f"{type(e).__name__}: {e}"[-2000:]
                     print(f"  {name} failed: {errors[name]}", flush=True)
@@ -459,20 +467,22 @@ def main() -> None:
         if not args.no_prefix_scenario:
             report["shared_prefix"] = shared_prefix(ckpt, tokenizer, cfg.max_seq_len, tmp, args.rounds)
 
-    ours = report["servers"]["astrai"]
-    report["ratios"] = {}
-    for c in levels:
-        w = f"streams_{c}"
-        ratio = {} if args.no_engine else {"of_engine_same_threads": round(
-            ours[w]["output_tokens_per_s"] / report["engine"][f"{threads}_threads"][w]["output_tokens_per_s"], 2)}
-        for peer in ("peer_default", "peer_1_thread", *per_workload):
-            if peer in report["servers"]:
-                ratio[f"over_{peer}"] = round(ours[w]["output_tokens_per_s"] /
-                                              report["servers"][peer][w]["output_tokens_per_s"], 2)
-        report["ratios"][w] = ratio
+    for key, name in (("ratios", "astrai"), ("ratios_compile", "astrai_compile")):
+        if name not in report["servers"]:
+            continue
+        ours, report[key] = report["servers"][name], {}
+        for c in levels:
+            w = f"streams_{c}"
+            ratio = {} if args.no_engine else {"of_engine_same_threads": round(
+                ours[w]["output_tokens_per_s"] / report["engine"][f"{threads}_threads"][w]["output_tokens_per_s"], 2)}
+            for peer in ("peer_default", "peer_1_thread", *per_workload):
+                if peer in report["servers"]:
+                    ratio[f"over_{peer}"] = round(ours[w]["output_tokens_per_s"] /
+                                                  report["servers"][peer][w]["output_tokens_per_s"], 2)
+            report[key][w] = ratio
     report["machine"]["load_average_at_end"] = os.getloadavg()
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report["ratios"], indent=1))
+    print(json.dumps({k: report[k] for k in ("ratios", "ratios_compile") if k in report}, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -3,6 +3,7 @@ with the CPU seconds of each process over the measured window (from /proc: the H
 engine's process, and this load generator), as cores busy, beside the tokens/s.
 
     python bench/serving_profile.py --model data/pretrain --corpus data/corpus [--levels 1 4 16 64] [--seconds 8]
+    python bench/serving_profile.py --compile   # astrai serve --compile, the demo's shape with random weights
 
 A process near 1.0 core is a limit on 2 cores (each process's busy threads are counted together); py-spy
 (`py-spy record --threads -p PID`) then says which function: README.md's serving section reports both.
@@ -24,7 +25,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.serving import astrai_server, machine, run_load, stream_prompts  # noqa: E402
+from bench.serving import astrai_server, demo_shape_checkpoint, machine, run_load, stream_prompts  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -41,7 +42,8 @@ def engine_pid(server_pid: int) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--model", type=Path, help="checkpoint directory (default: random weights at the demo shape)")
+    ap.add_argument("--compile", action="store_true", help="serve with --compile")
     ap.add_argument("--corpus", type=Path)
     ap.add_argument("--levels", type=int, nargs="*", default=[1, 2, 4, 16, 64])
     ap.add_argument("--seconds", type=float, default=8.0, help="measured window per level")
@@ -49,9 +51,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("serving_profile_report.json"))
     args = ap.parse_args()
     report = {"machine": machine(), "settings": {"levels": args.levels, "seconds": args.seconds,
-                                                 "max_tokens": args.max_tokens, "model": str(args.model)},
+                                                 "max_tokens": args.max_tokens, "model": str(args.model),
+                                                 "compile": args.compile},
               "levels": []}
-    with tempfile.TemporaryDirectory() as tmp, astrai_server(args.model, Path(tmp)) as server:
+    with tempfile.TemporaryDirectory() as tmp, astrai_server(args.model or demo_shape_checkpoint(Path(tmp)), Path(tmp),
+                                                             ("--compile",) if args.compile else ()) as server:
         model_id = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
         pids = {"http_server": server.proc.pid, "engine": engine_pid(server.proc.pid), "load_generator": os.getpid()}
         asyncio.run(run_load(server.url, model_id, [("the king", 4)] * 2, concurrency=2))

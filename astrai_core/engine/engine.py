@@ -49,8 +49,15 @@ class EngineConfig:
     prefix_cache: bool = True
     # Bit-identical logits for a request whatever else runs (runner.Runner), at a measured cost: off by default.
     batch_invariant: bool = False
+    # Decode steps as one torch.compile'd graph (runner.Runner): fewer, fused kernels instead of a dispatch per
+    # small op. Compiled at Engine construction (35 s cold for the demo's shape on 2 busy cores; torch caches it on
+    # disk). Inductor may reorder float operations: logits can differ from eager's in the last bits
+    # (tests/test_engine_compile.py bounds them), so it is off by default.
+    compile: bool = False
 
     def __post_init__(self) -> None:
+        if self.compile and self.batch_invariant:
+            raise ValueError("compile and batch_invariant cannot be combined (compiled kernels are not batch-invariant)")
         for name in ("max_batch_size", "block_size", "prefill_chunk", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be at least 1")
@@ -103,7 +110,10 @@ class Engine:
         self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache)
         chunk = min(cfg.prefill_chunk, self.context_length)
         self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, chunk, self.context_length)
-        self.runner = Runner(model, KVPool(model, num_blocks, cfg.block_size), cfg.batch_invariant)
+        self.runner = Runner(model, KVPool(model, num_blocks, cfg.block_size), cfg.batch_invariant, cfg.compile)
+        start = time.perf_counter()
+        self.runner.warm_up()
+        self.compile_seconds = round(time.perf_counter() - start, 1) if cfg.compile else 0.0
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: deque[Sequence] = deque()
@@ -159,7 +169,7 @@ class Engine:
             "requests_finished_total": self.requests_finished_total,
             "preemptions_total": self.scheduler.preemptions,
             "ttft_seconds": ttft[0], "ttft_seconds_sum": ttft[1], "ttft_seconds_count": ttft[2],
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": torch.get_num_threads(), "compile_seconds": self.compile_seconds,
         }
 
     def start(self) -> None:

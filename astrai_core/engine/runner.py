@@ -35,32 +35,31 @@ def bytes_per_block(model: Transformer, block_size: int) -> int:
 
 
 class KVPool:
-    """The preallocated KV memory: per layer, one (num_blocks * block_size, *shape) tensor per cached tensor."""
+    """The preallocated KV memory: per layer, one (num_blocks * block_size + 1, *shape) tensor per cached tensor.
+    The last slot, `scratch`, takes the padding tokens' entries, so that a forward writes every (row, column)."""
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int) -> None:
         p = next(model.parameters())
-        self.block_size = block_size
-        self.layers = [[torch.zeros(num_blocks * block_size, *shape, dtype=p.dtype, device=p.device)
+        self.block_size, self.scratch = block_size, num_blocks * block_size
+        self.layers = [[torch.zeros(num_blocks * block_size + 1, *shape, dtype=p.dtype, device=p.device)
                         for shape in token_shapes(model)] for _ in range(model.cfg.n_layers)]
 
 
 class PagedCache:
     """The cache interface Transformer.forward expects (extend, length) over the pool, for one forward.
 
-    rows, cols: (N,) batch row and column of each real new token; write_slots: (N,) its pool slot.
+    write_slots: (B, T) the pool slot of each new token (padding: the scratch slot).
     read_slots: (B, S) the slot of each row's positions 0..S-1 (padding points at slot 0, masked out)."""
 
-    def __init__(self, pool: KVPool, rows: torch.Tensor, cols: torch.Tensor, write_slots: torch.Tensor,
-                 read_slots: torch.Tensor) -> None:
-        self.pool, self.rows, self.cols = pool, rows, cols
-        self.write_slots, self.read_slots = write_slots, read_slots
+    def __init__(self, pool: KVPool, write_slots: torch.Tensor, read_slots: torch.Tensor) -> None:
+        self.pool, self.write_slots, self.read_slots = pool, write_slots.flatten(), read_slots
         self.length = 0  # the model asserts length + T <= max_seq_len and adds T; positions come from the batch
 
     def extend(self, layer: int, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = []
         B, S = self.read_slots.shape
         for stored, t in zip(self.pool.layers[layer], new):  # t: (B, *head dims, T, d)
-            stored.index_copy_(0, self.write_slots, t.movedim(-2, 1)[self.rows, self.cols])
+            stored.index_copy_(0, self.write_slots, t.movedim(-2, 1).flatten(0, 1))
             # index_select on the flat slots, not stored[read_slots]: the same copy, about 6x faster on CPU
             # (a row memcpy instead of advanced indexing's element loop; measured 0.5 vs 3.3 ms at B=16, S=200).
             # No .contiguous() after the movedim: attention reads the strided view, and that copy took a third of
@@ -98,50 +97,81 @@ class Runner:
     about 6x the flash kernel's time and decodes run 4x the token rows. Not cheap, so off by default: without it a
     request's tokens still equal generate()'s except at near-ties (bench/engine.py counts them)."""
 
-    def __init__(self, model: Transformer, pool: KVPool, batch_invariant: bool = False) -> None:
+    def __init__(self, model: Transformer, pool: KVPool, batch_invariant: bool = False, compile: bool = False) -> None:
         self.model, self.pool, self.batch_invariant = model, pool, batch_invariant
         self.device = next(model.parameters()).device
+        # EngineConfig.compile: decode steps (one new token per row) run _forward as a torch.compile'd graph.
+        # cpp_wrapper: the graph's kernel calls from C++, not a Python wrapper (a 1-row step on the demo's shape:
+        # 0.41 against 0.50 ms, measured on 2 busy cores; freezing the weights gained nothing).
+        self.compiled = torch.compile(self._forward, options={"cpp_wrapper": True}) if compile else None
+
+    def warm_up(self) -> None:
+        """Compile the decode graphs now, not in the first requests' steps: one for a batch of one row, one for
+        more, each for any number of keys and block-table width (marked dynamic; a size of 1 would be a graph of
+        its own, hence run()'s width of at least 2). Rows of 0 tokens write only the pool's scratch slot."""
+        if self.compiled is None:
+            return
+        dev = self.device
+        with torch.inference_mode():
+            for B in (1, 3):
+                idx, starts, counts, tables = (torch.zeros(shape, dtype=torch.long, device=dev)  # distinct tensors:
+                                               for shape in ((B, 1), B, B, (B, 2)))  # one passed twice is a guard
+                keys = torch.arange(5, device=dev)
+                for t, dim in ((tables, 1), (keys, 0)) + (((idx, 0), (starts, 0), (counts, 0), (tables, 0))
+                                                          if B > 1 else ()):
+                    torch._dynamo.mark_dynamic(t, dim)
+                self.compiled(idx, starts, counts, tables, keys)
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]], every_position: bool = False) -> torch.Tensor:
         """Compute the next n tokens of each (seq, n) (its tokens[num_cached : num_cached + n]) and store their
         KV; -> (B, vocab) fp32 logits at each row's last computed position, or with every_position (for prompt
         logprobs) (B, T, vocab) fp32 logits at every position (row i's first n columns; the rest is padding)."""
-        bs, dev = self.pool.block_size, self.device
+        dev = self.device
         rows_out = len(batch)
         T = max(n for _, n in batch)
         if self.batch_invariant:
             T = max(T, MIN_QUERIES)
             while not gemm_invariant_rows(len(batch) * T):  # rows of 0 tokens: computed, never stored
                 batch = batch + [(None, 0)]
-        starts = torch.tensor([s.num_cached if s else 0 for s, _ in batch], device=dev)
-        counts = torch.tensor([n for _, n in batch], device=dev)
-        B = len(batch)
-        ends = starts + counts
-        S = max(int(ends.max()), MIN_KEYS) if self.batch_invariant else int(ends.max())
-        t = torch.arange(T, device=dev)
-        real = t[None, :] < counts[:, None]  # (B, T) real new tokens
-        positions = torch.where(real, starts[:, None] + t[None, :], 0)
-        idx = torch.zeros(B, T, dtype=torch.long, device=dev)
-        for i, (s, n) in enumerate(batch[:rows_out]):
-            idx[i, :n] = torch.tensor(s.tokens[s.num_cached:s.num_cached + n])
-        width = max(len(s.block_table) for s, _ in batch[:rows_out])
+        # Built from Python lists, one tensor each: a small op per row costs a dispatch each.
+        starts = [s.num_cached if s else 0 for s, _ in batch]
+        counts = [n for _, n in batch]
+        S = max(a + n for a, n in zip(starts, counts))
+        width = max(2, *(len(s.block_table) for s, _ in batch[:rows_out]))  # 2: a width of 1 would be a 3rd graph
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) if s else [0] * width
                                for s, _ in batch], device=dev)
+        idx = torch.tensor([s.tokens[s.num_cached:s.num_cached + n] + [0] * (T - n) if s else [0] * T
+                            for s, n in batch], device=dev)
+        counts_t = torch.tensor(counts, device=dev)
+        keys = torch.arange(max(S, MIN_KEYS) if self.batch_invariant else S, device=dev)
+        # decode steps compiled; prefill chunks and a 1-token prompt's step (1 key: a graph of its own) eager
+        forward = self.compiled if self.compiled is not None and T == 1 and S > 1 else self._forward
+        with sdpa_kernel(SDPBackend.MATH) if self.batch_invariant else contextlib.nullcontext():
+            logits = forward(idx, torch.tensor(starts, device=dev), counts_t, tables, keys)
+        if every_position:
+            return logits[:rows_out].float()
+        if T == 1:
+            return logits[:rows_out, 0].float()
+        return logits[torch.arange(rows_out, device=dev), counts_t[:rows_out] - 1].float()
+
+    def _forward(self, idx: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor,
+                 keys: torch.Tensor) -> torch.Tensor:
+        """idx (B, T) new tokens (row i's first counts[i] real), starts (B,) positions cached, tables (B, W) block
+        tables, keys arange(S) -> (B, T, vocab) logits in the model's dtype; stores the real tokens' KV."""
+        bs = self.pool.block_size
+        T = idx.shape[1]
+        ends = starts + counts
+        t = torch.arange(T, device=idx.device)
+        real = t[None, :] < counts[:, None]  # (B, T) real new tokens
+        positions = torch.where(real, starts[:, None] + t[None, :], 0)
 
         def slot(pos: torch.Tensor) -> torch.Tensor:
             return tables.gather(1, pos // bs) * bs + pos % bs
 
-        rows, cols = real.nonzero(as_tuple=True)
-        write_slots = slot(positions)[rows, cols]
-        keys = torch.arange(S, device=dev)
+        write_slots = torch.where(real, slot(positions), self.pool.scratch)  # padding: the never-read scratch slot
         in_row = keys[None, :] < ends[:, None]  # (B, S) positions this row has
         read_slots = torch.where(in_row, slot(torch.where(in_row, keys[None, :], 0)), 0)
         # query (i, t) sees keys up to its own position; a padding query (position 0) sees key 0 only.
         mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # (B, 1, T, S)
-        cache = PagedCache(self.pool, rows, cols, write_slots, read_slots)
-        with sdpa_kernel(SDPBackend.MATH) if self.batch_invariant else contextlib.nullcontext():
-            logits = self.model(idx, cache, positions=positions, mask=mask)
-        if every_position:
-            return logits[:rows_out].float()
-        return logits[torch.arange(rows_out, device=dev), counts[:rows_out] - 1].float()
+        return self.model(idx, PagedCache(self.pool, write_slots, read_slots), positions=positions, mask=mask)

@@ -1,0 +1,113 @@
+"""Where one engine decode step's time goes, eager and compiled (EngineConfig.compile): the engine alone (no HTTP),
+B requests decoding together, each part of Engine.step() timed around its call, medians over the steps.
+
+    python bench/decode_step.py [--batches 1 4 16 64] [--steps 200] [--out bench/decode_step_report.json]
+
+Parts: schedule (Scheduler.schedule: admission, block tables), inputs (Runner.run around the forward: the tensors
+built from the sequences, the logits picked), forward (the model with the paged KV: Runner._forward eager, or the
+compiled graph), sample (Scheduler.postprocess: greedy argmax, bookkeeping), rest (Engine.step's own: events,
+the inbox). The demo's shape (params.yaml) with random weights, 1 torch thread (what `astrai serve` picks on
+2 cores). Compile time (the warm-up at Engine construction) is reported too; torch caches compiled code on disk,
+so a second run compiles faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from astrai_core.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from astrai_core.model import Transformer  # noqa: E402
+from bench.serving import machine  # noqa: E402
+from tasks.params import load_params  # noqa: E402
+
+PARTS = ("schedule", "inputs", "forward", "sample", "rest")
+
+
+def timed(spent: list[float], fn):
+    def wrapper(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            spent.append(time.perf_counter() - t)
+    return wrapper
+
+
+def profile(engine: Engine, batch: int, steps: int) -> dict:
+    """Median milliseconds per decode step of each part, with `batch` requests decoding."""
+    runner, scheduler = engine.runner, engine.scheduler
+    spent: dict[str, list[float]] = {k: [] for k in ("step", "schedule", "run", "forward", "sample")}
+    for i in range(batch):
+        engine.submit([1 + i % 100, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=steps + 10, temperature=0),
+                      lambda *a: None)
+    for _ in range(3):  # the prefill and the first decodes
+        engine.step()
+    attr = "compiled" if runner.compiled is not None else "_forward"
+    originals = {"schedule": scheduler.schedule, "postprocess": scheduler.postprocess, "run": runner.run,
+                 attr: getattr(runner, attr)}
+    scheduler.schedule = timed(spent["schedule"], originals["schedule"])
+    scheduler.postprocess = timed(spent["sample"], originals["postprocess"])
+    runner.run = timed(spent["run"], originals["run"])
+    setattr(runner, attr, timed(spent["forward"], originals[attr]))
+    try:
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()
+            spent["step"].append(time.perf_counter() - t)
+    finally:
+        for name, fn in originals.items():
+            setattr(scheduler if name in ("schedule", "postprocess") else runner, name, fn)
+    while engine.step():  # finish the requests
+        pass
+    ms = {k: [v * 1e3 for v in vals] for k, vals in spent.items()}
+    parts = {
+        "schedule": ms["schedule"],
+        "inputs": [r - f for r, f in zip(ms["run"], ms["forward"])],
+        "forward": ms["forward"],
+        "sample": ms["sample"],
+        "rest": [st - sc - r - sa for st, sc, r, sa in zip(ms["step"], ms["schedule"], ms["run"], ms["sample"])],
+    }
+    row = {"batch": batch, "step_ms": round(statistics.median(ms["step"]), 3)}
+    row |= {f"{k}_ms": round(statistics.median(v), 3) for k, v in parts.items()}
+    row["tokens_per_s"] = round(batch / row["step_ms"] * 1e3)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 2, 4, 8, 16, 64])
+    ap.add_argument("--steps", type=int, default=200, help="decode steps measured per batch size")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "decode_step_report.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    cfg = load_params(ROOT / "params.yaml").model
+    if args.steps + 20 > cfg.max_seq_len:
+        sys.exit(f"--steps {args.steps}: at most {cfg.max_seq_len - 20} (params.yaml's model.max_seq_len - 20)")
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    report = {"machine": machine(), "settings": {"batches": args.batches, "steps": args.steps}, "modes": {}}
+    for mode in ("eager", "compiled"):
+        start = time.perf_counter()
+        engine = Engine(model, EngineConfig(kv_memory_mb=256, compile=mode == "compiled"))
+        rows = [profile(engine, b, args.steps) for b in args.batches]
+        report["modes"][mode] = {"engine_built_s": round(time.perf_counter() - start, 1), "rows": rows}
+        for row in rows:
+            print(mode, json.dumps(row), flush=True)
+    report["machine"]["load_average_at_end"] = os.getloadavg()
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

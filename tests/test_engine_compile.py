@@ -1,0 +1,58 @@
+"""EngineConfig(compile=True): decode steps run as a torch.compile'd graph, compiled when the engine is built. The
+requests' greedy tokens equal generate()'s alone, their logprobs a plain forward's within 1e-4, nothing compiles
+again once the engine serves, and decode steps do not run the eager forward. One engine per variant for the
+module: compiling takes a minute or so on a busy 2-core CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+from astrai_core.engine import Engine, EngineConfig
+from test_engine import capped, greedy, model_for, one_thread, prompts_for, reference_logprobs, run, solo  # noqa: F401
+
+VARIANTS = ["default", "moe"]  # moe: its routing (data-dependent shapes) splits the graph
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def compiled(request):
+    torch.set_num_threads(1)
+    model = model_for(request.param)
+    return model, Engine(model, EngineConfig(kv_blocks=128, block_size=4, prefill_chunk=16, max_batch_size=6,
+                                             compile=True))
+
+
+def test_compiled_decode_steps_equal_generate_and_never_recompile(compiled, monkeypatch):
+    """Batches of 1 to 6 rows (more requests than fit, so the batch grows and shrinks), one-token prompts among
+    them, tables of one to several blocks: tokens equal generate() alone, with no compilation after start-up."""
+    model, engine = compiled
+    eager_calls = []
+    eager = engine.runner._forward
+    monkeypatch.setattr(engine.runner, "_forward", lambda *a: eager_calls.append((a[0].shape[1], len(a[4]))) or eager(*a))
+    prompts = [[7], *prompts_for(9, seed=3)]
+    params = [greedy(capped(p, 20)) for p in prompts]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        alone = run(engine, prompts[1:2], params[1])  # a batch of one row
+        out = run(engine, prompts, params)
+    assert alone[0].tokens == solo(model, prompts[1], params[1].max_tokens)
+    for p, sp, c in zip(prompts, params, out):
+        assert c.tokens == solo(model, p, sp.max_tokens), p
+    # the eager forward ran the prefills only (T > 1, or the 1-token prompt's: 1 key), never a decode
+    assert eager_calls and all(T > 1 or keys == 1 for T, keys in eager_calls), eager_calls
+
+
+def test_compiled_logprobs_equal_a_plain_forward_within_1e_4(compiled):
+    model, engine = compiled
+    prompt = prompts_for(1, seed=11, longest=30)[0] + [3] * 10
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = run(engine, [prompt], greedy(8, logprobs=2, prompt_logprobs=2))[0]
+    assert out.tokens == solo(model, prompt, 8)
+    expected = reference_logprobs(model, prompt + out.tokens)
+    got = torch.tensor([e.logprob for e in out.logprobs[1:]])
+    assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+
+
+def test_compile_and_batch_invariant_cannot_be_combined():
+    with pytest.raises(ValueError, match="compile and batch_invariant"):
+        EngineConfig(compile=True, batch_invariant=True)
