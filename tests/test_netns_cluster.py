@@ -196,7 +196,10 @@ def test_the_pipeline_as_a_deployment_run_trains_on_both_nodes_registers_and_ser
     registration = json.loads((repo / "data" / "register" / "registration.json").read_text())
     assert registration["version"] == version, registration
     assert sha == sha256_file(model_dir(repo, registration["stage"]) / "model.safetensors")
-    print(f"champion {model}/{version}, source {source}", file=sys.stderr)
+    # the weights are where only the MLflow server reaches them (proxied artifacts), not at a path of the nodes
+    location = _sql(mlflow_db, "SELECT artifact_location FROM logged_models WHERE model_id = %s",
+                    (source.removeprefix("models:/"),))
+    assert len(location) == 1 and location[0][0].startswith("mlflow-artifacts:/"), (source, location)
 
     # Served from node n2: the weights come through the MLflow server; the request crosses the bridge.
     addr, port, key = cluster.addr[cluster.ns["n2"]], 8000, "netns-test-key"
