@@ -214,8 +214,10 @@ class NetnsCluster(slurm_cluster.Cluster):
     def _services(self) -> None:
         """`astrai services start` in the login namespace, on its address: PostgreSQL, MLflow, Prefect, a worker."""
         d = self.services_dir
+        # The worker's flow runs submit the jobs: the launcher picks each node's gloo interface (none set here)
+        env = {k: v for k, v in self.env.items() if k != "GLOO_SOCKET_IFNAME"}
         out = self.run("login", [VENV_BIN / "astrai", "services", "start", d, "--host", self.addr[self.ns["login"]]],
-                       capture_output=True, text=True, timeout=600)
+                       env=env, capture_output=True, text=True, timeout=600)
         if out.returncode != 0:
             raise RuntimeError(f"astrai services start in {self.ns['login']} failed:\n{out.stdout}\n{out.stderr}")
         self.services = json.loads((d / "services.json").read_text())

@@ -1,6 +1,8 @@
 """Training stages as two-node Slurm jobs on a simulated three-machine cluster (tests/netns_cluster.py): a login
 namespace with slurmctld and the team services (PostgreSQL, MLflow, Prefect), two compute namespaces with a slurmd
-each, one rank per node; gloo and torchrun's c10d rendezvous cross the bridge between them, not loopback.
+each, one rank per node; gloo and torchrun's c10d rendezvous cross the bridge between them, not loopback. The
+whole pipeline as a `prefect deployment run` on the login node's worker, the model then served from a compute node;
+a compute node lost mid-job, then the stage resumed.
 
 Built once for the module. Skipped with the reason where root, iproute2, Slurm or PostgreSQL is missing (or a
 cluster of another live run is up); ASTRAI_REQUIRE_CLUSTER=1 (set by .ci/run) turns the skip into a failure.
@@ -8,6 +10,8 @@ cluster of another live run is up); ASTRAI_REQUIRE_CLUSTER=1 (set by .ci/run) tu
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import os
 import re
 import shutil
@@ -15,11 +19,13 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
-from conftest import VENV_BIN, make_project, run_ok
+from conftest import TINY_PARAMS, VENV_BIN, make_project, run_ok
 from netns_cluster import NetnsCluster, missing
 from test_slurm import assert_bitwise_equal, set_params, stage, weights
 
@@ -107,34 +113,117 @@ def login_stage(cluster: NetnsCluster, repo: Path, env: dict, **popen) -> subpro
                             **popen)
 
 
-def test_pretrain_as_a_two_node_job_over_the_namespaces_equals_the_local_two_rank_run(cluster, project,
-                                                                                     local_weights):
-    """One rank on each compute node: the rendezvous and each node's gloo address are the nodes' own (10.99.N.x on
-    the bridge's veths, not loopback); the weights equal the local 2-rank run's bit for bit; rank 0's metrics are
-    in the MLflow server's PostgreSQL."""
-    repo, env = project
-    proc = login_stage(cluster, repo, env)
-    out = proc.communicate(timeout=600)[0]
-    assert proc.returncode == 0, out[-4000:]
+def assert_on_both_nodes(cluster: NetnsCluster, out: str, stage: str) -> None:
+    """`stage`'s output (`out`) is one Slurm job of one rank on each compute node: the rendezvous and each node's
+    gloo address are the nodes' own (10.99.N.x on the bridge's veths, not loopback)."""
+    assert re.search(rf"{stage}: Slurm job \d+, 2 node\(s\) x 1 process\(es\)", out), out[-3000:]
     n1, n2 = (cluster.ns[n] for n in ("n1", "n2"))
     rdzv = re.search(r"astrai: rendezvous at (\S+):\d+", out)
     assert rdzv and rdzv.group(1) == cluster.addr[n1], out[-3000:]
     for node, rank in ((n1, 0), (n2, 1)):
         m = re.search(rf"astrai: node {node} \(rank {rank}\) at (\S+), gloo on (\S+)", out)
         assert m and m.group(1) == cluster.addr[node] and m.group(2).startswith("astv"), out[-3000:]
-    assert_bitwise_equal(weights(repo), local_weights)
+        assert not ipaddress.ip_address(m.group(1)).is_loopback
 
+
+def _sql(uri: str, query: str, args: tuple = ()) -> list[tuple]:
     import psycopg2
 
-    from astrai.services import database, with_driver
-
-    with psycopg2.connect(database(with_driver(cluster.services["postgres"], None), "mlflow")) as conn:
+    conn = psycopg2.connect(uri)
+    try:
         with conn.cursor() as cur:
-            cur.execute("SELECT r.run_uuid, count(m.step) FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid "
-                        "JOIN metrics m ON m.run_uuid = r.run_uuid WHERE t.key = 'astrai.stage' AND "
-                        "t.value = 'pretrain' AND m.key LIKE '%%loss%%' GROUP BY r.run_uuid")
-            rows = cur.fetchall()
-    assert rows and max(n for _, n in rows) >= STEPS // 5 - 1, rows
+            cur.execute(query, args)
+            return cur.fetchall()
+    finally:
+        conn.close()
+
+
+def test_the_pipeline_as_a_deployment_run_trains_on_both_nodes_registers_and_serves_from_a_node(
+        cluster, project, local_weights, tmp_path):
+    """`prefect deploy` and `prefect deployment run` in the login namespace; the services' worker runs the whole
+    pipeline there, its overrides (this run only: params.yaml is the user's again after it) sending each training
+    stage to Slurm as a 2-node job, one rank per node, over the namespaces' addresses. Pretrain's weights equal the
+    local 2-rank run's bit for bit; the flow run is COMPLETED in Prefect's PostgreSQL, and pretrain's and sft's loss
+    curves and the registered champion are in MLflow's; `astrai serve --model models:/NAME@champion` started on
+    node n2 pulls the weights through the MLflow server and answers a request sent over the bridge."""
+    from astrai.services import database, wait_healthy, with_driver
+    from astrai_core.io import sha256_file
+    from tasks.layout import MODEL_STAGES, model_dir
+
+    repo, env = project
+    env = {**env, "PREFECT_HOME": str(tmp_path / "prefect"), "ASTRAI_PROJECT_DIR": str(repo)}
+    prefect, name = VENV_BIN / "prefect", "netns-pipeline"
+    overrides = {**{f"cluster.{k}": v for k, v in TWO_NODES.items()}, **{f"{s}.nproc": 1 for s in MODEL_STAGES}}
+    user_params = (repo / "params.yaml").read_text()
+    run_ok([*cluster.enter("login"), prefect, "--no-prompt", "deploy", "--all"], repo, env)
+    t = time.monotonic()
+    out = cluster.run("login", [prefect, "deployment", "run", "astrai-pipeline/default", "--params",
+                                json.dumps({"overrides": overrides}), "--flow-run-name", name, "--watch",
+                                "--watch-timeout", "1500"], cwd=repo, env=env, capture_output=True, text=True,
+                      timeout=1600)
+    log = repo / ".astrai" / "logs" / f"pipeline-{name}.log"
+    text = log.read_text() if log.exists() else ""
+    assert out.returncode == 0, f"{out.stdout[-2000:]}{out.stderr[-2000:]}\n--- {log} ---\n{text[-6000:]}"
+    print(f"the pipeline as a deployment run on the namespace cluster: {time.monotonic() - t:.0f} s", file=sys.stderr)
+    assert (repo / "params.yaml").read_text() == user_params  # the overrides were this run's only
+
+    # Every training stage ran as one Slurm job over both nodes ("--- stage X": the flow's log, tasks/runlog.py).
+    parts = re.split(r"^--- stage (\S+)\n", text, flags=re.M)
+    stages = dict(zip(parts[1::2], parts[2::2]))
+    for stage in MODEL_STAGES:
+        assert_on_both_nodes(cluster, stages.get(stage, ""), stage)
+    assert_bitwise_equal(weights(repo), local_weights)
+
+    # The flow run and its stages' runs, in the two databases on the login node's PostgreSQL
+    server = with_driver(cluster.services["postgres"], None)
+    flow_runs = _sql(database(server, "prefect"), "SELECT id, state_type FROM flow_run WHERE name = %s", (name,))
+    assert [state for _, state in flow_runs] == ["COMPLETED"], flow_runs
+    mlflow_db = database(server, "mlflow")
+    curves = dict(_sql(mlflow_db, "SELECT s.value, count(m.step) FROM tags f JOIN tags s ON s.run_uuid = f.run_uuid "
+                                  "JOIN metrics m ON m.run_uuid = f.run_uuid WHERE f.key = 'prefect.flow_run_id' AND "
+                                  "f.value = %s AND s.key = 'astrai.stage' AND m.key = 'train/loss' GROUP BY s.value",
+                       (str(flow_runs[0][0]),)))
+    sft = TINY_PARAMS["sft"]
+    assert curves.get("pretrain", 0) >= STEPS // 5 and curves.get("sft", 0) >= sft["max_steps"] // sft["log_every"], \
+        curves  # every log_every steps, by rank 0 on n1
+    model = yaml.safe_load(user_params)["register"]["model_name"]
+    champion = _sql(mlflow_db, "SELECT v.version, v.status, v.source, t.value FROM registered_model_aliases a JOIN "
+                               "model_versions v ON v.name = a.name AND v.version = a.version JOIN model_version_tags t "
+                               "ON t.name = v.name AND t.version = v.version WHERE a.name = %s AND a.alias = "
+                               "'champion' AND t.key = 'weights_sha256'", (model,))
+    assert len(champion) == 1 and champion[0][1] == "READY", champion
+    version, _, source, sha = champion[0]
+    registration = json.loads((repo / "data" / "register" / "registration.json").read_text())
+    assert registration["version"] == version, registration
+    assert sha == sha256_file(model_dir(repo, registration["stage"]) / "model.safetensors")
+    # the weights are where only the MLflow server reaches them (proxied artifacts), not at a path of the nodes
+    location = _sql(mlflow_db, "SELECT artifact_location FROM logged_models WHERE model_id = %s",
+                    (source.removeprefix("models:/"),))
+    assert len(location) == 1 and location[0][0].startswith("mlflow-artifacts:/"), (source, location)
+
+    # Served from node n2: the weights come through the MLflow server; the request crosses the bridge.
+    addr, port, key = cluster.addr[cluster.ns["n2"]], 8000, "netns-test-key"
+    serve_log = tmp_path / "serve.log"
+    with serve_log.open("w") as f:
+        proc = subprocess.Popen([*cluster.enter("n2"), VENV_BIN / "astrai", "serve", "--model",
+                                 f"models:/{model}@champion", "--host", addr, "--port", str(port), "--api-key", key,
+                                 "--engine-thread"], cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(f"http://{addr}:{port}/health", proc.pid, serve_log, timeout=300)
+        req = urllib.request.Request(f"http://{addr}:{port}/v1/completions", method="POST",
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+                                     data=json.dumps({"model": model, "prompt": "ROMEO.\n", "max_tokens": 8}).encode())
+        with urllib.request.urlopen(req, timeout=60) as r:
+            answer = json.loads(r.read())
+        assert answer["model"] == f"{model}/{version}" and answer["choices"][0]["text"], answer
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _lose_a_node(cluster: NetnsCluster, project, how: str) -> tuple[str, float]:
