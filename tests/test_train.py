@@ -147,6 +147,29 @@ def test_metric_logger_sends_to_mlflow_off_the_step_and_raises_a_failed_send(tmp
         lost.flush()
 
 
+def test_a_failed_run_sends_the_metrics_it_logged(core_tiny_data, tmp_path, monkeypatch):
+    """A run that fails mid-way still sends the steps it logged before the failure (held back by the sender's
+    interval otherwise, and lost with the process)."""
+    from mlflow.tracking import MlflowClient
+
+    from astrai_core.callbacks import Callback
+
+    class FailAt(Callback):
+        def on_optimizer_step_end(self, run):
+            if run.step == 7:
+                raise RuntimeError("failed at step 7")
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("f", artifact_location=str(tmp_path / "a"))).info.run_id
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
+    monkeypatch.setattr(MetricLogger, "send_every", 3600.0)
+    with pytest.raises(RuntimeError, match="failed at step 7"):
+        train(make_cfg(core_tiny_data, tmp_path / "run", log_every=1, val_data=None), callbacks=[FailAt()])
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == list(range(1, 8))
+
+
 def test_resolve_nproc():
     assert resolve_nproc(3, "cpu") == 3
     assert resolve_nproc("auto", "cpu") >= 1
