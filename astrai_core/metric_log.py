@@ -52,14 +52,13 @@ class MetricLogger:
     `enabled=False` (non-zero ranks) turns every method into a no-op, so the training loop calls it unconditionally.
     The file is truncated when the logger is created (one file per training run), except that a run resumed
     at step `resume_step` keeps the lines up to that step and appends after them. The file is written in the
-    call; MLflow gets the metrics from a sender thread (`background`), in order: the first logged step at once,
+    call; MLflow gets the metrics from a sender thread, in order: the first logged step at once,
     then everything logged since the last send every `send_every` seconds. `flush` sends the rest and waits for it.
     A send that fails (after the MLflow client's retries, astrai/env.py) is raised by the next `log` or `flush`,
     so the run fails as if it had failed in the step.
     """
 
-    background = True  # False: send in the caller's thread (bench/tracking_overhead.py compares the two)
-    send_every = SEND_EVERY_S
+    send_every = SEND_EVERY_S  # 0: a log_batch per logged step, as before (bench/tracking_overhead.py compares)
 
     def __init__(self, out_dir: str | os.PathLike, enabled: bool = True, resume_step: int | None = None) -> None:
         self.path = Path(out_dir) / "metrics.jsonl"
@@ -96,9 +95,6 @@ class MetricLogger:
             from mlflow.entities import Metric
 
             batch = [Metric(key=k, value=float(v), timestamp=now_ms, step=step) for k, v in metrics.items()]
-            if not self.background:
-                self.client.log_batch(self.run_id, metrics=batch)
-                return
             self._raise_failed()
             if self._sender is None:
                 self._sender = threading.Thread(target=self._send, name="mlflow-metrics", daemon=True)
