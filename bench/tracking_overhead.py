@@ -17,7 +17,8 @@ of a repeat go in a rotating order, so load drift on this shared machine hits ev
 each side's median and its ratio to off, the median time the training thread spent in MetricLogger.log per call,
 and where the CPU went during a run, in cores (CPU seconds / the run's seconds, median): the MLflow server's
 processes, PostgreSQL's (its backends serve Prefect as well: "off" shows that base), the sender thread and the
-system-metrics thread (each thread's own CPU clock).
+system-metrics thread (each thread's own CPU clock). Before the runs, log_batch_cpu_ms: the CPU one log_batch call
+takes in those processes and in the calling thread, for one logged step and for sixty (200 and 20 calls in a row).
 """
 
 from __future__ import annotations
@@ -77,6 +78,24 @@ def cpu_seconds(pid: int | None) -> float:
             continue
         total += t.user + t.system
     return total
+
+
+def log_batch_cpu_ms(client, exp_id: str, services: dict[str, int | None], steps: int, calls: int) -> dict:
+    """CPU milliseconds per log_batch call of `steps` logged steps of 4 metrics (what the training loop logs), in
+    each of `services` (name: pid) and in the calling thread: `calls` calls in a row into a run of their own.
+    Unlike steps/s, this does not depend on what else the machine runs."""
+    from mlflow.entities import Metric
+
+    run_id = client.create_run(exp_id, run_name=f"log-batch-{steps}").info.run_id
+    cpu0, t0 = {name: cpu_seconds(pid) for name, pid in services.items()}, time.thread_time()
+    for call in range(calls):
+        now = int(time.time() * 1000)
+        client.log_batch(run_id, metrics=[Metric(key, 1.0, now, call * steps + i) for i in range(steps)
+                                          for key in ("loss", "lr", "grad_norm", "tokens_per_sec")])
+    caller = time.thread_time() - t0
+    client.set_terminated(run_id)
+    used = {name: cpu_seconds(pid) - cpu0[name] for name, pid in services.items()} | {"caller": caller}
+    return {name: round(1000 * v / calls, 2) for name, v in used.items()}
 
 
 def steps_per_sec(cfg, data: dict, out: Path, steps: int, run_id: str | None, every_step: bool,
@@ -175,6 +194,11 @@ def main() -> None:
                     "postgres": int(pg_pid.read_text().split()[0]) if pg_pid.is_file() else None}
             exp = client.get_experiment_by_name("tracking-overhead") or None
             exp_id = exp.experiment_id if exp else client.create_experiment("tracking-overhead")
+            # one logged step per call (send_every = 0), and the 60 that quick's ~30 steps/s log in SEND_EVERY_S
+            report["log_batch_cpu_ms"] = {f"{steps}_steps": log_batch_cpu_ms(client, exp_id, pids, steps, calls)
+                                          for steps, calls in ((1, 5 if args.quick else 200),
+                                                               (60, 2 if args.quick else 20))}
+            print(json.dumps(report["log_batch_cpu_ms"]), flush=True)
             results = []
             for name in args.configs:
                 cfg = run_config(None if name == "demo" else name)
