@@ -109,7 +109,8 @@ def steps_per_sec(cfg, data: dict, out: Path, steps: int, run_id: str | None, ev
     from astrai_core.metric_log import MetricLogger
     from astrai_core.train import train
 
-    log, send, monitor, every = MetricLogger.log, MetricLogger._send, SystemMetricsMonitor.monitor, MetricLogger.send_every
+    log, send, every = MetricLogger.log, MetricLogger._send, MetricLogger.send_every
+    monitor = SystemMetricsMonitor.monitor
     threads = {"sender": 0.0, "system_metrics": 0.0}
 
     def timed(self, metrics, step):
