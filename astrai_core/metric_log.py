@@ -6,7 +6,9 @@ logs into that run and never starts or ends one. Without MLFLOW_RUN_ID, metrics 
 
 The metrics reach MLflow from a thread of their own, not from the training step: an HTTP call to a tracking server
 (and its retries while the server's database restarts) would otherwise stall every rank at the next collective.
-bench/tracking_overhead.py measured what that saves.
+That thread sends what was logged in one log_batch at most every SEND_EVERY_S seconds: one request per logged step
+made the server and its database (a commit each) take CPU the training needed when they share its cores.
+bench/tracking_overhead.py measures both.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Iterator, Mapping
 MAX_PARAM_CHARS = 500  # MLflow's limit on a param value
 PARAMS_PER_BATCH = 100  # MLflow's limit on params per log_batch call
 METRICS_PER_BATCH = 1000  # MLflow's limit on metrics per log_batch call
+SEND_EVERY_S = 10.0  # the sender's log_batch calls are at least this far apart (what a run shows lags by at most this)
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -49,13 +52,13 @@ class MetricLogger:
     `enabled=False` (non-zero ranks) turns every method into a no-op, so the training loop calls it unconditionally.
     The file is truncated when the logger is created (one file per training run), except that a run resumed
     at step `resume_step` keeps the lines up to that step and appends after them. The file is written in the
-    call; MLflow gets the metrics from a sender thread (`background`), in order, several logged steps in one
-    log_batch when it lags. `flush` waits until it has sent everything. A send that fails (after the MLflow
-    client's retries, astrai/env.py) is raised by the next `log` or `flush`, so the run fails as if it had failed
-    in the step.
+    call; MLflow gets the metrics from a sender thread, in order: the first logged step at once,
+    then everything logged since the last send every `send_every` seconds. `flush` sends the rest and waits for it.
+    A send that fails (after the MLflow client's retries, astrai/env.py) is raised by the next `log` or `flush`,
+    so the run fails as if it had failed in the step.
     """
 
-    background = True  # False: send in the caller's thread (bench/tracking_overhead.py compares the two)
+    send_every = SEND_EVERY_S  # 0: a log_batch per logged step, as before (bench/tracking_overhead.py compares)
 
     def __init__(self, out_dir: str | os.PathLike, enabled: bool = True, resume_step: int | None = None) -> None:
         self.path = Path(out_dir) / "metrics.jsonl"
@@ -92,9 +95,6 @@ class MetricLogger:
             from mlflow.entities import Metric
 
             batch = [Metric(key=k, value=float(v), timestamp=now_ms, step=step) for k, v in metrics.items()]
-            if not self.background:
-                self.client.log_batch(self.run_id, metrics=batch)
-                return
             self._raise_failed()
             if self._sender is None:
                 self._sender = threading.Thread(target=self._send, name="mlflow-metrics", daemon=True)
@@ -102,24 +102,28 @@ class MetricLogger:
             self._queue.put(batch)
 
     def _send(self) -> None:
-        """The sender thread: each queued batch (and what queued behind it, up to MLflow's limit) in one log_batch,
-        until the None that `flush` queues."""
-        while (batch := self._queue.get()) is not None:
-            ended = False
-            while len(batch) < METRICS_PER_BATCH and not self._queue.empty():
-                more = self._queue.get()
-                if more is None:
-                    ended = True
-                    break
-                batch += more
+        """The sender thread: what was logged since its last log_batch (in calls of up to MLflow's limit), once
+        `send_every` seconds have passed since that call, and the rest at the None that `flush` queues."""
+        pending: list = []
+        due = time.monotonic()
+        while True:
+            try:  # wait for a logged step, or, with one pending, until it is due
+                item = self._queue.get(timeout=max(0.0, due - time.monotonic()) if pending else None)
+            except queue.Empty:
+                item = []
+            if item is not None:
+                pending += item
+                if time.monotonic() < due:
+                    continue
             try:
-                for i in range(0, len(batch), METRICS_PER_BATCH):
-                    self.client.log_batch(self.run_id, metrics=batch[i : i + METRICS_PER_BATCH])
+                for i in range(0, len(pending), METRICS_PER_BATCH):
+                    self.client.log_batch(self.run_id, metrics=pending[i : i + METRICS_PER_BATCH])
             except BaseException as e:  # noqa: BLE001 - raised in the training thread by the next log or flush
                 self._failed = e
                 return
-            if ended:
+            if item is None:
                 return
+            pending, due = [], time.monotonic() + self.send_every
 
     def _raise_failed(self) -> None:
         if self._failed is not None:

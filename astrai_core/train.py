@@ -329,6 +329,8 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
                            f"{run.summary['wall_seconds']:.1f} s")
             emit(callbacks, "on_train_end", run)
     except BaseException as e:
+        with contextlib.suppress(Exception):  # the steps logged before the failure reach MLflow too, if it can
+            log.flush()
         emit(callbacks, "on_error", run, e)
         raise
     teardown(t, d)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -94,28 +95,79 @@ def test_metric_logger(tmp_path, monkeypatch):
 
 
 def test_metric_logger_sends_to_mlflow_off_the_step_and_raises_a_failed_send(tmp_path, monkeypatch):
-    """With MLFLOW_RUN_ID the metrics reach the run from the sender thread, every step once and in order, by the
-    time flush returns; a send that fails (here: a run the store does not have) is raised by the next flush."""
+    """With MLFLOW_RUN_ID the metrics reach the run from the sender thread: the first logged step at once, the
+    steps after it together once `send_every` has passed (here not before flush: an hour), and by the time flush
+    returns every step once and in order (1,200 metrics: two log_batch calls at MLflow's limit of 1,000). With a
+    short `send_every` they arrive without a flush. A send that fails (here: a run the store does not have) is
+    raised by the next flush."""
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     client = MlflowClient(uri)
-    run_id = client.create_run(client.create_experiment("m", artifact_location=str(tmp_path / "a"))).info.run_id
+    exp = client.create_experiment("m", artifact_location=str(tmp_path / "a"))
+
+    def logged(run_id: str, key: str = "loss") -> list[int]:
+        return [m.step for m in client.get_metric_history(run_id, key)]
+
+    def wait_for(run_id: str, steps: list[int]) -> None:
+        deadline = time.monotonic() + 60
+        while logged(run_id) != steps and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    run_id = client.create_run(exp).info.run_id
     monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
+    monkeypatch.setattr(MetricLogger, "send_every", 3600.0)
     log = MetricLogger(tmp_path / "on")
-    for step in range(1, 31):
-        log.log({"loss": 1.0 / step, "lr": 0.1}, step=step)
+    for step in range(1, 301):
+        log.log({"loss": 1.0 / step, "lr": 0.1, "grad_norm": 1.0, "tokens_per_sec": 5.0}, step=step)
     assert log._sender is not None and log._sender.is_alive()  # sent from its own thread
+    wait_for(run_id, [1])
+    assert logged(run_id) == [1]  # the first step at once, the rest held back
     log.flush()
-    assert [m.step for m in client.get_metric_history(run_id, "loss")] == list(range(1, 31))
-    assert [m.value for m in client.get_metric_history(run_id, "loss")] == [1.0 / s for s in range(1, 31)]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_sec"):
+        assert logged(run_id, key) == list(range(1, 301))
+    assert [m.value for m in client.get_metric_history(run_id, "loss")] == [1.0 / s for s in range(1, 301)]
+
+    run_id = client.create_run(exp).info.run_id
+    monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
+    monkeypatch.setattr(MetricLogger, "send_every", 0.1)
+    log = MetricLogger(tmp_path / "periodic")
+    for step in range(1, 11):
+        log.log({"loss": 1.0 / step}, step=step)
+    wait_for(run_id, list(range(1, 11)))
+    assert logged(run_id) == list(range(1, 11))  # sent without a flush
+    log.flush()
+
     monkeypatch.setenv("MLFLOW_RUN_ID", "0" * 32)
     lost = MetricLogger(tmp_path / "lost")
     lost.log({"loss": 1.0}, step=1)
     with pytest.raises(MlflowException):
         lost.flush()
+
+
+def test_a_failed_run_sends_the_metrics_it_logged(core_tiny_data, tmp_path, monkeypatch):
+    """A run that fails mid-way still sends the steps it logged before the failure (held back by the sender's
+    interval otherwise, and lost with the process)."""
+    from mlflow.tracking import MlflowClient
+
+    from astrai_core.callbacks import Callback
+
+    class FailAt(Callback):
+        def on_optimizer_step_end(self, run):
+            if run.step == 7:
+                raise RuntimeError("failed at step 7")
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("f", artifact_location=str(tmp_path / "a"))).info.run_id
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
+    monkeypatch.setattr(MetricLogger, "send_every", 3600.0)
+    with pytest.raises(RuntimeError, match="failed at step 7"):
+        train(make_cfg(core_tiny_data, tmp_path / "run", log_every=1, val_data=None), callbacks=[FailAt()])
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == list(range(1, 8))
 
 
 def test_resolve_nproc():
