@@ -86,6 +86,32 @@ def make_quick_project(tmp_path: _Path) -> tuple[_Path, dict]:
     env.pop("PREFECT_API_URL", None)
     return repo, env
 
+def stop_group(proc: _subprocess.Popen, timeout: float = 30) -> None:
+    """End `proc` (started with start_new_session) and its process group: SIGTERM, SIGKILL after `timeout` s."""
+    import signal
+
+    if proc.poll() is not None:
+        return
+    _os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except _subprocess.TimeoutExpired:
+        _os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def served_completion(base_url: str, model: str, api_key: str | None = None) -> dict:
+    """The JSON answer of `astrai serve` at base_url to a short /v1/completions request for `model`."""
+    import json
+    import urllib.request
+
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    req = urllib.request.Request(f"{base_url}/v1/completions", method="POST", headers=headers,
+                                 data=json.dumps({"model": model, "prompt": "ROMEO.\n", "max_tokens": 8}).encode())
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
 # --- MLflow's process-global tracking URI: each test starts where the last one started ---------------------------
 
 import pytest

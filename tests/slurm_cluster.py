@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from conftest import stop_group
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
 
@@ -142,13 +144,7 @@ class Cluster:
     def stop(self) -> None:
         subprocess.run(["scancel", "--full", "--user=root"], env=self.env, capture_output=True)
         for p in reversed(self.procs):  # slurmd, slurmctld, munged
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-                try:
-                    p.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+            stop_group(p, timeout=15)
         self.procs.clear()
         shutil.rmtree(self.munge, ignore_errors=True)
 

@@ -19,13 +19,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import TINY_PARAMS, VENV_BIN, make_project, run_ok
+from conftest import TINY_PARAMS, VENV_BIN, make_project, run_ok, served_completion, stop_group
 from netns_cluster import NetnsCluster, missing
 from test_slurm import assert_bitwise_equal, set_params, stage, weights
 
@@ -170,8 +169,8 @@ def test_the_pipeline_as_a_deployment_run_trains_on_both_nodes_registers_and_ser
     # Every training stage ran as one Slurm job over both nodes ("--- stage X": the flow's log, tasks/runlog.py).
     parts = re.split(r"^--- stage (\S+)\n", text, flags=re.M)
     stages = dict(zip(parts[1::2], parts[2::2]))
-    for stage in MODEL_STAGES:
-        assert_on_both_nodes(cluster, stages.get(stage, ""), stage)
+    for model_stage in MODEL_STAGES:
+        assert_on_both_nodes(cluster, stages.get(model_stage, ""), model_stage)
     assert_bitwise_equal(weights(repo), local_weights)
 
     # The flow run and its stages' runs, in the two databases on the login node's PostgreSQL
@@ -211,19 +210,10 @@ def test_the_pipeline_as_a_deployment_run_trains_on_both_nodes_registers_and_ser
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_healthy(f"http://{addr}:{port}/health", proc.pid, serve_log, timeout=300)
-        req = urllib.request.Request(f"http://{addr}:{port}/v1/completions", method="POST",
-                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
-                                     data=json.dumps({"model": model, "prompt": "ROMEO.\n", "max_tokens": 8}).encode())
-        with urllib.request.urlopen(req, timeout=60) as r:
-            answer = json.loads(r.read())
+        answer = served_completion(f"http://{addr}:{port}", model, key)
         assert answer["model"] == f"{model}/{version}" and answer["choices"][0]["text"], answer
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc)
 
 
 def _lose_a_node(cluster: NetnsCluster, project, how: str) -> tuple[str, float]:

@@ -78,7 +78,7 @@ def project(cluster, mlflow_server, tmp_path_factory):
     root = tmp_path_factory.mktemp("slurm-project")
     repo = root / "project"
     env = make_project(repo, root / "remote", "astrai-slurm-test")
-    env.update(cluster.env)
+    env.update({k: v for k, v in cluster.env.items() if os.environ.get(k) != v})  # SLURM_CONF; PATH stays the venv's
     env.update({"GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(repo), "MLFLOW_TRACKING_URI": mlflow_server})
     set_params(repo, {"pretrain": {"max_steps": STEPS, "checkpoint_every": 10, "log_every": 5, "eval_every": 60}})
     run_ok([VENV_BIN / "dvc", "repro", "pack"], repo, env)

@@ -16,19 +16,17 @@ import getpass
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import PROJECT_ROOT, VENV_BIN, make_project, run_ok
+from conftest import PROJECT_ROOT, VENV_BIN, make_project, run_ok, served_completion, stop_group
 
 pytestmark = pytest.mark.integration
 
@@ -267,15 +265,10 @@ def test_promote_to_prod_under_the_lock_and_serve_it(services, deployment_run, t
                             stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", proc.pid, tmp_path / "serve.log", timeout=300)
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
-                                     headers={"Content-Type": "application/json"},
-                                     data=json.dumps({"model": target, "prompt": "ROMEO.\n", "max_tokens": 8}).encode())
-        with urllib.request.urlopen(req, timeout=60) as r:
-            answer = json.loads(r.read())
+        answer = served_completion(f"http://127.0.0.1:{port}", target)
         assert answer["model"] == f"{target}/1" and answer["choices"][0]["text"], answer
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+        stop_group(proc)
 
 
 def test_registrations_race_into_one_registry(services, deployment_run, tmp_path):
