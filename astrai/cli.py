@@ -290,13 +290,15 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
     n_threads, why = _serve_threads(threads)
     options = {"kv_blocks": kv_blocks, "kv_memory_mb": kv_memory_mb, "block_size": block_size,
                "max_batch_size": max_batch_size, "max_waiting": max_waiting}
+    try:  # the engine's options, before the model loads (or downloads)
+        config = EngineConfig(**{k: v for k, v in options.items() if v is not None},
+                              prefix_cache=not no_prefix_cache, batch_invariant=batch_invariant, compile=compile)
+    except ValueError as e:
+        _fail(str(e))
     with tempfile.TemporaryDirectory(prefix="astrai-serve-") as tmp:  # a registry download, gone once loaded
         try:
             checkpoint, model_id, aliases = resolve_model(model, Path(tmp))
             chat = load_chat(checkpoint / "tokenizer.json")
-            config = EngineConfig(**{k: v for k, v in options.items() if v is not None},
-                                  prefix_cache=not no_prefix_cache, batch_invariant=batch_invariant,
-                                  compile=compile)
             if engine_process:
                 engine = EngineProcess(checkpoint, config, device=device, threads=n_threads)
             else:

@@ -122,6 +122,8 @@ CASES = {  # id: (args, cwd under the work folder, the one line's text after "as
     "port 99999": (["serve", "--model", "ckpt", "--port", "99999"], ".", "--port 99999: expected a TCP port from 1"),
     "port -5": (["serve", "--model", "ckpt", "--port", "-5"], ".", "--port -5: expected a TCP port from 1"),
     "alias-poll -3": (["serve", "--model", "ckpt", "--alias-poll", "-3"], ".", "--alias-poll -3: expected seconds >= 0"),
+    "compile and batch-invariant": (["serve", "--model", "ckpt", "--compile", "--batch-invariant"], ".",
+                                    "compile and batch_invariant cannot be combined"),
     "nproc abc": (["train", "--config", "cfg_beta1.json", "--nproc", "abc"], ".", "--nproc abc: expected auto or"),
     "nproc 0": (["train", "--config", "cfg_beta1.json", "--nproc", "0"], ".", "--nproc 0: expected auto or"),
     "nproc -2": (["train", "--config", "cfg_beta1.json", "--nproc=-2"], ".", "--nproc -2: expected auto or"),
