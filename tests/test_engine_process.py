@@ -100,13 +100,14 @@ def test_cancel_ends_a_request_and_the_queue_bound_holds(checkpoint):
     ckpt, _ = checkpoint
     engine = EngineProcess(ckpt, EngineConfig(kv_blocks=64, block_size=4, max_batch_size=1, max_waiting=1),
                            threads=1)
-    engine.start()
     try:
         long = Collector()
         rid = engine.submit([1, 2, 3], greedy(60), long)
-        # Not yet admitted, it counts as waiting, as in Engine (the child has not reported it running yet).
+        # Sent but not yet reported received by the child, it counts as waiting, as in Engine. The reader thread is
+        # not started yet, so no report can arrive in between (a fast child once reported it running first).
         with pytest.raises(QueueFull, match="1 requests are waiting"):
             engine.submit([4], greedy(2), Collector())
+        engine.start()
         _wait_for(engine, "running", 1)
         engine.submit([4], greedy(2), Collector())  # waits behind the first (batch cap 1)
         with pytest.raises(QueueFull):
