@@ -19,6 +19,13 @@ DEFAULTS = {
 
 
 def apply() -> None:
-    """Set each default the environment does not set already."""
+    """Set each default the environment does not set already; make PREFECT_HOME's directory if it is missing (Prefect
+    makes only its last part: in a directory that does not exist yet its temporary server fails to open its database,
+    and the run waits 120 s for it, then stops with "Timed out while attempting to connect")."""
     for key, value in DEFAULTS.items():
         os.environ.setdefault(key, value)
+    if os.environ.get("PREFECT_HOME"):
+        try:
+            os.makedirs(os.path.expanduser(os.environ["PREFECT_HOME"]), exist_ok=True)
+        except OSError:  # Prefect says what it could not make
+            pass
