@@ -42,8 +42,9 @@ def run_ok(cmd, cwd, env) -> str:
     return out.stdout + out.stderr
 
 
-def make_project(repo: _Path, remote: _Path, model_name: str) -> dict:
-    """Copy the pipeline's definition into `repo`, make it a git + DVC repo with tiny params; returns its env."""
+def make_project(repo: _Path, remote: _Path, model_name: str, post_training: bool = True) -> dict:
+    """Copy the pipeline's definition into `repo`, make it a git + DVC repo with tiny params; returns its env.
+    post_training=False disables sft, dpo and grpo (for tests of an entry point, not of the stages: a minute less)."""
     import yaml
 
     repo.mkdir(parents=True, exist_ok=True)
@@ -55,7 +56,8 @@ def make_project(repo: _Path, remote: _Path, model_name: str) -> dict:
     # Registered by test bits/char: a model this tiny scores 0 on the tasks, and chosen by a task metric it would stay
     # candidate (tasks/register.py no_skill); these projects test the registry and serving, which need a champion.
     register = {"model_name": model_name, "metric": "test_bits_per_char"}
-    for section, values in {**TINY_PARAMS, "register": register}.items():
+    off = {} if post_training else {kind: {**TINY_PARAMS[kind], "enabled": False} for kind in ("sft", "dpo", "grpo")}
+    for section, values in {**TINY_PARAMS, "register": register, **off}.items():
         for key, value in values.items():
             if isinstance(value, dict) and isinstance(params[section].get(key), dict):
                 params[section][key].update(value)

@@ -42,7 +42,7 @@ def stop(proc: subprocess.Popen, *signals: int) -> None:
 
 def test_deployment_run_on_server_and_process_worker(tmp_path):
     repo = tmp_path / "project"
-    env = make_project(repo, tmp_path / "remote", "astrai-deploy-test")
+    env = make_project(repo, tmp_path / "remote", "astrai-deploy-test", post_training=False)
     port = free_port()
     env.update({"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
                 "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "ASTRAI_PROJECT_DIR": str(repo)})
