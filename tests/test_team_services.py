@@ -386,7 +386,7 @@ def test_a_stage_logging_through_a_postgres_restart(services, data_tokenizer, co
     """PostgreSQL stopped for 5 s and started again under `astrai stage pretrain` (a tiny model, 300 steps, rank 0
     logging every step to the stage's run on the MLflow server): with the retries astrai/env.py sets, the stage
     finishes, its run is FINISHED and holds every step's metrics once. Without retries
-    (MLFLOW_HTTP_REQUEST_MAX_RETRIES=0) the same outage fails the stage with one line; its run, which it could not
+    (MLFLOW_HTTP_REQUEST_MAX_RETRIES=0) an outage that lasts until the stage ends fails it with one line; its run, which it could not
     end while the database was down, is left RUNNING, and the stage run again marks it FAILED (its process is gone)
     and finishes."""
     import urllib.parse
@@ -419,10 +419,12 @@ def test_a_stage_logging_through_a_postgres_restart(services, data_tokenizer, co
     client = mlflow.MlflowClient(services["env"]["MLFLOW_TRACKING_URI"])
     metrics = project / "data" / "pretrain.logs" / "metrics.jsonl"
 
-    def run_stage(restart: bool, **env: str) -> tuple[subprocess.Popen, str, str, list[int], bool]:
-        """The stage from scratch; with `restart`, PostgreSQL down for 5 s once 20 steps are logged. Returns (its
-        process, ended; its stderr; its MLflow run's id; the steps of its metrics.jsonl; whether it still ran when
-        PostgreSQL was back)."""
+    def run_stage(restart: bool, until_exit: bool = False, **env: str) -> tuple[subprocess.Popen, str, str, list[int],
+                                                                                  bool]:
+        """The stage from scratch; with `restart`, PostgreSQL down for 5 s once 20 steps are logged (`until_exit`:
+        until the stage has ended, so that a metrics batch is sent while it is down, whenever the sender sends).
+        Returns (its process, ended; its stderr; its MLflow run's id; the steps of its metrics.jsonl; whether it still
+        ran when PostgreSQL was back)."""
         shutil.rmtree(project / "data" / "pretrain", ignore_errors=True)
         metrics.unlink(missing_ok=True)
         proc = subprocess.Popen([str(VENV_BIN / "astrai"), "stage", "pretrain"], cwd=project,
@@ -436,6 +438,8 @@ def test_a_stage_logging_through_a_postgres_restart(services, data_tokenizer, co
             before = (data / "postmaster.pid").read_text().split()[0]
             _pg("pg_ctl", "-D", str(data), "-m", "fast", "-w", "stop", log=d / "postgres" / "pg_ctl.log")
             time.sleep(5)
+            if until_exit:
+                proc.wait(timeout=600)
             start_postgres(d, "127.0.0.1", port)
             assert (data / "postmaster.pid").read_text().split()[0] != before  # a new postmaster
         running = proc.poll() is None
@@ -452,7 +456,7 @@ def test_a_stage_logging_through_a_postgres_restart(services, data_tokenizer, co
                                      "ORDER BY step")]
     assert steps == list(range(1, 301)) and logged == steps  # every step, once, through the outage
 
-    failed, err, dead_run, _, _ = run_stage(restart=True, MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
+    failed, err, dead_run, _, _ = run_stage(restart=True, until_exit=True, MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
     lines = err.strip().splitlines()
     assert failed.returncode != 0 and lines[-1].startswith("astrai: error: "), err[-3000:]
     print(f"without retries the stage failed with: {lines[-1]}", file=sys.stderr)
