@@ -14,6 +14,9 @@ export DO_NOT_TRACK := 1
 PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 POOL ?= astrai-local
+# `make test` runs the test modules on this many processes (pytest-xdist; a module's tests stay on one): run one at
+# a time, the suite kept 2 cores only 57 % busy (waiting for servers, rendezvous and timeouts).
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test pipeline repro serve server worker deploy run-deployment stop mlflow-ui mlflow-server \
   team-services team-services-stop bench llama-cpp clean
@@ -38,7 +41,7 @@ pipeline: setup  ## the pipeline with a profile for this run: `make pipeline PRO
 	$(BIN)/astrai pipeline $(if $(PROFILE),--profile $(PROFILE))
 
 test: setup  ## the test suite
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 repro: setup  ## the same stages through DVC
 	$(BIN)/dvc repro

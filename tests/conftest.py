@@ -11,6 +11,10 @@ from pathlib import Path as _Path
 
 from astrai import env as _env
 
+if _os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs the modules on 2 workers (pytest-xdist, Makefile)
+    # A Prefect home per worker: two workers' temporary Prefect servers never share one SQLite database.
+    _home = _Path(_os.environ.get("PREFECT_HOME") or _Path.home() / ".prefect")
+    _os.environ["PREFECT_HOME"] = str(_home / f"xdist-{_os.environ['PYTEST_XDIST_WORKER']}")
 _env.apply()  # before anything imports Prefect, MLflow or DVC
 
 PROJECT_ROOT = _Path(__file__).resolve().parents[1]
@@ -112,6 +116,14 @@ def served_completion(base_url: str, model: str, api_key: str | None = None) -> 
                                  data=json.dumps({"model": model, "prompt": "ROMEO.\n", "max_tokens": 8}).encode())
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
+
+
+def pytest_collection_modifyitems(items):
+    """The modules marked integration as a whole (pytestmark: whole pipelines, clusters, servers; minutes each) first,
+    the rest after in their order: on `make test`'s 2 workers the long ones then start at once, not last."""
+    def whole_module_integration(item) -> bool:
+        return any(m.name == "integration" for m in getattr(item.module, "pytestmark", []))
+    items.sort(key=lambda item: not whole_module_integration(item))  # stable: each group keeps its order
 
 
 # --- MLflow's process-global tracking URI: each test starts where the last one started ---------------------------
