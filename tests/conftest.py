@@ -118,18 +118,18 @@ def served_completion(base_url: str, model: str, api_key: str | None = None) -> 
         return json.loads(r.read())
 
 
-def pytest_collection_modifyitems(items):
-    """The modules marked integration as a whole (pytestmark: whole pipelines, clusters, servers; minutes each) first,
-    the rest after in their order: on `make test`'s 2 workers the long ones then start at once, not last."""
-    def whole_module_integration(item) -> bool:
-        return any(m.name == "integration" for m in getattr(item.module, "pytestmark", []))
-    items.sort(key=lambda item: not whole_module_integration(item))  # stable: each group keeps its order
-
-
-# --- MLflow's process-global tracking URI: each test starts where the last one started ---------------------------
+# --- the order: the long modules first ----------------------------------------------------------------------------
 
 import pytest
 
+
+def pytest_collection_modifyitems(items):
+    """The modules marked integration as a whole (pytestmark: whole pipelines, clusters, servers; minutes each) first,
+    the rest after in their order: on `make test`'s 2 workers the long ones then start at once, not last."""
+    items.sort(key=lambda item: item.getparent(pytest.Module).get_closest_marker("integration") is None)  # stable
+
+
+# --- MLflow's process-global tracking URI: each test starts where the last one started ---------------------------
 
 @pytest.fixture(autouse=True)
 def _mlflow_tracking_uri_restored():
