@@ -2,6 +2,7 @@
 (the Makefile exports the telemetry switches too, for the prefect and mlflow commands it runs itself)."""
 
 import os
+from pathlib import Path
 
 DEFAULTS = {
     # Telemetry off: the network here is closed and they would stall.
@@ -19,13 +20,13 @@ DEFAULTS = {
 
 
 def apply() -> None:
-    """Set each default the environment does not set already; make PREFECT_HOME's directory if it is missing (Prefect
-    makes only its last part: in a directory that does not exist yet its temporary server fails to open its database,
-    and the run waits 120 s for it, then stops with "Timed out while attempting to connect")."""
+    """Set each default the environment does not set already; make the directory PREFECT_HOME is in if it is missing
+    (Prefect makes PREFECT_HOME itself, when it first needs it, but not its parents: its temporary server then fails
+    to open its database, and the run waits 120 s for it and stops with "Timed out while attempting to connect")."""
     for key, value in DEFAULTS.items():
         os.environ.setdefault(key, value)
     if os.environ.get("PREFECT_HOME"):
         try:
-            os.makedirs(os.path.expanduser(os.environ["PREFECT_HOME"]), exist_ok=True)
+            Path(os.environ["PREFECT_HOME"]).expanduser().parent.mkdir(parents=True, exist_ok=True)
         except OSError:  # Prefect says what it could not make
             pass
