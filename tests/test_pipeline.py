@@ -191,7 +191,7 @@ def test_dvc_is_up_to_date_after_the_flow_and_second_run_skips_everything(flow_r
 
 def test_changing_a_grpo_param_reruns_only_grpo_and_after(flow_result):
     """Plain `dvc repro` (no Prefect): only grpo and the stages after it that use its model rerun (no stage before
-    it); register decides on champion."""
+    it)."""
     repo, env = flow_result["repo"], dict(flow_result["env"])
     env["MLFLOW_TRACKING_URI"] = flow_result["result"]["mlflow_tracking_uri"]
     params = yaml.safe_load((repo / "params.yaml").read_text())
@@ -200,15 +200,6 @@ def test_changing_a_grpo_param_reruns_only_grpo_and_after(flow_result):
     out = run([str(BIN / "dvc"), "repro"], repo, env)
     ran = {s for s in STAGES if f"Running stage '{s}'" in out}
     assert ran == {"grpo", "evaluate", "register"}, out
-
-    client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])
-    assert str(client.get_model_version_by_alias(MODEL_NAME, "candidate").version) == "2"
-    bits = {v: float(client.get_model_version(MODEL_NAME, v).tags["test_bits_per_char"]) for v in ("1", "2")}
-    champion = str(client.get_model_version_by_alias(MODEL_NAME, "champion").version)
-    registration = json.loads((repo / "data/register/registration.json").read_text())
-    assert ("champion" in registration["aliases"]) == (champion == "2"), registration["decision"]
-    if bits["2"] >= bits["1"]:  # register.metric: test_bits_per_char (conftest), lower is better
-        assert champion == "1", registration["decision"]
 
 
 def test_a_disabled_stage_passes_its_input_on(flow_result):
