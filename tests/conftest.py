@@ -51,6 +51,8 @@ def make_project(repo: _Path, remote: _Path, model_name: str, post_training: boo
     post_training=False disables sft, dpo and grpo (for tests of an entry point, not of the stages: a minute less)."""
     import yaml
 
+    from tasks.layout import MODEL_STAGES
+
     repo.mkdir(parents=True, exist_ok=True)
     for name in ("dvc.yaml", ".gitignore", "prefect.yaml"):
         _shutil.copy(PROJECT_ROOT / name, repo / name)
@@ -60,7 +62,7 @@ def make_project(repo: _Path, remote: _Path, model_name: str, post_training: boo
     # Registered by test bits/char: a model this tiny scores 0 on the tasks, and chosen by a task metric it would stay
     # candidate (tasks/register.py no_skill); these projects test the registry and serving, which need a champion.
     register = {"model_name": model_name, "metric": "test_bits_per_char"}
-    off = {} if post_training else {kind: {**TINY_PARAMS[kind], "enabled": False} for kind in ("sft", "dpo", "grpo")}
+    off = {} if post_training else {kind: {**TINY_PARAMS[kind], "enabled": False} for kind in MODEL_STAGES[1:]}
     for section, values in {**TINY_PARAMS, "register": register, **off}.items():
         for key, value in values.items():
             if isinstance(value, dict) and isinstance(params[section].get(key), dict):

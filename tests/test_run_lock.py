@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from conftest import VENV_BIN, make_quick_project, run_ok
+from tasks.layout import MODEL_STAGES
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +27,7 @@ def astrai(*args) -> list[str]:
 
 # The lock is the pipeline's, not the stages': the runs here stop after pretrain's model is evaluated and registered
 # (about a minute less per run than the whole quick chain).
-POST_TRAINING_OFF = {f"{kind}.enabled": False for kind in ("sft", "dpo", "grpo")}
+POST_TRAINING_OFF = {f"{kind}.enabled": False for kind in MODEL_STAGES[1:]}  # sft, dpo, grpo
 NO_POST_TRAINING = [a for key in POST_TRAINING_OFF for a in ("--set", f"{key}=false")]
 
 
