@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from astrai_core.engine import Engine, EngineConfig
+from astrai_core.engine import Engine, EngineConfig, runner
 from test_engine import capped, greedy, model_for, one_thread, prompts_for, reference_logprobs, run, solo  # noqa: F401
 
 VARIANTS = ["default", "moe"]  # moe: its routing (data-dependent shapes) splits the graph
@@ -23,10 +23,14 @@ def compiled(request):
                                              compile=True))
 
 
-def test_compiled_decode_steps_equal_generate_and_never_recompile(compiled, monkeypatch):
+@pytest.mark.parametrize("guards", ["evaluated", "skipped"])
+def test_compiled_decode_steps_equal_generate_and_never_recompile(compiled, guards, monkeypatch):
     """Batches of 1 to 6 rows (more requests than fit, so the batch grows and shrinks), one-token prompts among
-    them, tables of one to several blocks: tokens equal generate() alone, with no compilation after start-up."""
+    them, tables of one to several blocks: tokens equal generate() alone, with no compilation after start-up
+    (which only shows with every guard evaluated: runner.SKIP_GUARDS off), and equal them again as served (the
+    guards that tell the graphs apart only)."""
     model, engine = compiled
+    monkeypatch.setattr(runner, "SKIP_GUARDS", guards == "skipped")
     eager_calls = []
     eager = engine.runner._forward
     monkeypatch.setattr(engine.runner, "_forward", lambda *a: eager_calls.append((a[0].shape[1], len(a[4]))) or eager(*a))
