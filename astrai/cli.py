@@ -69,6 +69,8 @@ def pipeline(
                 typer.echo(f"{note} (left by an interrupted run)")
             resolved = params_of_run(Path(), str(params), overrides, profile)  # a bad key stops here, before Prefect
             check_cluster(resolved.params, Path.cwd(), str(params))  # and what launcher slurm needs of this machine
+            if not os.environ.get("PREFECT_API_URL") and (why := env.prefect_home_problem()):
+                _fail(why)
             from flows.pipeline import pipeline as flow
 
             # The temporary server stops at exit, after the error line, which must stay the last: its "Stopping

@@ -30,3 +30,16 @@ def apply() -> None:
             Path(os.environ["PREFECT_HOME"]).expanduser().parent.mkdir(parents=True, exist_ok=True)
         except OSError:  # Prefect says what it could not make
             pass
+
+
+def prefect_home_problem() -> str | None:
+    """Why a temporary Prefect server could not keep its database in PREFECT_HOME (default ~/.prefect), or None.
+    Checked, making nothing, before `astrai pipeline` starts one: otherwise the run waits out the start-up timeout
+    and ends on Prefect's "Timed out while attempting to connect", which does not say where."""
+    home = Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser().absolute()
+    existing = next(p for p in (home, *home.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        why = "not a directory" if not existing.is_dir() else "not writable"
+        return (f"PREFECT_HOME={home}: the temporary Prefect server cannot keep its database there ({existing} is "
+                f"{why}); set PREFECT_HOME to a writable directory, or PREFECT_API_URL to a Prefect server")
+    return None
