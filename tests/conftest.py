@@ -94,6 +94,15 @@ def make_quick_project(tmp_path: _Path) -> tuple[_Path, dict]:
     env.pop("PREFECT_API_URL", None)
     return repo, env
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def stop_group(proc: _subprocess.Popen, timeout: float = 30) -> None:
     """End `proc` (started with start_new_session) and its process group: SIGTERM, SIGKILL after `timeout` s."""
     import signal

@@ -11,14 +11,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from conftest import stop_group
+from conftest import free_port, stop_group
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
@@ -33,14 +32,8 @@ def missing() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _conf(d: Path, cpus: int, controller: tuple[str, str], nodes: dict[str, str]) -> str:
-    ctld_port, slurmd_port = _free_port(), _free_port()
+    ctld_port, slurmd_port = free_port(), free_port()
     node_lines = "\n".join(f"NodeName={name} NodeAddr={addr} CPUs={cpus} RealMemory=1000 State=UNKNOWN"
                             for name, addr in nodes.items())
     return f"""ClusterName=astrai-test

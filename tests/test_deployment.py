@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -15,15 +14,9 @@ import mlflow
 import pytest
 
 from astrai.services import wait_healthy
-from conftest import VENV_BIN, make_project, run_ok
+from conftest import VENV_BIN, free_port, make_project, run_ok
 
 pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stop(proc: subprocess.Popen, *signals: int) -> None:

@@ -10,7 +10,6 @@ import random
 import re
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from astrai_core.config import ModelConfig, TrainConfig
 from astrai_core.io import sha256_file
 from astrai_core.model import Transformer
 from astrai_core.train import train
+from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
@@ -216,12 +216,6 @@ def test_early_stopping_stops(core_tiny_data, tmp_path, monkeypatch):
 
 # Long enough that a kill at a "random" step lands well before the end (a step takes a few tens of ms).
 RUN = dict(max_steps=40, checkpoint_every=5, eval_every=20)
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def rank_env() -> dict[str, str]:
     """The environment torchrun's ranks get here: one thread each, this checkout importable, no MLflow parent."""

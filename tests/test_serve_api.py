@@ -41,6 +41,7 @@ from astrai_core.generate import generate
 from astrai_core.model import Transformer
 from astrai_core.bpe import special_id, train_tokenizer
 from astrai.cli import app
+from conftest import free_port
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key"
@@ -90,15 +91,9 @@ def served(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_server(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 120
                   ) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     # One torch thread: the tiny model gains nothing from two, and the test machine's cores are shared.
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     env = {k: v for k, v in env.items() if v is not None}  # None: unset
@@ -641,7 +636,7 @@ def _server_with_failing_engine(served, steps: int):
         return worked
 
     engine.step = failing_step
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(engine, served["chat"], MODEL_ID), host="127.0.0.1", port=port,
                                            log_level="warning"))
     engine.start()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import VENV_BIN, make_project, run_ok
+from conftest import VENV_BIN, free_port, make_project, run_ok
 from slurm_cluster import Cluster, missing
 
 pytestmark = pytest.mark.integration
@@ -42,16 +41,10 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     d = tmp_path_factory.mktemp("mlflow")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     proc = subprocess.Popen([VENV_BIN / "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
                              "--backend-store-uri", f"sqlite:///{d}/mlflow.db", "--artifacts-destination",

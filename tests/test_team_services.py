@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROJECT_ROOT, VENV_BIN, make_project, run_ok, served_completion, stop_group
+from conftest import PROJECT_ROOT, VENV_BIN, free_port, make_project, run_ok, served_completion, stop_group
 
 pytestmark = pytest.mark.integration
 
@@ -49,12 +49,6 @@ def _require_postgres() -> None:
         pytest.skip(why)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def services():
     """`astrai services start DIR` on free loopback ports; `astrai services stop DIR` afterwards, failed or not."""
@@ -64,8 +58,8 @@ def services():
     astrai = str(VENV_BIN / "astrai")
     t0 = time.time()
     try:
-        out = subprocess.run([astrai, "services", "start", str(d), "--pg-port", str(_free_port()), "--mlflow-port",
-                              str(_free_port()), "--prefect-port", str(_free_port())],
+        out = subprocess.run([astrai, "services", "start", str(d), "--pg-port", str(free_port()), "--mlflow-port",
+                              str(free_port()), "--prefect-port", str(free_port())],
                              capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stdout + out.stderr
         print(f"services up in {time.time() - t0:.0f} s", file=sys.stderr)
@@ -258,7 +252,7 @@ def test_promote_to_prod_under_the_lock_and_serve_it(services, deployment_run, t
         == [(1,)]
 
     # astrai serve pulls the promoted version's weights through the MLflow server and answers.
-    port = _free_port()
+    port = free_port()
     serve_env = {**env, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([astrai, "serve", "--model", f"models:/{target}@champion", "--port", str(port),
                              "--engine-thread"], cwd=tmp_path, env=serve_env,
