@@ -15,7 +15,8 @@ PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 POOL ?= astrai-local
 # `make test` runs the test modules on this many processes (pytest-xdist; a module's tests stay on one): run one at
-# a time, the suite kept 2 cores only 57 % busy (waiting for servers, rendezvous and timeouts).
+# a time, the suite kept 2 cores only 57 % busy (waiting for servers, rendezvous and timeouts). 3 on 2 cores was
+# slower than 2: pytest 30 min 34 s against 27 min 48 s (`bash .ci/run` on fresh clones, the AVX-512 BF16 kind).
 TEST_WORKERS ?= 2
 
 .PHONY: setup demo test pipeline repro serve server worker deploy run-deployment stop mlflow-ui mlflow-server \

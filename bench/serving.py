@@ -7,10 +7,10 @@
 What is measured, in one run on one machine, each server alone (started fresh in every round; the rounds
 interleave the servers, and every figure is the median over --rounds):
 
-* streams: the official `openai` client (AsyncOpenAI) keeps c streaming /v1/completions requests in flight, for
-  c in --levels; --requests per level (at least 2c); prompts of one to four consecutive lines of the corpus
-  (--corpus; random words without one); --max-tokens new tokens, greedy. A request may end early at the model's
-  end-of-text: output tokens are counted from each response's usage.
+* streams: the official `openai` client (AsyncOpenAI, a new connection per request) keeps c streaming
+  /v1/completions requests in flight, for c in --levels; --requests per level (at least 2c); prompts of one to four
+  consecutive lines of the corpus (--corpus; random words without one); --max-tokens new tokens, greedy. A request
+  may end early at the model's end-of-text: output tokens are counted from each response's usage.
 * random: a serving benchmark's workload (as `vllm bench serve --dataset-name random`): prompts of random words
   with --random-input tokens (a uniform range) and max_tokens drawn from --random-output, all requests sent at once
   ("burst") and with Poisson arrivals at each of --rates requests/s.
@@ -147,7 +147,11 @@ async def run_load(url: str, model_id: str, requests: list[tuple[str, int]], con
                    rate: float | None = None, seed: int = 0) -> dict:
     """Send `requests`: `concurrency` in flight at a time, or each at its Poisson arrival time at `rate` per
     second, or (neither) all at once. -> throughput and latency percentiles."""
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+    # A new connection per request (none kept alive): llama-server closes a kept-alive connection after a while,
+    # and a request the client sent on it just then failed with "Server disconnected without sending a response"
+    # (httpx), which dropped llama-server from a report's later rounds. Both servers get the same client.
+    http = httpx.AsyncClient(limits=httpx.Limits(max_keepalive_connections=0), timeout=600)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, http_client=http)
     gate = asyncio.Semaphore(concurrency or len(requests))
     rng = random.Random(seed)
     arrivals, t = [], 0.0
