@@ -2,6 +2,7 @@
 (the Makefile exports the telemetry switches too, for the prefect and mlflow commands it runs itself)."""
 
 import os
+import tempfile
 from pathlib import Path
 
 DEFAULTS = {
@@ -34,12 +35,14 @@ def apply() -> None:
 
 def prefect_home_problem() -> str | None:
     """Why a temporary Prefect server could not keep its database in PREFECT_HOME (default ~/.prefect), or None.
-    Checked, making nothing, before `astrai pipeline` starts one: otherwise the run waits out the start-up timeout
-    and ends on Prefect's "Timed out while attempting to connect", which does not say where."""
+    Checked just before `astrai pipeline` starts one, by making PREFECT_HOME (as Prefect would a moment later) and a
+    file in it: otherwise the run waits out the start-up timeout and ends on Prefect's "Timed out while attempting to
+    connect", which does not say where. (Permission bits alone do not tell: root may write anywhere but /proc.)"""
     home = Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser().absolute()
-    existing = next(p for p in (home, *home.parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        why = "not a directory" if not existing.is_dir() else "not writable"
-        return (f"PREFECT_HOME={home}: the temporary Prefect server cannot keep its database there ({existing} is "
-                f"{why}); set PREFECT_HOME to a writable directory, or PREFECT_API_URL to a Prefect server")
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=home).close()
+    except OSError as e:
+        return (f"PREFECT_HOME={home}: the temporary Prefect server cannot keep its database there "
+                f"({e.strerror or e}); set PREFECT_HOME to a writable directory, or PREFECT_API_URL to a Prefect server")
     return None

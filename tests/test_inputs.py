@@ -94,18 +94,20 @@ def test_astrai_pipeline_refuses_a_missing_corpus_before_prefect_starts(tmp_path
     assert not (tmp_path / "prefect").exists() and not (tmp_path / "data").exists()
 
 
-def test_astrai_pipeline_refuses_a_prefect_home_it_cannot_write_before_prefect_starts(tmp_path):
+@pytest.mark.parametrize("where", ["under a file", "under /proc"])
+def test_astrai_pipeline_refuses_a_prefect_home_it_cannot_write_before_prefect_starts(tmp_path, where):
     """A temporary Prefect server's database goes in PREFECT_HOME: where no directory can be made, the run stops at
-    once with one line naming PREFECT_HOME (not after Prefect's start-up timeout, on a line that does not say where)."""
+    once with one line naming PREFECT_HOME (not after Prefect's start-up timeout, on a line that does not say where).
+    /proc: root passes every permission check there, yet can make nothing."""
     (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
     (tmp_path / "a-file").write_text("")
-    home = tmp_path / "a-file" / "prefect"
+    home = tmp_path / "a-file" / "prefect" if where == "under a file" else Path("/proc/astrai-test-prefect")
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PYTHONPATH=str(ROOT), PREFECT_HOME=str(home))
     out = subprocess.run(ASTRAI + ["pipeline"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stdout + out.stderr, out.stderr[-3000:]
-    assert out.stderr.strip().splitlines()[-1] == (
-        f"astrai: error: PREFECT_HOME={home}: the temporary Prefect server cannot keep its database there "
-        f"({tmp_path / 'a-file'} is not a directory); set PREFECT_HOME to a writable directory, or PREFECT_API_URL "
-        "to a Prefect server")
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"astrai: error: PREFECT_HOME={home}: the temporary Prefect server cannot keep its "
+                           "database there (") and line.endswith(
+        "); set PREFECT_HOME to a writable directory, or PREFECT_API_URL to a Prefect server"), line
     assert not (tmp_path / "data").exists()
