@@ -72,7 +72,9 @@ def setup(tmp_path_factory):
     data = torch.tensor([i for t in train_text for i in tokenizer.encode(t, add_special_tokens=False).ids + [eos]])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(0)
-    for _ in range(150):
+    # 300 steps: at 150 the model was just learning the speaker order, and the kernels of the machine decided
+    # whether it had (28 of 40 items right with AVX-512 kernels, 13 with AVX2's); at 300, 30 of 40 with either.
+    for _ in range(300):
         starts = torch.randint(0, len(data) - 129, (16,), generator=gen)
         batch = torch.stack([data[s:s + 129] for s in starts.tolist()])
         loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
