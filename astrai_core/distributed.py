@@ -41,9 +41,24 @@ from astrai_core.proc import stream_process
 if TYPE_CHECKING:
     from astrai_core.config import TrainConfig
 
-# A rank's error line: train.main prints every error that ends a rank as one line starting with this.
+# A rank's error line: train.main reports every error that ends a rank as one line starting with this.
 ERROR_PREFIX = "error: "
 _ERROR_LINE = re.compile(r"^(\[[^\]]*\]:)?error: ")  # torchrun may prefix a rank's lines with "[rank]:"
+# ...and appends it to the file this names, when set. The Slurm launcher sets it: a line a rank prints reaches the
+# job's log through srun on the job's first node, and when that node is the one lost, it never arrives.
+ERROR_FILE = "ASTRAI_ERROR_FILE"
+
+
+def report_error(message: str) -> None:
+    """A rank's last word: its error line on stderr (and in ERROR_FILE)."""
+    line = f"{ERROR_PREFIX}{message}"
+    print(line, file=sys.stderr, flush=True)
+    if path := os.environ.get(ERROR_FILE):
+        try:
+            with open(path, "a") as f:  # one short append per failing rank: its lines do not interleave
+                f.write(line + "\n")
+        except OSError as e:
+            print(f"could not append the error line to {path}: {e}", file=sys.stderr, flush=True)
 
 
 def rank_error(line: str) -> str | None:

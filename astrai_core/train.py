@@ -60,7 +60,7 @@ from astrai_core.callbacks import Callback, ProgressBar, RunState
 from astrai_core.checkpoint import Checkpointer, load_train_state, resumable_checkpoint
 from astrai_core.config import TrainConfig
 from astrai_core.data import PackedTokens
-from astrai_core.distributed import ERROR_PREFIX, DataGroup, Dist, cleanup, init_distributed, lost_peers
+from astrai_core.distributed import DataGroup, Dist, cleanup, init_distributed, lost_peers, report_error
 from astrai_core.errors import AstraiError, TrainingError
 from astrai_core.io import sha256_file
 from astrai_core.metric_log import MetricLogger, system_metrics
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
         message = message if isinstance(e, AstraiError) else f"{type(e).__name__}: {message}"
         if (lost := lost_peers(e)) is not None:
             message = f"{lost}: {message}"
-        print(f"{ERROR_PREFIX}{message}", file=sys.stderr, flush=True)
+        report_error(message)
         # A failing rank leaves at once, its process group as it is: destroying a gloo group that DDP's reducer or
         # an unfinished collective still holds can hang the rank forever (torch issue 56297; in CI both ranks of a
         # non-finite step hung there and torchrun waited on them). torchrun stops the other ranks when one exits.

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from astrai_core.config import TrainConfig
-from astrai_core.distributed import rank_error
+from astrai_core.distributed import ERROR_FILE, rank_error
 from astrai_core.errors import TrainingError
 from astrai_core.io import write_json
 from tasks.params import ClusterParams
@@ -60,10 +60,19 @@ def batch_script(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
     # user wins). The first node's agent hosts the rendezvous store (is_host: torch would decide by comparing the
     # endpoint with what the host name resolves to).
     interface = """$(ip -o -4 addr show to "$addr" | awk '{print $2; exit}')"""
+    # When the first node is lost, the agents of the others lose the rendezvous store it hosted and stop their
+    # ranks before any rank can report it; the job's log, written through srun on that node, gets nothing more.
+    # So when an agent fails on another node and the store no longer answers, the node says so in the error file.
+    # The shell stays (no exec) to say it; `trap :` keeps a signal to the step (Slurm signals every process of
+    # it: --signal, scancel) from ending the shell before the agent and its ranks have checkpointed and exited.
+    store = '"exec 3<>/dev/tcp/${ASTRAI_RDZV%:*}/${ASTRAI_RDZV##*:}"'
+    lost_first = (f'[ "$SLURM_PROCID" -gt 0 ] && ! timeout 5 bash -c {store} 2>/dev/null && '
+                  'echo "error: node $SLURMD_NODENAME (node rank $SLURM_PROCID) lost node $ASTRAI_RDZV_NODE '
+                  '(node rank 0): the rendezvous at $ASTRAI_RDZV no longer answers" | tee -a "$ASTRAI_ERROR_FILE" >&2')
     on_node = ['addr=$(node_addr "$SLURMD_NODENAME")',
                f"export GLOO_SOCKET_IFNAME=${{GLOO_SOCKET_IFNAME:-{interface}}}",
                'echo "astrai: node $SLURMD_NODENAME (rank $SLURM_PROCID) at $addr, gloo on $GLOO_SOCKET_IFNAME"',
-               "exec " + " ".join(agent)]
+               "trap : TERM", " ".join(agent), "rc=$?", f"[ $rc -eq 0 ] || {{ {lost_first}; }}", "exit $rc"]
     # ranks share the task's cores (torchrun alone would give each rank one thread)
     threads = max(1, cluster.cpus_per_task // nproc)
     return "\n".join([
@@ -77,9 +86,11 @@ def batch_script(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
         "export -f node_addr",
         "# c10d rendezvous on the job's first node, on a port that differs between jobs",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        'export ASTRAI_RDZV=$(node_addr "$head"):$((20000 + SLURM_JOB_ID % 20000))',
+        'export ASTRAI_RDZV=$(node_addr "$head"):$((20000 + SLURM_JOB_ID % 20000)) ASTRAI_RDZV_NODE=$head',
         'echo "astrai: rendezvous at $ASTRAI_RDZV"',
         f"export OMP_NUM_THREADS={threads} PYTHONUNBUFFERED=1",
+        "# each failing rank also appends its error line here, on the shared directory (astrai_core.distributed)",
+        f"export {ERROR_FILE}=" + '"$SLURM_JOB_ID"'.join(shlex.quote(p) for p in str(errors_path(log_path)).split("%j")),
         f"export PYTHONPATH={shlex.quote(str(Path(__file__).resolve().parents[1]))}${{PYTHONPATH:+:$PYTHONPATH}}",
         # one task per node: SLURM_PROCID is the node's rank; the agent's arguments are expanded on its node
         f"srun --kill-on-bad-exit=1 bash -c {shlex.quote('; '.join(on_node))}",
@@ -101,6 +112,11 @@ def cancel(job_id: str, on_line: Callable[[str], None], timeout: float = 120.0) 
     end = time.monotonic() + timeout
     while job_state(job_id)[0] not in ENDED | {"GONE"} and time.monotonic() < end:
         time.sleep(POLL_SECONDS)
+
+
+def errors_path(log_path: Path) -> Path:
+    """Where the job's ranks append their error lines: beside the job's log (same %j pattern)."""
+    return log_path.with_suffix(".errors")
 
 
 def follow(log_path: Path, offset: int, on_line: Callable[[str], None]) -> int:
@@ -143,22 +159,29 @@ def launch_slurm(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
             errors.append(error)
         on_line(line)
 
+    def fallback(line: str) -> None:  # the same lines, which the log may never get (their node lost: ERROR_FILE)
+        if (error := rank_error(line)) is not None:
+            errors.append(error)
+
     # A Prefect cancellation or `kill` sends SIGTERM: raise so that the job is cancelled below.
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    offset, state, code, failed_at = 0, "PENDING", "", None
+    error_file = errors_path(log_path)
+    offset, error_offset, state, code, failed_at = 0, 0, "PENDING", "", None
     try:
         while state not in ENDED | {"GONE"}:
             time.sleep(POLL_SECONDS)
             state, code = job_state(job_id)
             offset = follow(log_path, offset, watch)
+            error_offset = follow(error_file, error_offset, fallback)
             failed_at = failed_at or (time.monotonic() if errors else None)
             if failed_at and time.monotonic() - failed_at > cluster.kill_wait:  # a node that no longer answers
                 cancel(job_id, on_line, timeout=cluster.kill_wait)
                 break
         time.sleep(POLL_SECONDS)  # the last lines reach the (shared) log after the state changes
         follow(log_path, offset, watch)
+        follow(error_file, error_offset, fallback)
     except BaseException:
         cancel(job_id, on_line)
         raise

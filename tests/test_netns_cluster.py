@@ -216,8 +216,8 @@ def test_the_pipeline_as_a_deployment_run_trains_on_both_nodes_registers_and_ser
         stop_group(proc)
 
 
-def _lose_a_node(cluster: NetnsCluster, project, how: str) -> tuple[str, float]:
-    """Start pretrain on both nodes; at step 20 lose node n2 (`how`: kill its processes, or set its link down);
+def _lose_a_node(cluster: NetnsCluster, project, node: str, how: str) -> tuple[str, float]:
+    """Start pretrain on both nodes; at step 20 lose `node` (`how`: kill its processes, or set its link down);
     returns the stage's output and the seconds from the loss to the stage's exit (its error line last)."""
     repo, env = project
     shutil.rmtree(repo / "data/pretrain.ckpts", ignore_errors=True)
@@ -230,14 +230,16 @@ def _lose_a_node(cluster: NetnsCluster, project, how: str) -> tuple[str, float]:
                 break
         assert proc.poll() is None, "".join(seen[-30:])
         t = time.monotonic()
-        cluster.kill("n2") if how == "kill" else cluster.link("n2", up=False)
+        cluster.kill(node) if how == "kill" else cluster.link(node, up=False)
         rest = proc.communicate(timeout=300)[0]
         lost = time.monotonic() - t
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    print(f"node lost ({how}): the stage failed {lost:.1f} s later", file=sys.stderr)
-    return "".join(seen) + rest, lost
+    out = "".join(seen) + rest
+    print(f"node {node} lost ({how}): the stage failed {lost:.1f} s later: {out.strip().splitlines()[-1]}",
+          file=sys.stderr)
+    return out, lost
 
 
 def _resumes_to_the_same_weights(cluster, project, local_weights) -> None:
@@ -250,21 +252,22 @@ def _resumes_to_the_same_weights(cluster, project, local_weights) -> None:
     assert_bitwise_equal(weights(repo), local_weights)
 
 
-@pytest.mark.parametrize("how", ["kill", "link down"])
+@pytest.mark.parametrize("node, how", [("n2", "kill"), ("n2", "link down"), ("n1", "kill")])
 def test_a_lost_node_fails_the_stage_with_one_line_and_the_rerun_resumes_bitwise(cluster, project, local_weights,
-                                                                                  how):
-    """Node n2 (rank 1) dies mid-job, its processes killed, or its link goes down: the job ends and the stage fails
-    within peer_timeout + 2 x kill_wait seconds, its last line the error naming the lost peer; with the node back
-    (slurmd restarted, link up) the stage run again resumes from the last checkpoint on the shared directory and
-    ends bit for bit on the uninterrupted run's weights."""
-    out, lost = _lose_a_node(cluster, project, how)
+                                                                                  node, how):
+    """A node dies mid-job, its processes killed, or its link goes down: n2 (rank 1), or n1 (rank 0, which also
+    hosts the rendezvous): the job ends and the stage fails within peer_timeout + 2 x kill_wait seconds, its last
+    line the error naming the lost peer; with the node back (slurmd restarted, link up) the stage run again resumes
+    from the last checkpoint on the shared directory and ends bit for bit on the uninterrupted run's weights."""
+    out, lost = _lose_a_node(cluster, project, node, how)
     last = out.strip().splitlines()[-1]
     assert last.startswith("astrai: error: "), out[-3000:]
-    assert cluster.addr[cluster.ns["n2"]] in last or "rank 1" in last, last
+    rank = "rank 1" if node == "n2" else "rank 0"
+    assert cluster.addr[cluster.ns[node]] in last or f"lost {rank}" in last, last
     assert lost < TWO_NODES["peer_timeout"] + 2 * TWO_NODES["kill_wait"] + 30, out[-3000:]
     if how == "kill":
-        cluster.restart_slurmd("n2")
+        cluster.restart_slurmd(node)
     else:
-        cluster.link("n2", up=True)
+        cluster.link(node, up=True)
         cluster.wait_idle()
     _resumes_to_the_same_weights(cluster, project, local_weights)
