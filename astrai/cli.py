@@ -232,8 +232,9 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
           batch_invariant: bool = typer.Option(False, "--batch-invariant", help="Bit-identical results whatever "
                                                "shares a request's batch (greedy output equals generate() alone "
                                                "even at near-ties); slower."),
-          compile: bool = typer.Option(False, "--compile", help="Run decode steps as a torch.compile'd graph: "
-                                       "faster at small batches, compiled at start-up (35 s cold for the demo's "
+          compile: bool = typer.Option(False, "--compile", help="Run decode steps and prefill chunks as "
+                                       "torch.compile'd graphs: faster at small batches, compiled at start-up "
+                                       "(63 s cold for the demo's "
                                        "model on 2 cores, cached on disk after); "
                                        "logits may differ from eager's in the last bits."),
           device: str = typer.Option("auto", help="auto (cuda when present, else cpu), cpu or cuda."),
@@ -315,7 +316,7 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
     application = create_app(engine, chat, model_id, api_key=api_key, aliases=aliases,
                              hosts=Hosts(host, tuple(allowed_host)), watch=watch)
     c = engine.config
-    compiled = f"; decode steps compiled in {engine.stats()['compile_seconds']} s" if c.compile else ""
+    compiled = f"; steps compiled in {engine.stats()['compile_seconds']} s" if c.compile else ""
     typer.echo(f"astrai: serving {', '.join([model_id, *aliases])} on http://{host}:{port}/v1 ({device}, {n_threads} torch thread(s): "
                f"{why}; engine {'process' if engine_process else 'thread'}; batch cap {c.max_batch_size}, {engine.stats()['kv_blocks_total']} KV blocks of "
                f"{c.block_size} tokens, queue {c.max_waiting}{compiled})", err=True)

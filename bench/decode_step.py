@@ -1,5 +1,6 @@
 """Where one engine decode step's time goes, eager and compiled (EngineConfig.compile): the engine alone (no HTTP),
-B requests decoding together, each part of Engine.step() timed around its call, medians over the steps.
+B requests decoding together, each part of Engine.step() timed around its call, medians over the steps; and the
+step that prefills new prompts (1 or 4 of 16 or 64 tokens), eager and compiled.
 
     python bench/decode_step.py [--batches 1 4 16 64] [--steps 200] [--out bench/decode_step_report.json]
 
@@ -84,6 +85,23 @@ def profile(engine: Engine, batch: int, steps: int) -> dict:
     return row
 
 
+def prefill(engine: Engine, rows: int, tokens: int, reps: int) -> dict:
+    """Median milliseconds of the engine step that prefills `rows` new prompts of `tokens` tokens each (one
+    chunk: tokens <= EngineConfig.prefill_chunk), the prefix cache off so that every prompt is computed."""
+    spent = []
+    for rep in range(reps):
+        for i in range(rows):
+            prompt = [1 + (rep * 7 + i * 13 + j) % 400 for j in range(tokens)]
+            engine.submit(prompt, SamplingParams(max_tokens=1, temperature=0), lambda *a: None)
+        t = time.perf_counter()
+        engine.step()
+        spent.append(time.perf_counter() - t)
+        while engine.step():  # the decode and the end
+            pass
+    ms = statistics.median(spent) * 1e3
+    return {"rows": rows, "tokens": tokens, "step_ms": round(ms, 3), "prompt_tokens_per_s": round(rows * tokens / ms * 1e3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 2, 4, 8, 16, 64])
@@ -101,8 +119,11 @@ def main() -> None:
         start = time.perf_counter()
         engine = Engine(model, EngineConfig(kv_memory_mb=256, compile=mode == "compiled"))
         rows = [profile(engine, b, args.steps) for b in args.batches]
-        report["modes"][mode] = {"engine_built_s": round(time.perf_counter() - start, 1), "rows": rows}
-        for row in rows:
+        built = round(time.perf_counter() - start, 1)
+        engine = Engine(model, EngineConfig(kv_memory_mb=256, compile=mode == "compiled", prefix_cache=False))
+        prefills = [prefill(engine, r, t, reps=20) for r, t in ((1, 16), (1, 64), (4, 64))]
+        report["modes"][mode] = {"engine_built_s": built, "rows": rows, "prefill": prefills}
+        for row in rows + prefills:
             print(mode, json.dumps(row), flush=True)
     report["machine"]["load_average_at_end"] = os.getloadavg()
     args.out.write_text(json.dumps(report, indent=2) + "\n")

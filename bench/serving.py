@@ -358,8 +358,8 @@ def main() -> None:
     ap.add_argument("--llama-cpp", type=Path, help="llama.cpp's bin/ (scripts/build_llama_cpp.sh): also measure "
                     "`llama-server` on the same model exported with astrai export-gguf (f32), -t 1 and -t 2")
     ap.add_argument("--llama-threads", type=int, nargs="*", default=(1, 2), help="llama-server's -t (and -tb) settings")
-    ap.add_argument("--compile", action="store_true", help="also measure `astrai serve --compile` (decode steps "
-                    "as a torch.compile'd graph), as the server astrai_compile")
+    ap.add_argument("--compile", action="store_true", help="also measure `astrai serve --compile` (decode steps and "
+                    "prefill chunks as torch.compile'd graphs), as the server astrai_compile")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine alone (its ratios are then missing)")
     ap.add_argument("--no-prefix-scenario", action="store_true", help="skip the shared-prefix TTFT comparison")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "serving_report.json")

@@ -1,6 +1,6 @@
-"""EngineConfig(compile=True): decode steps run as a torch.compile'd graph, compiled when the engine is built. The
-requests' greedy tokens equal generate()'s alone, their logprobs a plain forward's within 1e-4, nothing compiles
-again once the engine serves, and decode steps do not run the eager forward. One engine per variant for the
+"""EngineConfig(compile=True): decode steps and prefill chunks run as torch.compile'd graphs, compiled when the
+engine is built. The requests' greedy tokens equal generate()'s alone, their logprobs a plain forward's within 1e-4,
+nothing compiles again once the engine serves, and only a step over a single key runs the eager forward. One engine per variant for the
 module: compiling takes a minute or so on a busy 2-core CPU."""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ def compiled(request):
 
 
 @pytest.mark.parametrize("guards", ["evaluated", "skipped"])
-def test_compiled_decode_steps_equal_generate_and_never_recompile(compiled, guards, monkeypatch):
-    """Batches of 1 to 6 rows (more requests than fit, so the batch grows and shrinks), one-token prompts among
-    them, tables of one to several blocks: tokens equal generate() alone, with no compilation after start-up
+def test_compiled_steps_equal_generate_and_never_recompile(compiled, guards, monkeypatch):
+    """Batches of 1 to 6 rows (more requests than fit, so the batch grows and shrinks), prefill chunks of 2 to 16
+    tokens, one-token prompts among them, tables of one to several blocks: tokens equal generate() alone, with no compilation after start-up
     (which only shows with every guard evaluated: runner.SKIP_GUARDS off), and equal them again as served (the
     guards that tell the graphs apart only)."""
     model, engine = compiled
@@ -38,12 +38,15 @@ def test_compiled_decode_steps_equal_generate_and_never_recompile(compiled, guar
     params = [greedy(capped(p, 20)) for p in prompts]
     with torch._dynamo.config.patch(error_on_recompile=True):
         alone = run(engine, prompts[1:2], params[1])  # a batch of one row
+        first = run(engine, prompts[:1], greedy(3))  # a 1-token prompt alone: its first step has 1 key
         out = run(engine, prompts, params)
     assert alone[0].tokens == solo(model, prompts[1], params[1].max_tokens)
+    assert first[0].tokens == solo(model, prompts[0], 3)
     for p, sp, c in zip(prompts, params, out):
         assert c.tokens == solo(model, p, sp.max_tokens), p
-    # the eager forward ran the prefills only (T > 1, or the 1-token prompt's: 1 key), never a decode
-    assert eager_calls and all(T > 1 or keys == 1 for T, keys in eager_calls), eager_calls
+    # the eager forward ran only steps over a single key (a 1-token prompt's first, alone): never a decode over
+    # more keys, never a prefill chunk of 2 or more tokens
+    assert eager_calls and all(keys == 1 for T, keys in eager_calls), eager_calls
 
 
 def test_compiled_logprobs_equal_a_plain_forward_within_1e_4(compiled):

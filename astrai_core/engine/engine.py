@@ -49,9 +49,9 @@ class EngineConfig:
     prefix_cache: bool = True
     # Bit-identical logits for a request whatever else runs (runner.Runner), at a measured cost: off by default.
     batch_invariant: bool = False
-    # Decode steps as one torch.compile'd graph (runner.Runner): fewer, fused kernels instead of a dispatch per
-    # small op. Compiled at Engine construction (35 s cold for the demo's shape on 2 busy cores; torch caches it on
-    # disk). Inductor may reorder float operations: logits can differ from eager's in the last bits
+    # Decode steps and prefill chunks as torch.compile'd graphs (runner.Runner): fused kernels instead of a
+    # dispatch per small op. Compiled at Engine construction (63 s cold for the demo's shape on 2 cores; torch
+    # caches it on disk). Inductor may reorder float operations: logits can differ from eager's in the last bits
     # (tests/test_engine_compile.py bounds them), so it is off by default.
     compile: bool = False
 

@@ -12,6 +12,7 @@ row's cached entries out of the pool (a fused paged-attention kernel would read 
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -76,11 +77,11 @@ def gemm_invariant_rows(m: int) -> bool:
     return m in (4, 8) or m >= 12
 
 
-# A compiled decode step evaluates only the guards that tell warm_up's two graphs apart (torch's
-# skip_guard_eval_unsafe stance): every decode step matches one of them, which tests/test_engine_compile.py checks
-# with every guard evaluated (a step that needs a new graph then raises RuntimeError "Recompilation triggered with
-# skip_guard_eval_unsafe stance", not a wrong answer). A decode step on the demo's shape, 1 thread, medians of 8
-# interleaved runs of 200 steps: 0.51 -> 0.43 ms at 1 row, 0.88 -> 0.80 ms at 4 rows.
+# A compiled step evaluates only the guards that tell warm_up's graphs apart (torch's skip_guard_eval_unsafe
+# stance): every step matches one of them, which tests/test_engine_compile.py checks with every guard evaluated (a
+# step that needs a new graph then raises RuntimeError "Recompilation triggered with skip_guard_eval_unsafe
+# stance", not a wrong answer). A decode step on the demo's shape, 1 thread, medians of 8 interleaved runs of 200
+# steps (with the two decode graphs then compiled): 0.51 -> 0.43 ms at 1 row, 0.88 -> 0.80 ms at 4 rows.
 SKIP_GUARDS = True
 
 # SDPA's math kernel (measured like gemm_invariant_rows): a query's output has the same bits for any number of
@@ -107,25 +108,28 @@ class Runner:
     def __init__(self, model: Transformer, pool: KVPool, batch_invariant: bool = False, compile: bool = False) -> None:
         self.model, self.pool, self.batch_invariant = model, pool, batch_invariant
         self.device = next(model.parameters()).device
-        # EngineConfig.compile: decode steps (one new token per row) run _forward as a torch.compile'd graph.
+        # EngineConfig.compile: decode steps and prefill chunks run _forward as torch.compile'd graphs (warm_up).
         # cpp_wrapper: the graph's kernel calls from C++, not a Python wrapper (a 1-row step on the demo's shape:
         # 0.41 against 0.50 ms, measured on 2 busy cores; freezing the weights gained nothing).
         self.compiled = torch.compile(self._forward, options={"cpp_wrapper": True}) if compile else None
 
     def warm_up(self) -> None:
-        """Compile the decode graphs now, not in the first requests' steps: one for a batch of one row, one for
-        more, each for any number of keys and block-table width (marked dynamic; a size of 1 would be a graph of
-        its own, hence run()'s width of at least 2). Rows of 0 tokens write only the pool's scratch slot."""
+        """Compile the graphs now, not in the first requests' steps: decode steps (1 new token per row) and prefill
+        chunks (2 or more), each for a batch of one row and one for more: four graphs, each for any number of
+        keys, new tokens and block-table width (marked dynamic; a size of 1 would be a graph of its own, hence
+        run()'s width of at least 2). Rows of 0 tokens write only the pool's scratch slot."""
         if self.compiled is None:
             return
         dev = self.device
         with torch.inference_mode():
-            for B in (1, 3):
+            for B, T in itertools.product((1, 3), (1, 3)):
                 idx, starts, counts, tables = (torch.zeros(shape, dtype=torch.long, device=dev)  # distinct tensors:
-                                               for shape in ((B, 1), B, B, (B, 2)))  # one passed twice is a guard
+                                               for shape in ((B, T), B, B, (B, 2)))  # one passed twice is a guard
                 keys = torch.arange(5, device=dev)
-                for t, dim in ((tables, 1), (keys, 0)) + (((idx, 0), (starts, 0), (counts, 0), (tables, 0))
-                                                          if B > 1 else ()):
+                dynamic = [(tables, 1), (keys, 0)]
+                dynamic += [(idx, 0), (starts, 0), (counts, 0), (tables, 0)] if B > 1 else []
+                dynamic += [(idx, 1)] if T > 1 else []
+                for t, dim in dynamic:
                     torch._dynamo.mark_dynamic(t, dim)
                 self.compiled(idx, starts, counts, tables, keys)
 
@@ -152,8 +156,8 @@ class Runner:
                             for s, n in batch], device=dev)
         counts_t = torch.tensor(counts, device=dev)
         keys = torch.arange(max(S, MIN_KEYS) if self.batch_invariant else S, device=dev)
-        # decode steps compiled; prefill chunks and a 1-token prompt's step (1 key: a graph of its own) eager
-        if self.compiled is not None and T == 1 and S > 1:
+        # compiled, but for a 1-token prompt's step (1 key: a graph of its own)
+        if self.compiled is not None and S > 1:
             forward, mode = self.compiled, torch.compiler.set_stance(skip_guard_eval_unsafe=SKIP_GUARDS)
         else:
             forward = self._forward
