@@ -52,13 +52,13 @@ ERROR_FILE = "ASTRAI_ERROR_FILE"
 def report_error(message: str) -> None:
     """A rank's last word: its error line on stderr (and in ERROR_FILE)."""
     line = f"{ERROR_PREFIX}{message}"
-    print(line, file=sys.stderr, flush=True)
     if path := os.environ.get(ERROR_FILE):
         try:
             with open(path, "a") as f:  # one short append per failing rank: its lines do not interleave
                 f.write(line + "\n")
         except OSError as e:
             print(f"could not append the error line to {path}: {e}", file=sys.stderr, flush=True)
+    print(line, file=sys.stderr, flush=True)  # last: the launcher reports a failed rank's last line
 
 
 def rank_error(line: str) -> str | None:

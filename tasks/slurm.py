@@ -90,7 +90,7 @@ def batch_script(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
         'echo "astrai: rendezvous at $ASTRAI_RDZV"',
         f"export OMP_NUM_THREADS={threads} PYTHONUNBUFFERED=1",
         "# each failing rank also appends its error line here, on the shared directory (astrai_core.distributed)",
-        f"export {ERROR_FILE}=" + '"$SLURM_JOB_ID"'.join(shlex.quote(p) for p in str(errors_path(log_path)).split("%j")),
+        f"export {ERROR_FILE}=" + '"$SLURM_JOB_ID"'.join(map(shlex.quote, str(errors_path(log_path)).split("%j"))),
         f"export PYTHONPATH={shlex.quote(str(Path(__file__).resolve().parents[1]))}${{PYTHONPATH:+:$PYTHONPATH}}",
         # one task per node: SLURM_PROCID is the node's rank; the agent's arguments are expanded on its node
         f"srun --kill-on-bad-exit=1 bash -c {shlex.quote('; '.join(on_node))}",
@@ -154,14 +154,13 @@ def launch_slurm(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
             f"log {log_path}")
     errors: list[str] = []
 
-    def watch(line: str) -> None:
-        if (error := rank_error(line)) is not None:
+    def collect(line: str) -> None:  # from the log, and from the error file: the log may never get a rank's line
+        if (error := rank_error(line)) is not None:  # (its node lost: ERROR_FILE)
             errors.append(error)
-        on_line(line)
 
-    def fallback(line: str) -> None:  # the same lines, which the log may never get (their node lost: ERROR_FILE)
-        if (error := rank_error(line)) is not None:
-            errors.append(error)
+    def watch(line: str) -> None:
+        collect(line)
+        on_line(line)
 
     # A Prefect cancellation or `kill` sends SIGTERM: raise so that the job is cancelled below.
     previous = None
@@ -174,14 +173,14 @@ def launch_slurm(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
             time.sleep(POLL_SECONDS)
             state, code = job_state(job_id)
             offset = follow(log_path, offset, watch)
-            error_offset = follow(error_file, error_offset, fallback)
+            error_offset = follow(error_file, error_offset, collect)
             failed_at = failed_at or (time.monotonic() if errors else None)
             if failed_at and time.monotonic() - failed_at > cluster.kill_wait:  # a node that no longer answers
                 cancel(job_id, on_line, timeout=cluster.kill_wait)
                 break
         time.sleep(POLL_SECONDS)  # the last lines reach the (shared) log after the state changes
         follow(log_path, offset, watch)
-        follow(error_file, error_offset, fallback)
+        follow(error_file, error_offset, collect)
     except BaseException:
         cancel(job_id, on_line)
         raise

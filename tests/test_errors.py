@@ -99,3 +99,18 @@ def test_make_run_deployment_without_a_server_says_so_in_one_line():
     ours = [line for line in out.stderr.splitlines() if line.startswith("astrai: error: ")]
     assert ours == [f"astrai: error: Makefile: no Prefect server on http://127.0.0.1:{port}; start one, a worker and the "
                     "deployment with: make server worker deploy"], out.stderr
+
+
+def test_a_failing_rank_also_appends_its_error_line_to_the_error_file(tmp_path):
+    """ASTRAI_ERROR_FILE (set by the Slurm job script): a rank's last word goes there too, appended, because its
+    stderr reaches the job's log through srun on the first node, which may be the node that was lost."""
+    errors = tmp_path / "pretrain-7.errors"
+    env = {**os.environ, "ASTRAI_ERROR_FILE": str(errors)}
+    lines = []
+    for name in ("missing-a.json", "missing-b.json"):
+        out = _run([VENV_BIN / "python", "-m", "astrai_core.train", "--config", tmp_path / name], PROJECT_ROOT, env,
+                   timeout=120)
+        assert out.returncode == 2, out.stderr
+        lines.append(out.stderr.strip().splitlines()[-1])
+        assert lines[-1].startswith("error: ") and name in lines[-1], out.stderr
+    assert errors.read_text().splitlines() == lines  # both, in order: appended, never overwritten
