@@ -100,20 +100,21 @@ def check_json(headers: Mapping[str, str]) -> None:
 
 
 # --- route dependencies (create_app keeps api_key and hosts on app.state) --------------------------------------
+# async: FastAPI runs a plain `def` dependency in its thread pool, a round trip per check and request.
 
-def require_host(request: Request) -> None:
+async def require_host(request: Request) -> None:
     check_host(request.headers, request.app.state.hosts)
 
 
-def require_origin(request: Request) -> None:
+async def require_origin(request: Request) -> None:
     check_origin(request.headers, request.app.state.hosts)
 
 
-def require_key(request: Request) -> None:
+async def require_key(request: Request) -> None:
     check_key(request.headers, request.app.state.api_key)
 
 
-def require_json(request: Request) -> None:
+async def require_json(request: Request) -> None:
     check_json(request.headers)
 
 
