@@ -141,12 +141,19 @@ def checkpoint_blocks(model: Transformer) -> None:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
+def compile_cache_dir(base: str) -> Path:
+    """Where torch.compile keeps this machine's kernels: a folder of `base` per CPU instruction set. Inductor's
+    cache does not tell code generated for AVX-512 from AVX2 code, and on a cluster `base` is shared by nodes
+    that may differ (torch held to AVX2 with a cache of AVX-512 code computed wrong tokens: docs/measured.md)."""
+    return Path(base).resolve() / torch.backends.cpu.get_cpu_capability().lower()
+
+
 def wrap(raw_model: Transformer, cfg: TrainConfig, d: Dist, mesh: DeviceMesh | None) -> nn.Module:
     """What forward calls: the bare model compiled and/or wrapped for DDP, or sharded in place by FSDP2 (over the
     mesh's dp dimension with fsdp+tp; the TP split is already done). DDP cannot wrap TP's DTensor weights, and
     needs not: pure tp has no data parallelism."""
     if cfg.compile and cfg.compile_cache_dir:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cfg.compile_cache_dir).resolve())  # compiled kernels persist
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir(cfg.compile_cache_dir))  # kernels persist
     if mesh is not None:
         if cfg.parallel == "fsdp+tp":
             apply_fsdp(raw_model, mesh["dp"])

@@ -458,3 +458,30 @@ def test_progress_lines_end_with_the_time_left(core_tiny_data, tmp_path, monkeyp
     train(make_cfg(core_tiny_data, tmp_path / "out", max_steps=10, log_every=5, eval_every=0))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert len(lines) == 2 and lines[0].split(" | ")[-1].startswith("eta ") and lines[-1].endswith("| eta 0s"), lines
+
+
+def test_compiled_kernels_are_cached_per_cpu_instruction_set(tmp_path, monkeypatch):
+    """A cluster's nodes share the project's kernel cache; inductor's own key does not tell AVX-512 code from
+    AVX2 code, so each instruction set gets a folder of its own (parallel.compile_cache_dir)."""
+    import os
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from astrai_core.distributed import Dist
+    from astrai_core.parallel import wrap
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cfg = SimpleNamespace(compile=True, compile_cache_dir=str(tmp_path / "kernels"), parallel="ddp", model=None)
+    wrap(torch.nn.Linear(2, 2), cfg, Dist(0, 0, 1, torch.device("cpu")), None)  # compiles at the first call only
+    isa = torch.backends.cpu.get_cpu_capability().lower()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "kernels" / isa)
+    folders = {}
+    native = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    # torch held to AVX2 kernels (as on the slow kind of machine), and as it is here
+    for name, env in (("avx2", {**native, "ATEN_CPU_CAPABILITY": "avx2"}), ("native", native)):
+        folders[name] = subprocess.run(
+            [sys.executable, "-c", "from astrai_core.parallel import compile_cache_dir; print(compile_cache_dir('k'))"],
+            env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert folders["avx2"].endswith("/k/avx2")
+    assert folders["native"].endswith(f"/k/{isa}")
