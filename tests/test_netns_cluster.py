@@ -252,7 +252,7 @@ def _resumes_to_the_same_weights(cluster, project, local_weights) -> None:
     assert_bitwise_equal(weights(repo), local_weights)
 
 
-@pytest.mark.parametrize("node, how", [("n2", "kill"), ("n2", "link down"), ("n1", "kill")])
+@pytest.mark.parametrize("node, how", [("n2", "kill"), ("n2", "link down"), ("n1", "kill"), ("n1", "link down")])
 def test_a_lost_node_fails_the_stage_with_one_line_and_the_rerun_resumes_bitwise(cluster, project, local_weights,
                                                                                   node, how):
     """A node dies mid-job, its processes killed, or its link goes down: n2 (rank 1), or n1 (rank 0, which also
