@@ -5,6 +5,7 @@ is tested in test_serve_api.py, against a real `astrai serve`."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import pytest
@@ -45,6 +46,23 @@ def test_text_stream_never_emits_a_broken_character(data_tokenizer):
     stream = TextStream(tok, [])
     assert [stream.add([t]) for t in byte_ids + byte_ids[:1]] == ["", "", "中", ""]
     assert stream.add([], final=True) == "\ufffd"  # an incomplete character at the very end is flushed as such
+
+
+def test_text_stream_pieces_add_up_to_the_whole_decode(data_tokenizer):
+    """Random token ids (byte tokens that split characters, special tokens, merges), fed in pieces of 1-3: what
+    goes out is always a prefix of the whole reply's decode, and at the end it is all of it."""
+    tok = data_tokenizer
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(tok.get_vocab_size()) for _ in range(rng.randint(1, 60))]
+        whole = tok.decode(ids)
+        stream, out, i = TextStream(tok, []), "", 0
+        while i < len(ids):
+            n = rng.randint(1, 3)
+            out += stream.add(ids[i:i + n], final=i + n >= len(ids))
+            i += n
+            assert whole.startswith(out), (ids, out, whole)
+        assert out == whole, ids
 
 
 # --- errors and the key ---------------------------------------------------------------------------------------------
