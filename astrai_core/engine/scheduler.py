@@ -66,8 +66,10 @@ class Scheduler:
         seq.pending_logprobs by the logprobs asked for. every: the logits at every computed position (Runner.run's
         every_position), needed for the rows that compute more than one prompt token with prompt_logprobs."""
         finished = []
-        # Greedy rows in one call (one call per row took about 4% of a 16-row decode step).
-        greedy = iter(sample_next(logits[[i for i, (s, _) in enumerate(batch) if s.params.temperature <= 0]]).tolist())
+        # Greedy rows in one call (one call per row took about 4% of a 16-row decode step); the rows are picked out
+        # only when some sample (the copy took 8 us of a 4-row decode step's 40 us here).
+        rows = [i for i, (s, _) in enumerate(batch) if s.params.temperature <= 0]
+        greedy = iter(sample_next(logits if len(rows) == len(batch) else logits[rows]).tolist())
         for i, (seq, n) in enumerate(batch):
             p = seq.params
             if p.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_ids):
