@@ -396,8 +396,16 @@ def _decide(client: mlflow.MlflowClient, name: str, mv: str, metric: str, record
     registration is done."""
     client.set_registered_model_alias(name, "candidate", mv)
     # Its card, as the version's description (the Models page shows it; `astrai export-hf` writes the same README.md)
-    client.update_model_version(name, mv, description=model_card(
-        f"{name} version {mv}", f"models:/{name}/{mv}", {k: v for k, v in tags.items() if k != REGISTRATION}))
+    # and as the README.md of its Hugging Face export, which transformers users pull from the registry. The card names
+    # the version, so it joins the export only now that the version exists.
+    card = model_card(f"{name} version {mv}", f"models:/{name}/{mv}",
+                      {k: v for k, v in tags.items() if k != REGISTRATION})
+    client.update_model_version(name, mv, description=card)
+    if not tags.get("hf_export", "none").startswith("none"):
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "README.md").write_text(card)
+            logged = client.get_model_version(name, mv).source.removeprefix("models:/")  # the logged model's id
+            client.log_model_artifact(logged, str(Path(tmp) / "README.md"), artifact_path="artifacts/hf")
     unskilled = no_skill(metric, record["values"])
     if unskilled:
         promote, decision = False, f"version {mv} stays candidate: {unskilled}"

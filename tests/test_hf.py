@@ -252,11 +252,16 @@ def test_pipeline_trained_model_registered_with_hf_export_generates_the_same_tex
                               tmp_path / "register", tmp_path)
         assert result["tags"]["hf_export"] == "Qwen3ForCausalLM"
         local = mlflow.artifacts.download_artifacts("models:/hf_test@champion", dst_path=str(tmp_path / "dl"))
+        description = mlflow.MlflowClient().get_model_version("hf_test", "1").description
         pyfunc_text = mlflow.pyfunc.load_model("models:/hf_test@champion").predict(
             ["the king"], params={"max_new_tokens": 12, "temperature": 0.0})[0]
     finally:
         mlflow.set_tracking_uri(previous)
     hf_dir = f"{local}/artifacts/hf"
+    # The export carries the version's card as its README.md, the same text as the version's description.
+    readme = open(f"{hf_dir}/README.md").read()
+    assert readme.startswith("# hf_test version 1\n") and readme == description
+    assert "astrai serve --model models:/hf_test/1" in readme
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     hf_model.generation_config.eos_token_id = None
