@@ -15,11 +15,12 @@ class TextStream:
     string. When a stop string appears, the text is cut before it and stop_sequence is set.
 
     Each token is decoded once (DecodeStream looks at the last few tokens only), not the whole reply again: that
-    took 12.5 us a token at 128 tokens, and grew with the reply."""
+    took 7.1 us a token at 128 tokens and 46.7 us at 1,024, against 2.1-2.2 us now."""
 
     def __init__(self, tokenizer: Tokenizer, stops: Sequence[str] = ()) -> None:
         self.tokenizer, self.stops = tokenizer, list(stops)
-        self.decoder = DecodeStream(skip_special_tokens=True)  # special tokens are skipped, as ChatFormat.decode_reply does
+        # special tokens are skipped, as ChatFormat.decode_reply does
+        self.decoder = DecodeStream(skip_special_tokens=True)
         self.ids: list[int] = []
         self.text = ""  # the reply's text so far, without an incomplete character at its end
         self.sent = 0  # characters given out so far
