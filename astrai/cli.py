@@ -393,9 +393,12 @@ def export_hf(model: str = typer.Argument(..., help=f"The model: {REFERENCE_HELP
 
 @app.command("export-gguf")
 def export_gguf(model: str = typer.Argument(..., help=f"The model: {REFERENCE_HELP}."),
-                out: Path = typer.Argument(..., help="GGUF file to write (replaced if it exists)."),
+                out: Path = typer.Argument(..., help="GGUF file to write: a new file, or an earlier export "
+                                           "(replaced); never a file of the model's."),
                 type_: str = typer.Option("f32", "--type", help="f32 (the checkpoint's numbers) or q8_0 (8-bit "
-                                          "blocks, about a quarter of the size).")) -> None:
+                                          "blocks, about a quarter of the size)."),
+                force: bool = typer.Option(False, "--force", help="Replace OUT even if export-gguf did not write "
+                                           "it.")) -> None:
     """Write MODEL as one GGUF file OUT that llama.cpp runs (llama-cli, llama-server, ...): weights, the tokenizer
     (with astrai's special tokens as control tokens) and the chat template. Options that llama.cpp's llama and
     arcee architectures do not compute are refused."""
@@ -408,7 +411,7 @@ def export_gguf(model: str = typer.Argument(..., help=f"The model: {REFERENCE_HE
         _fail(f"--type {type_}: expected one of {', '.join(TYPES)}")
     with tempfile.TemporaryDirectory(prefix="astrai-gguf-") as tmp:  # a registry download, gone once written
         try:
-            path = export(resolve_model(model, Path(tmp)).checkpoint, out, type_)
+            path = export(resolve_model(model, Path(tmp)).checkpoint, out, type_, force=force)
         except AstraiError as e:
             _fail(str(e))
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, {type_})")
@@ -442,13 +445,15 @@ def lm_eval_data(corpus: Path = typer.Option(Path("data/corpus"), help="The corp
                  out: Path = typer.Option(Path("evals/lm_eval_tasks/data"), help="Where the task definitions in "
                                           "evals/lm_eval_tasks/ read their data."),
                  limit: int = typer.Option(500, min=1, help="Items per task at most."),
-                 seed: int = typer.Option(0, help="Which items and which wrong choices.")) -> None:
+                 seed: int = typer.Option(0, help="Which items and which wrong choices."),
+                 force: bool = typer.Option(False, "--force", help="Replace OUT even if lm-eval-data did not write "
+                                            "it.")) -> None:
     """Write the JSONL of the lm-evaluation-harness tasks in evals/lm_eval_tasks/ (who speaks next, speech
     perplexity, the demo's task families as generate_until) from the held-out plays; then run lm_eval against
     `astrai serve` (docs/serving.md, "lm-evaluation-harness")."""
     from tasks.lm_eval_data import FILES, write_lm_eval_data
 
-    counts = write_lm_eval_data(corpus, out, limit, seed)
+    counts = write_lm_eval_data(corpus, out, limit, seed, force=force)
     for task, n in counts.items():
         print(f"{task}: {n} items -> {out / FILES[task]}")
 
@@ -538,20 +543,37 @@ def services_stop(directory: Path = typer.Argument(..., help="The directory give
 
 
 def main() -> None:
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError  # typer 0.29 carries its own click
+
     # A stage's progress lines (and a Slurm job's, which it relays) reach a pipe, a tee or a log as they happen,
     # not in 8 KiB blocks: Ctrl-C and the eta then refer to what the reader has seen.
     sys.stdout.reconfigure(line_buffering=True)
     try:
-        app()
+        # Not standalone: a usage error (`--limit abc`) reaches the line below instead of click's framed box.
+        code = app(standalone_mode=False)
+    except NoArgsIsHelpError:  # the help was printed
+        sys.exit(2)
+    except UsageError as e:
+        where = f" (astrai {e.ctx.command_path.partition(' ')[2]} --help)".replace("  ", " ") if e.ctx else ""
+        typer.echo(f"astrai: error: {e.format_message()}{where}", err=True)
+        sys.exit(2)
+    except typer.Abort:  # Ctrl-C at a prompt
+        sys.exit(130)
     except AstraiError as e:
         typer.echo(f"astrai: error: {e}", err=True)
         sys.exit(2)
     except Exception as e:  # noqa: BLE001 - a bug: one line naming where, the traceback in a log file
+        if isinstance(e, OSError) and e.filename:
+            # A folder that cannot be written, a full disk: the file it names is the user's to fix, not a bug (and
+            # atomic_path left nothing half-written there).
+            typer.echo(f"astrai: error: {e.filename}: {e.strerror or e}", err=True)
+            sys.exit(2)
         import time
 
         log = log_file(Path(), f"astrai-{time.strftime('%Y%m%d-%H%M%S')}")
         typer.echo(f"astrai: error: {crash_line(e, log)}", err=True)
         sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(code) comes back as its code
 
 
 if __name__ == "__main__":

@@ -140,9 +140,27 @@ def gguf_vocab(tok: dict, vocab_size: int) -> tuple[list[str], list[int], list[s
     return tokens, token_types, merges
 
 
-def export_gguf(ckpt_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "f32") -> Path:
+WRITTEN_BY_KEY = "astrai.written_by"  # a GGUF key holding EXPORT: how a later export knows the file is its own
+
+
+def gguf_written_by(path: Path) -> str | None:
+    """What wrote the file at `path` (its WRITTEN_BY_KEY), or None: not a GGUF file, or not one astrai wrote."""
+    import gguf
+
+    if path.open("rb").read(4) != b"GGUF":
+        return None
+    try:
+        field = gguf.GGUFReader(path).fields.get(WRITTEN_BY_KEY)
+        return field.contents() if field is not None else None
+    except Exception:  # a truncated or malformed GGUF file: not one export_gguf finished
+        return None
+
+
+def export_gguf(ckpt_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "f32",
+                force: bool = False) -> Path:
     """Write the GGUF file `out` (atomically) from the astrai checkpoint `ckpt_dir`. out_type: f32 or q8_0
-    (every matrix in Q8_0, as llama.cpp's own converter does; norms stay f32)."""
+    (every matrix in Q8_0, as llama.cpp's own converter does; norms stay f32). An existing `out` is replaced only
+    if an earlier export wrote it, or with `force`; never the checkpoint or a file inside it."""
     import gguf
 
     from astrai_core.bpe import SPECIAL_TOKENS
@@ -154,7 +172,8 @@ def export_gguf(ckpt_dir: str | os.PathLike, out: str | os.PathLike, out_type: s
     if out_type not in TYPES:
         raise AstraiError(f"--type {out_type!r}: expected one of {', '.join(TYPES)}")
     ckpt_dir = Path(ckpt_dir)
-    check_output(out, EXPORT, inputs=[ckpt_dir])  # before any work: never into or over the checkpoint
+    output = dict(force=force, inputs=[ckpt_dir], force_option="--force", file_kind=gguf_written_by)
+    check_output(out, EXPORT, **output)  # before any work: never into or over the checkpoint or a user's file
     model, _, cfg = load_model(ckpt_dir)
     arch = gguf_arch(cfg)  # everything is checked before the file is opened
     tokens, token_types, merges = gguf_vocab(_tokenizer_json(ckpt_dir / "tokenizer.json"), cfg.vocab_size)
@@ -163,9 +182,10 @@ def export_gguf(ckpt_dir: str | os.PathLike, out: str | os.PathLike, out_type: s
     template = ckpt_dir / TEMPLATE_FILE
     tensors = gguf_tensors(cfg, model.state_dict())
 
-    with atomic_path(out, EXPORT, inputs=[ckpt_dir]) as tmp:
+    with atomic_path(out, EXPORT, **output) as tmp:
         w = gguf.GGUFWriter(tmp, arch)
         w.add_name(ckpt_dir.resolve().name)
+        w.add_string(WRITTEN_BY_KEY, EXPORT)
         w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if out_type == "q8_0" else gguf.LlamaFileType.ALL_F32)
         w.add_vocab_size(cfg.vocab_size)
         w.add_context_length(cfg.max_seq_len)

@@ -11,7 +11,7 @@ import shutil
 import socket
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from astrai_core.errors import AstraiError
 
@@ -38,14 +38,17 @@ def written_by(folder: str | os.PathLike) -> str | None:
 
 def check_output(target: str | os.PathLike, kind: str, *, force: bool = False,
                  inputs: Iterable[str | os.PathLike] = (), force_option: str | None = None,
-                 folder: bool = False) -> None:
+                 folder: bool = False, file_kind: Callable[[Path], str | None] | None = None) -> None:
     """The one rule for writing over `target`; AstraiError naming it when the write must not happen.
 
     An output equal to, inside or containing one of `inputs`, or the current directory or one holding it, is
     refused (even with `force`): writing it would replace what is being read or worked in. An existing folder that
     is not empty is replaced only if it holds an earlier output of the same `kind` (its OUTPUT_MARK says so), or
-    with `force`; a file, a symlink or an empty folder is simply replaced, except that a `folder` output never
-    replaces a file. `force_option` names the command's option that forces, for the message.
+    with `force`; a symlink or an empty folder is simply replaced, except that a `folder` output never replaces a
+    file. A file is simply replaced by the files a stage writes into its own folders; a command that writes a file
+    where a user points it passes `file_kind` (what wrote an existing file, read from the file itself), and then
+    an existing file is replaced only if `file_kind` says `kind` wrote it, or with `force`, and a folder never.
+    `force_option` names the command's option that forces, for the message.
     """
     target = Path(target)
     where = target.resolve()
@@ -60,6 +63,12 @@ def check_output(target: str | os.PathLike, kind: str, *, force: bool = False,
         if where == source or source in where.parents or where in source.parents:
             relation = "is" if where == source else "is inside" if source in where.parents else "contains"
             raise AstraiError(f"{target}: the output folder {relation} the input {source}; write it elsewhere")
+    forcing = f", or pass {force_option} to replace it" if force_option else ""
+    if file_kind is not None and target.is_dir() and not target.is_symlink():
+        raise AstraiError(f"{target}: is a directory, not a file; give the path of a file to write")
+    if file_kind is not None and target.is_file() and not force and (found := file_kind(target)) != kind:
+        holds = f"was written by {found}" if found else f"was not written by {kind}"
+        raise AstraiError(f"{target}: exists and {holds}; nothing was changed: choose a new file name{forcing}")
     if force or target.is_symlink() or not target.is_dir() or not any(target.iterdir()):
         return
     found = written_by(target)
@@ -67,12 +76,13 @@ def check_output(target: str | os.PathLike, kind: str, *, force: bool = False,
         return
     holds = f"holds an output of {found}" if found else f"holds files not written by {kind} (no {OUTPUT_MARK})"
     raise AstraiError(f"{target}: exists, is not empty and {holds}; nothing was changed: choose a new or empty "
-                      f"folder{f', or pass {force_option} to replace it' if force_option else ''}")
+                      f"folder{forcing}")
 
 
 @contextlib.contextmanager
 def atomic_path(target: str | os.PathLike, kind: str, *, force: bool = False,
-                inputs: Iterable[str | os.PathLike] = (), force_option: str | None = None) -> Iterator[Path]:
+                inputs: Iterable[str | os.PathLike] = (), force_option: str | None = None,
+                file_kind: Callable[[Path], str | None] | None = None) -> Iterator[Path]:
     """Yield a temporary path beside `target`; on success rename it onto `target`, on error remove it.
 
     Works for files and directories alike (the caller decides what to create at the yielded path). `kind` names
@@ -82,7 +92,7 @@ def atomic_path(target: str | os.PathLike, kind: str, *, force: bool = False,
     longer runs (SIGKILL: no cleanup ran) is removed here.
     """
     target = Path(target)
-    check_output(target, kind, force=force, inputs=inputs, force_option=force_option)
+    check_output(target, kind, force=force, inputs=inputs, force_option=force_option, file_kind=file_kind)
     target.parent.mkdir(parents=True, exist_ok=True)
     for stale in _orphaned_temps(target):
         _remove(stale)
@@ -92,7 +102,8 @@ def atomic_path(target: str | os.PathLike, kind: str, *, force: bool = False,
         yield tmp
         if tmp.is_dir():
             (tmp / OUTPUT_MARK).write_text(json.dumps({"written_by": kind}) + "\n")
-        check_output(target, kind, force=force, force_option=force_option)  # nothing else appeared there meanwhile
+        # nothing else appeared there meanwhile
+        check_output(target, kind, force=force, force_option=force_option, file_kind=file_kind)
         if target.is_dir() and not target.is_symlink():
             old = target.with_name(f".{target.name}.old")
             shutil.rmtree(old, ignore_errors=True)

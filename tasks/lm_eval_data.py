@@ -29,13 +29,14 @@ from typing import Iterable
 
 from astrai_core.chat import compile_template
 from astrai_core.errors import AstraiError
-from astrai_core.io import atomic_path
+from astrai_core.io import atomic_path, check_output
 from tasks.demo_tasks import TASKS as FAMILIES, items as family_items, passage_text
 from tasks.plays import Speech, read_plays
 
 CONTEXT_SPEECHES = 2  # speeches before the one whose speaker is asked for
 CHOICES = 4
 SPEECH_LINES = 6  # lines of a speech kept for perplexity: short enough for a small model's context
+KIND = "astrai lm-eval-data"  # what the data folder's OUTPUT_MARK records
 FILES = {"astrai_next_speaker": "next_speaker.jsonl", "astrai_speech_ppl": "speeches.jsonl",
          **{f"astrai_{family}": f"{family}.jsonl" for family in FAMILIES}}
 
@@ -86,9 +87,12 @@ def spread(items: list[dict], limit: int, seed: int) -> list[dict]:
 
 
 def write_lm_eval_data(corpus_dir: Path, out_dir: Path, limit: int = 500, seed: int = 0,
-                       names: Iterable[str] = tuple(FILES)) -> dict[str, int]:
-    """Write the named tasks' files (FILES) into out_dir from corpus_dir/test.jsonl (the held-out plays); -> items
-    per task. Each file is written whole (to a temporary file renamed into place)."""
+                       names: Iterable[str] = tuple(FILES), force: bool = False) -> dict[str, int]:
+    """Write the named tasks' files (FILES) into the folder out_dir from corpus_dir/test.jsonl (the held-out
+    plays); -> items per task. The folder is written whole (a temporary folder renamed into place) and replaces
+    only an earlier one of its own (astrai_core.io.check_output), or any with `force`; never the corpus."""
+    output = dict(force=force, inputs=[corpus_dir], force_option="--force")
+    check_output(out_dir, KIND, folder=True, **output)  # before any work
     plays = read_plays(Path(corpus_dir) / "test.jsonl")
     tasks = {"astrai_next_speaker": next_speaker_items(plays, seed), "astrai_speech_ppl": speech_items(plays),
              **family_tasks(plays, seed)}
@@ -96,9 +100,9 @@ def write_lm_eval_data(corpus_dir: Path, out_dir: Path, limit: int = 500, seed: 
     for task, items in tasks.items():
         if not items:
             raise AstraiError(f"{corpus_dir}/test.jsonl: no items for {task} (no plays with speakers in the test split?)")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for task, items in tasks.items():
-        with atomic_path(out_dir / FILES[task], "astrai lm-eval-data") as tmp:
-            tmp.write_text("".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items), encoding="utf-8")
+    with atomic_path(out_dir, KIND, **output) as tmp:
+        tmp.mkdir()
+        for task, items in tasks.items():
+            (tmp / FILES[task]).write_text("".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items),
+                                           encoding="utf-8")
     return {task: len(items) for task, items in tasks.items()}

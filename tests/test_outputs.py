@@ -127,3 +127,97 @@ def test_every_writer_replaces_only_its_own_earlier_output(tmp_path, checkpoint)
         tmp.write_text("two")
     assert (tmp_path / "note.txt").read_text() == "two"
     assert (checkpoint / OUTPUT_MARK).is_file()
+
+
+def test_export_gguf_replaces_only_its_own_earlier_file(tmp_path, checkpoint):
+    """Issue 43, item 1: `export-gguf data/grpo README.md` made README.md a GGUF file, and an export onto another
+    checkpoint's model.safetensors broke it. A file export-gguf did not write is refused in one line (unless
+    --force), and so is a folder; its own earlier file is replaced without asking."""
+    other = tmp_path / "other"
+    save_checkpoint(other, *(lambda m: (m, m.cfg))(_tiny_model()), checkpoint / "tokenizer.json")
+    readme = tmp_path / "README.md"
+    readme.write_text("# my project\n")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    weights = other / "model.safetensors"
+    before = weights.read_bytes()
+    for target, says in ((readme, "README.md: exists and was not written by astrai export-gguf"),
+                         (weights, "model.safetensors: exists and was not written by astrai export-gguf"),
+                         (folder, "folder: is a directory, not a file"),
+                         (checkpoint / "model.safetensors", "the output folder is inside the input")):
+        out = astrai("export-gguf", checkpoint, target, cwd=tmp_path)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("astrai: error: "), out.stderr
+        assert says in lines[0], lines[0]
+    assert readme.read_text() == "# my project\n" and weights.read_bytes() == before and verify_checkpoint(other)
+    assert not list(tmp_path.rglob("*.tmp")) and not any(folder.iterdir())
+
+    gguf_file = tmp_path / "model.gguf"
+    for _ in range(2):  # an earlier export is replaced without --force
+        out = astrai("export-gguf", checkpoint, gguf_file, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+    out = astrai("export-gguf", checkpoint, readme, "--force", cwd=tmp_path)
+    assert out.returncode == 0 and readme.read_bytes()[:4] == b"GGUF", out.stderr
+
+
+def test_lm_eval_data_writes_only_a_folder_of_its_own(tmp_path):
+    """Issue 43, item 2: `lm-eval-data --out` overwrote a user's own files, wrote into a DVC stage output
+    (data/corpus) and into the checkout root. Its folder is now written whole and replaces only its own earlier
+    one (or any with --force); never the corpus, the current directory, or a folder another command wrote. Also
+    item 16: an unwritable folder and bad --limit values end in one `astrai: error:` line."""
+    import json
+
+    corpus = tmp_path / "data" / "corpus"
+    corpus.mkdir(parents=True)
+    lines = ["Good morrow to you my lord", "What light through yonder window breaks", "I will go now",
+             "Is this the way to the town"]
+    speeches = "\n".join(f"{name}.\n{lines[i % 4]}{'?' if i % 3 else '.'}\n"
+                          for i, name in enumerate(["ROMEO", "JULIET", "NURSE", "TYBALT", "FRIAR", "CAPULET"] * 8))
+    text = f"\nSCENE I.\n\n{speeches}"
+    (corpus / "test.jsonl").write_text(json.dumps({"id": "play", "text": text}) + "\n")
+    (corpus / OUTPUT_MARK).write_text(json.dumps({"written_by": "stage corpus"}) + "\n")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "next_speaker.jsonl").write_text("my own items\n")
+    pretrain = tmp_path / "data" / "pretrain"
+    pretrain.mkdir()
+    (pretrain / "model.safetensors").write_text("weights")
+    (pretrain / OUTPUT_MARK).write_text(json.dumps({"written_by": "astrai checkpoint"}) + "\n")
+    before = snapshot(tmp_path)
+
+    for out_dir, says in (("mine", "mine: exists, is not empty and holds files not written by astrai lm-eval-data"),
+                          ("data/corpus", "the output folder is the input"),
+                          ("data/corpus/sub", "the output folder is inside the input"),
+                          ("data/pretrain", "holds an output of astrai checkpoint"),
+                          (".", "is the current directory")):
+        out = astrai("lm-eval-data", "--corpus", "data/corpus", "--out", out_dir, cwd=tmp_path)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("astrai: error: "), out.stderr
+        assert says in lines[0], lines[0]
+    assert snapshot(tmp_path) == before
+
+    for _ in range(2):  # its own earlier folder is replaced
+        out = astrai("lm-eval-data", "--corpus", "data/corpus", "--out", "evals/data", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+    assert written_by(tmp_path / "evals/data") == "astrai lm-eval-data"
+    assert (tmp_path / "evals/data/next_speaker.jsonl").stat().st_size > 0
+    out = astrai("lm-eval-data", "--corpus", "data/corpus", "--out", "mine", "--force", cwd=tmp_path)
+    assert out.returncode == 0 and (mine / "next_speaker.jsonl").read_text() != "my own items\n", out.stderr
+
+    # Root may write anywhere a mode allows; /proc takes no new folder from anyone.
+    for args, says in ((["--out", "/proc/astrai-data"], "/proc"), (["--limit", "abc"], "Invalid value for '--limit'"),
+                       (["--limit", "0"], "Invalid value for '--limit'")):
+        out = astrai("lm-eval-data", "--corpus", "data/corpus", *args, cwd=tmp_path)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("astrai: error: "), out.stderr
+        assert says in lines[0], lines[0]
+
+
+def _tiny_model():
+    import torch
+
+    from astrai_core.config import ModelConfig
+    from astrai_core.model import Transformer
+
+    torch.manual_seed(1)
+    return Transformer(ModelConfig(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64))
