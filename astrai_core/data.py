@@ -339,10 +339,17 @@ def open_tokens(path: str, tokenizer_sha256: str, vocab_size: int, seq_len: int)
 
 def read_windows(tokens, starts: np.ndarray, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y), each (len(starts), seq_len): the windows at `starts`, y shifted by one token."""
-    windows = torch.from_numpy(np.stack([tokens[s : s + seq_len + 1] for s in starts]).astype(np.int64))
-    if device.type == "cuda":
-        windows = windows.pin_memory().to(device, non_blocking=True)
+    windows = to_device(np.stack([tokens[s : s + seq_len + 1] for s in starts]).astype(np.int64), device)
     return windows[:, :-1], windows[:, 1:]
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A batch's array on `device`; to a GPU from pinned memory without waiting (the copy is queued behind the
+    step that is running, and the host goes on to read the next batch)."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 class Documents:
@@ -427,5 +434,7 @@ class PackedRows:
 
     def batch(self, rows: np.ndarray, device: torch.device) -> Batch:
         """`rows` as one batch: positions restart and attention stops at every document boundary."""
-        x, y, pos, doc = (torch.from_numpy(np.stack(v)).to(device) for v in zip(*(self.row(int(r)) for r in rows)))
-        return Batch(x, {"y": y}, int((y != IGNORE_INDEX).sum()), x.numel(), positions=pos, mask=document_mask(doc))
+        x, y, pos, doc = (np.stack(v) for v in zip(*(self.row(int(r)) for r in rows)))
+        count = int((y != IGNORE_INDEX).sum())  # counted on the host: on a GPU, reading it back would wait
+        x, y, pos, doc = (to_device(v, device) for v in (x, y, pos, doc))
+        return Batch(x, {"y": y}, count, x.numel(), positions=pos, mask=document_mask(doc))

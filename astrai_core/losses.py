@@ -9,13 +9,22 @@ import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100  # a target with this id is masked: no loss, not counted
+CHUNKED_DEVICES = ("cpu",)  # where token_loss_sum walks the logits in cache-sized chunks (eagerly): faster there
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
     """Sum of next-token cross-entropy over targets != IGNORE_INDEX, in fp32: F.cross_entropy(logits.float(),
-    reduction="sum", label_smoothing=...)'s numbers, computed by _CrossEntropySum below (faster on CPU).
-    logits (..., V), targets (...)."""
-    return _CrossEntropySum.apply(logits, targets, IGNORE_INDEX, label_smoothing)
+    reduction="sum", label_smoothing=...). logits (..., V), targets (...).
+
+    On the CPU, eagerly, _CrossEntropySum below computes it in cache-sized chunks (1.8x faster in bf16 at vocab
+    2,048 to 32,768, 2 cores). Elsewhere it is F.cross_entropy in one pass over every row: on a GPU the chunks'
+    small kernels made the step launch-bound (1,024 chunks of ten kernels a step at vocab 32,768, 86 % of the
+    step's time), and under torch.compile inductor fuses the one pass into a few kernels (a Python loop inside an
+    autograd Function it cannot)."""
+    if logits.device.type in CHUNKED_DEVICES and not torch.compiler.is_compiling():
+        return _CrossEntropySum.apply(logits, targets, IGNORE_INDEX, label_smoothing)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing)
 
 
 class _CrossEntropySum(torch.autograd.Function):

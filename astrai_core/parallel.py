@@ -124,6 +124,8 @@ def build(cfg: TrainConfig, d: Dist) -> Trainee:
     if cfg.activation_checkpointing:
         checkpoint_blocks(model)
     wrapped = wrap(model, cfg, d, mesh)
+    if cfg.compile:  # the loss too: inductor fuses cross-entropy's pass over the logits (losses.token_loss_sum)
+        strategy.loss = torch.compile(strategy.loss)
     trainable, _ = count_trainable(model)  # after wrap: FSDP's shards
     optimizer, scheduler = build_optimizer(model, cfg.optim, d.device, max_steps)
     layout = f"{cfg.parallel}, {dp.size} x tp {cfg.tp_size}" if mesh is not None else cfg.parallel

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import math
 import os
 import signal
 import sys
@@ -112,6 +111,26 @@ def mean_over_ranks(sums: dict[str, torch.Tensor], stats: dict[str, tuple[float,
 
 # ---- one step ------------------------------------------------------------------------------------------------
 
+class FiniteCheck:
+    """Whether every step's loss and gradient norm were finite, kept on the device: reading it each step would make
+    the host wait for the whole step there, every step (on a GPU the next batch is read while the step runs only
+    if nothing waits). The loop reads it wherever it waits anyway: logging, validation, a checkpoint, the end. A
+    non-finite step's update may reach the weights before the read; the run then stops there with the first bad
+    step named, and nothing after that step is saved."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.first_bad = torch.zeros((), dtype=torch.long, device=device)  # 0: every step so far was finite
+
+    def add(self, step: int, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
+        self.first_bad = torch.where(bad & (self.first_bad == 0), step, self.first_bad)
+
+    def check(self) -> None:
+        if step := int(self.first_bad):
+            raise TrainingError(f"step {step}: non-finite loss or gradient norm; lower optim.lr, raise "
+                                "optim.warmup_steps or use fp32")
+
+
 @dataclass
 class StepResult:
     loss_sum: torch.Tensor  # this rank's summed loss
@@ -120,15 +139,18 @@ class StepResult:
     grad_norm: torch.Tensor
 
 
-def train_step(t: Trainee, run: RunState, callbacks: list[Callback], cfg: TrainConfig) -> StepResult:
+def train_step(t: Trainee, run: RunState, callbacks: list[Callback], cfg: TrainConfig,
+               finite: FiniteCheck) -> StepResult:
     """One optimizer step: the strategy's preparation (GRPO's rollouts) and this rank's micro-batches, forward and
     backward over the accumulation window, the gradient norm (stop if it or the loss is not finite), clipping,
-    the update. The step's strategy metrics go to run.metrics."""
+    the update. The step's strategy metrics go to run.metrics. Nothing here waits for the device in a one-rank step
+    (the finite check is read by the loop), so on a GPU the host reads the next batch while this one runs."""
     stats = t.strategy.prepare(run.step, t.model, t.dp)
     batches = t.strategy.micro_batches(run.step)
-    counts = torch.tensor([float(sum(b.count for b in batches)), float(sum(b.n_tokens for b in batches))],
-                          device=t.device)
-    units, tokens = (int(v) for v in t.dp.all_reduce_sum(counts).tolist())
+    units, tokens = sum(b.count for b in batches), sum(b.n_tokens for b in batches)
+    if t.dp.size > 1:  # the whole step's counts: one all-reduce, and the one wait for the device in a multi-rank step
+        counts = torch.tensor([float(units), float(tokens)], device=t.device)
+        units, tokens = (int(v) for v in t.dp.all_reduce_sum(counts).tolist())
     if units == 0:
         raise TrainingError(f"step {run.step + 1}: nothing to learn from in the whole step (every target masked); "
                             "check the data")
@@ -153,13 +175,11 @@ def train_step(t: Trainee, run: RunState, callbacks: list[Callback], cfg: TrainC
         emit(callbacks, "on_batch_end", run)
     run.metrics.update(mean_over_ranks(metric_sums, stats, units, t.dp, loss_sum.device))
 
-    # Stop before the update can spread NaNs into the weights. The norm is taken after the all-reduce, so it is
-    # the same on every rank (and a non-finite loss on one rank makes it non-finite everywhere).
+    # The norm is taken after the all-reduce, so it is the same on every rank (and a non-finite loss on one rank
+    # makes it non-finite everywhere). Whether it is finite stays on the device (FiniteCheck).
     params = list(t.model.parameters())
     grad_norm = total_grad_norm(params)
-    if not math.isfinite(grad_norm.item()) or not math.isfinite(loss_sum.item()):
-        raise TrainingError(f"step {run.step + 1}: non-finite loss ({loss_sum.item()}) or gradient norm "
-                            f"({grad_norm.item()}); lower optim.lr, raise optim.warmup_steps or use fp32")
+    finite.add(run.step + 1, loss_sum, grad_norm)
     if cfg.optim.grad_clip > 0:
         torch.nn.utils.clip_grads_with_norm_(params, cfg.optim.grad_clip, grad_norm)
     emit(callbacks, "on_optimizer_step_begin", run)
@@ -211,6 +231,8 @@ class Throughput:
 
 def stop_requested(stop: StopFlag, d: Dist) -> bool:
     """Whether any rank got SIGTERM: every rank must agree to stop at the same step."""
+    if d.world_size == 1:
+        return stop.requested
     flag = torch.tensor(float(stop.requested), device=d.device)
     if d.world_size > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.SUM)
@@ -279,7 +301,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
                        resume_step=run.resumed_from)
     print0(t.describe)
 
-    stop, speed = StopFlag(), Throughput()
+    stop, speed, finite = StopFlag(), Throughput(), FiniteCheck(d.device)
     finished = run.step >= t.max_steps  # the run is complete (last step, or early stopping): the final save follows
     try:
         with sigterm_stops(stop), system_metrics(d.local_rank):
@@ -288,7 +310,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
             emit(callbacks, "on_epoch_begin", run)
             while not finished and not run.stop:
                 t0, lr, run.metrics = time.perf_counter(), t.scheduler.get_last_lr()[0], {}
-                step = train_step(t, run, callbacks, cfg)
+                step = train_step(t, run, callbacks, cfg, finite)
                 run.step += 1
                 finished = run.step >= t.max_steps
                 if stop_requested(stop, d) and not finished:
@@ -298,10 +320,14 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
 
                 # Validation every eval_every steps and after the last; early stopping ends a complete run.
                 if cfg.val_data and (due(run.step, cfg.eval_every) or finished):
+                    finite.check()
                     finished = validate(t, run, cfg) or finished
                 # Metrics every log_every steps, on the last step and on a stop; the train loss is the mean over
                 # the step's units on all ranks.
-                if due(run.step, cfg.log_every) or finished or run.stop:
+                logs = due(run.step, cfg.log_every) or finished or run.stop
+                if logs or due(run.step, cfg.checkpoint_every):  # where the host waits anyway: a step to report
+                    finite.check()
+                if logs:
                     run.train_loss = t.dp.all_reduce_sum(step.loss_sum.clone()).item() / step.units
                     run.metrics.update({"train/loss": run.train_loss, "train/lr": lr,
                                         "train/grad_norm": float(step.grad_norm),

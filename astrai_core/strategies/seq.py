@@ -11,7 +11,7 @@ import torch
 
 from astrai_core.data import Batch, WindowSampler, open_tokens, read_windows
 from astrai_core.errors import AstraiError
-from astrai_core.losses import IGNORE_INDEX, full_kl_sum, token_loss_sum
+from astrai_core.losses import full_kl_sum, token_loss_sum
 from astrai_core.model import Transformer
 from astrai_core.strategies.base import BaseStrategy, frozen_copy
 
@@ -22,7 +22,7 @@ VAL_SEED_OFFSET = 10**9  # the validation sampler's seed: never equal to the tra
 
 
 def window_batch(x: torch.Tensor, y: torch.Tensor, **data: torch.Tensor) -> Batch:
-    return Batch(x, {"y": y, **data}, int((y != IGNORE_INDEX).sum()), x.numel())
+    return Batch(x, {"y": y, **data}, y.numel(), x.numel())  # every target of a window is a token of the file
 
 
 class SeqStrategy(BaseStrategy):
