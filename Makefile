@@ -26,11 +26,14 @@ TEST_WORKERS ?= 2
 # gets pip's configured find-links (where a machine keeps local wheels, e.g. a CPU build of torch).
 UV := uv==0.13.9
 FIND_LINKS ?= $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+# A GPU machine: `make setup TORCH_BACKEND=auto` (or cu128, cu130, ...) takes torch from PyTorch's index for the
+# machine's CUDA driver (uv's --torch-backend); empty, torch comes like every other package (a CPU build here).
+TORCH_BACKEND ?=
 $(BIN)/astrai: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(UV)
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode $(addprefix --find-links ,$(FIND_LINKS)) \
-	  -c requirements.lock -e '.[dev,eval,team]'
+	  $(addprefix --torch-backend ,$(TORCH_BACKEND)) -c requirements.lock -e '.[dev,eval,team]'
 	touch $@
 
 setup: $(BIN)/astrai  ## create .venv with every dependency

@@ -173,7 +173,8 @@ def generate(model: str = typer.Option(..., help=f"The model: {REFERENCE_HELP}."
              top_p: float = typer.Option(1.0, help="Sample from the smallest set of tokens with this much probability."),
              chat: bool = typer.Option(False, "--chat", help="PROMPT is a user message: reply in the chat format "
                                        "(the template stored with the checkpoint's tokenizer), as SFT trained."),
-             seed: int = typer.Option(0, help="Sampling seed.")) -> None:
+             seed: int = typer.Option(0, help="Sampling seed."),
+             device: str = typer.Option("auto", help="auto (cuda when present, else cpu), cpu or cuda.")) -> None:
     """Generate a continuation of PROMPT (or, with --chat, a reply to it) with a checkpoint or a registered model."""
     for bad, msg in ((not prompt, "--prompt: empty; give some text to continue"),
                      (max_new_tokens < 1, f"--max-new-tokens {max_new_tokens}: must be at least 1"),
@@ -190,17 +191,19 @@ def generate(model: str = typer.Option(..., help=f"The model: {REFERENCE_HELP}."
     from tasks.models import resolve_model
     from astrai_core.chat import load_chat
     from astrai_core.checkpoint import load_model
+    from astrai_core.distributed import resolve_device
     from astrai_core.generate import generate, generate_text
 
     with tempfile.TemporaryDirectory(prefix="astrai-generate-") as tmp:  # a registry download, gone once loaded
         try:
+            where = resolve_device(device)
             checkpoint = resolve_model(model, Path(tmp)).checkpoint
-            m, tok, _ = load_model(checkpoint)
+            m, tok, _ = load_model(checkpoint, device=where)
             fmt = load_chat(checkpoint / "tokenizer.json") if chat else None
         except AstraiError as e:
             _fail(str(e))
     sampling = dict(temperature=temperature, top_k=top_k or None, top_p=top_p,
-                    generator=torch.Generator().manual_seed(seed))
+                    generator=torch.Generator(where).manual_seed(seed))
     if fmt is not None:
         try:
             ids = fmt.encode_prompt([{"role": "user", "content": prompt}])
@@ -286,10 +289,12 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
         _fail(f"--host {host} is reachable from other machines: set --api-key (or ASTRAI_API_KEY), or pass --insecure "
               "to serve without a key")
     _check_port_free(host, port)  # before the model loads: uvicorn would say it in lines of its own, exit 3
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
-        _fail(f"--device {device}: expected auto, cpu or cuda (and cuda needs a GPU build of torch and a GPU)")
+    from astrai_core.distributed import resolve_device
+
+    try:
+        device = resolve_device(device).type
+    except AstraiError as e:
+        _fail(f"--{e}")
     n_threads, why = _serve_threads(threads)
     options = {"kv_blocks": kv_blocks, "kv_memory_mb": kv_memory_mb, "block_size": block_size,
                "max_batch_size": max_batch_size, "max_waiting": max_waiting}

@@ -337,16 +337,16 @@ def open_tokens(path: str, tokenizer_sha256: str, vocab_size: int, seq_len: int)
     return data.tokens[:] if data.n_tokens < IN_MEMORY_TOKENS else data.tokens
 
 
-def read_windows(tokens, starts: np.ndarray, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x, y), each (len(starts), seq_len): the windows at `starts`, y shifted by one token."""
-    windows = to_device(np.stack([tokens[s : s + seq_len + 1] for s in starts]).astype(np.int64), device)
+def read_windows(tokens, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y), each (len(starts), seq_len), in host memory: the windows at `starts`, y shifted by one token."""
+    windows = torch.from_numpy(np.stack([tokens[s : s + seq_len + 1] for s in starts]).astype(np.int64))
     return windows[:, :-1], windows[:, 1:]
 
 
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def to_device(tensor: torch.Tensor | np.ndarray, device: torch.device) -> torch.Tensor:
     """A batch's array on `device`; to a GPU from pinned memory without waiting (the copy is queued behind the
     step that is running, and the host goes on to read the next batch)."""
-    tensor = torch.from_numpy(array)
+    tensor = torch.from_numpy(tensor) if isinstance(tensor, np.ndarray) else tensor
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)

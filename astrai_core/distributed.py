@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.rendezvous import rendezvous
 
-from astrai_core.errors import TrainingError
+from astrai_core.errors import AstraiError, TrainingError
 from astrai_core.io import write_json
 from astrai_core.proc import stream_process
 
@@ -104,6 +104,21 @@ class DataGroup:
         return x
 
 
+def resolve_device(name: str = "auto") -> torch.device:
+    """The device a setting names: "auto" is the GPU when torch sees one, else the CPU; "cuda" without one is
+    refused naming the setting's values (every stage, `astrai generate` and `astrai serve` ask here)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda") or (name == "cuda" and not torch.cuda.is_available()):
+        raise AstraiError(f"device {name}: expected auto, cpu or cuda (and cuda needs a GPU build of torch and a GPU)")
+    return torch.device(name)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where `model`'s weights are (the CPU for a model without any): what scoring and generation compute on."""
+    return next(model.parameters(), torch.empty(0)).device
+
+
 def init_distributed(backend: str = "auto", device: str = "auto", timeout: float | None = None) -> Dist:
     """Join the process group torchrun set up (if any) and pick this rank's device; `timeout`: seconds a
     collective waits for the other ranks (None: torch's default)."""
@@ -111,13 +126,10 @@ def init_distributed(backend: str = "auto", device: str = "auto", timeout: float
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
+    torch_device = resolve_device(device)
+    if torch_device.type == "cuda":
         torch_device = torch.device("cuda", local_rank)
         torch.cuda.set_device(torch_device)
-    else:
-        torch_device = torch.device(device)
     if backend == "auto":
         backend = "nccl" if torch_device.type == "cuda" else "gloo"
     if world_size > 1 and not dist.is_initialized():

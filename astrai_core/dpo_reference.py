@@ -17,7 +17,7 @@ from astrai_core.data import Documents, pair_batch
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file
 from astrai_core.losses import sequence_logps
-from astrai_core.distributed import uses_bf16
+from astrai_core.distributed import model_device, uses_bf16
 from astrai_core.model import Transformer
 from astrai_core.progress import advance, expect
 
@@ -25,19 +25,20 @@ from astrai_core.progress import advance, expect
 @torch.no_grad()
 def reference_logps(model: Transformer, data_path: str, tokenizer_sha256: str, batch_size: int = 16,
                     dtype: str = "fp32") -> np.ndarray:
-    """Summed log-probability of each document's masked tokens under `model`: the DPO reference. `dtype` (a
+    """Summed log-probability of each document's masked tokens under `model`, on its device: the DPO reference. `dtype` (a
     TrainConfig.dtype) runs the forward under the autocast the DPO run computes its policy's in (log-probabilities
     stay fp32)."""
     docs = Documents(data_path, tokenizer_sha256, model.cfg.vocab_size)
+    device = model_device(model)
     out = np.zeros(docs.n_docs, dtype=np.float64)
     model.eval()
     expect(docs.n_docs // 2, "preference pairs")
     for first in range(0, docs.n_docs, 2 * batch_size):
         pairs = np.arange(first // 2, min(first // 2 + batch_size, docs.n_docs // 2))
-        b = pair_batch(docs, pairs, torch.device("cpu"))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=uses_bf16(dtype, torch.device("cpu"))):
+        b = pair_batch(docs, pairs, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_bf16(dtype, device)):
             logits = model(b["x"])
-        out[b["docs"].numpy()] = sequence_logps(logits, b["y"]).double().numpy()
+        out[b["docs"].cpu().numpy()] = sequence_logps(logits, b["y"]).double().cpu().numpy()
         advance(len(pairs))
     return out
 

@@ -19,19 +19,20 @@ import torch
 import torch.nn.functional as F
 
 from astrai_core.data import Batch, Documents, PackedRows
+from astrai_core.distributed import model_device
 from astrai_core.dpo_reference import reference_logps
 from astrai_core.losses import IGNORE_INDEX, token_loss_sum
 from astrai_core.progress import advance, expect
 
 
 @torch.no_grad()
-def sequence_nll(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, batch_size: int,
-                 device: str | torch.device = "cpu") -> tuple[float, int]:
+def sequence_nll(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, batch_size: int) -> tuple[float, int]:
     """Sum of next-token NLL (nats) over `tokens`, scored in non-overlapping windows of `seq_len` targets.
 
     Every token but the first is predicted exactly once. Returns (nll_sum, n_predicted).
     """
     model.eval()
+    device = model_device(model)
     n = len(tokens) - 1
     starts = list(range(0, n, seq_len))
     total, count = 0.0, 0
@@ -56,11 +57,11 @@ def sequence_nll(model: torch.nn.Module, tokens: np.ndarray, seq_len: int, batch
 
 
 @torch.no_grad()
-def continuation_logprobs(model: torch.nn.Module, context: list[int], continuations: list[list[int]],
-                          device: str | torch.device = "cpu") -> list[float]:
+def continuation_logprobs(model: torch.nn.Module, context: list[int], continuations: list[list[int]]) -> list[float]:
     """log p(continuation | context) of each continuation, summed over its tokens: how a multiple-choice item is
     scored (the likeliest choice is the model's answer; lm-evaluation-harness's loglikelihood requests)."""
     model.eval()
+    device = model_device(model)
     out = []
     for continuation in continuations:
         ids = torch.tensor([context + continuation], device=device)
@@ -70,8 +71,8 @@ def continuation_logprobs(model: torch.nn.Module, context: list[int], continuati
 
 
 @torch.no_grad()
-def target_logprobs(model: torch.nn.Module, rows: Sequence[Sequence[int]], targets: Sequence[int],
-                    device: str | torch.device = "cpu") -> list[tuple[float, bool]]:
+def target_logprobs(model: torch.nn.Module, rows: Sequence[Sequence[int]],
+                    targets: Sequence[int]) -> list[tuple[float, bool]]:
     """For each row of token ids, (summed log-probability of its last targets[i] tokens given the tokens before
     them, whether each of those is the model's greedy choice), all rows in one forward: right-padded, which the
     causal attention keeps out of every real position (lm-evaluation-harness's loglikelihood requests)."""
@@ -80,7 +81,7 @@ def target_logprobs(model: torch.nn.Module, rows: Sequence[Sequence[int]], targe
     ids = torch.zeros(len(rows), longest, dtype=torch.long)
     for i, r in enumerate(rows):
         ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-    logp = torch.log_softmax(model(ids[:, :-1].to(device)).float(), dim=-1).cpu()
+    logp = torch.log_softmax(model(ids[:, :-1].to(model_device(model))).float(), dim=-1).cpu()
     out = []
     for i, (r, n) in enumerate(zip(rows, targets)):
         row_logp = logp[i, len(r) - 1 - n: len(r) - 1]  # the predictions of the last n tokens
@@ -192,7 +193,7 @@ def masked_token_loss(model: torch.nn.Module, data_path: str, tokenizer_sha256: 
 
     def batches():
         for first in range(0, len(rows.rows), batch_size):
-            yield rows.batch(np.arange(first, min(first + batch_size, len(rows.rows))), torch.device("cpu"))
+            yield rows.batch(np.arange(first, min(first + batch_size, len(rows.rows))), model_device(model))
             advance(min(batch_size, len(rows.rows) - first))
 
     total, count = token_loss_total(model, batches()).tolist()
@@ -215,7 +216,7 @@ def answer_questions(model: torch.nn.Module, chat, records: list[dict], max_new_
     encoded once for all its samples (generate_batch's samples_per_prompt)."""
     from astrai_core.generate import generate_batch
 
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(model_device(model)).manual_seed(seed)
     questions_per_batch = max(1, rows_per_batch // samples)
     replies: list[list[str]] = []
     expect(len(records), "questions" if samples == 1 else f"questions ({samples} samples each)")

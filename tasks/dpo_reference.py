@@ -16,6 +16,7 @@ from typing import Callable
 from astrai_core.chat import ChatFormat, load_chat
 from astrai_core.checkpoint import load_model
 from astrai_core.data import PackedWriter
+from astrai_core.distributed import resolve_device
 from astrai_core.dpo_reference import reference_logps, save_reference_logps
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file, write_json
@@ -67,7 +68,9 @@ def dpo_reference(params: Params, root: Path, on_line: Callable[[str], None] = p
         write_skipped(out_dir, "dpo.enabled is false", "stage dpo_reference")
         return None
     ref = start_model(params, root, "dpo")  # what the dpo stage starts from
-    model, _, _ = load_model(ref)
+    device = resolve_device(params.dpo.device)  # where the dpo stage will train
+    model, _, _ = load_model(ref, device=device)
+    on_line(f"dpo_reference: {ref.relative_to(root)} on {device}")
     info: dict = {"reference": str(ref.relative_to(root)), "rejected": params.dpo.rejected, "dtype": params.dpo.dtype}
     with atomic_path(out_dir, "stage dpo_reference") as tmp:
         tmp.mkdir()

@@ -47,6 +47,7 @@ from astrai_core.chat import load_chat
 from astrai_core.checkpoint import load_model
 from astrai_core.config import ModelConfig
 from astrai_core.data import PackedTokens
+from astrai_core.distributed import resolve_device
 from astrai_core.errors import AstraiError
 from astrai_core.scoring import (answer_questions, masked_token_loss, paired_difference, pass_at_k, preference_margins,
                                   sequence_nll, summarize, unigram_nll, wilson_interval)
@@ -218,10 +219,11 @@ def _score(params: Params, root: Path, tokens: np.ndarray, n_chars: int, questio
     p = params.evaluate
     chat_dir = root / CHAT
     ckpt = model_dir(root, stage)
-    model, tok, cfg = load_model(ckpt)
+    device = resolve_device(p.device)
+    model, tok, cfg = load_model(ckpt, device=device)
     tok_sha = sha256_file(ckpt / "tokenizer.json")
     torch.manual_seed(p.seed)
-    print(f"evaluate: {stage}: bits/char on {len(tokens):,} test tokens", flush=True)
+    print(f"evaluate: {stage} on {device}: bits/char on {len(tokens):,} test tokens", flush=True)
     nll, n = sequence_nll(model, tokens, cfg.max_seq_len, p.batch_size)
     m = {f"test_{k}": v for k, v in summarize(nll, n, n_chars).items()}
     items: dict[str, list[int]] = {}

@@ -121,6 +121,7 @@ class GRPOParams(StageParams):
 
 
 class EvaluateParams(Strict):
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available, else cpu
     batch_size: PositiveInt = 16
     max_tokens: PositiveInt | None = None  # evaluate on at most this many test tokens (None: all)
     # The final model's text samples (samples.md) start from these; None: the demo's on Shakespeare's plays, else the

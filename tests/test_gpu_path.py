@@ -112,3 +112,26 @@ def test_the_model_and_the_loss_compile_without_graph_breaks():
     explained = torch._dynamo.explain(lambda x, y: token_loss_sum(model(x), y))(x, y)
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
+
+
+def test_every_stage_resolves_its_device_in_one_place(tmp_path):
+    """`device: auto` is the GPU when torch sees one, else the CPU (here: no GPU); asking for cuda without one is
+    one line naming the values, from `astrai generate` as from a stage."""
+    import subprocess
+    import sys
+
+    from astrai_core.distributed import resolve_device
+    from astrai_core.errors import AstraiError
+    from conftest import PROJECT_ROOT
+
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(AstraiError, match="device tpu: expected auto, cpu or cuda"):
+        resolve_device("tpu")
+    if torch.cuda.is_available():
+        return
+    out = subprocess.run([sys.executable, "-m", "astrai.cli", "generate", "--model", str(tmp_path), "--prompt", "x",
+                          "--device", "cuda"], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": str(PROJECT_ROOT)})
+    assert out.returncode == 2 and out.stderr.strip() == ("astrai: error: device cuda: expected auto, cpu or cuda "
+                                                          "(and cuda needs a GPU build of torch and a GPU)"), out.stderr

@@ -51,7 +51,7 @@ def test_sampler_visits_every_window_once_per_epoch_and_resumes():
 
 def test_read_windows():
     tokens = np.arange(1000, dtype=np.uint16)
-    x, y = read_windows(tokens, np.array([0, 500]), 16, torch.device("cpu"))
+    x, y = read_windows(tokens, np.array([0, 500]), 16)
     assert x.dtype == torch.int64 and x.shape == (2, 16)
     assert x[1, 0] == 500 and y[1, -1] == 516
     torch.testing.assert_close(y[:, :-1], x[:, 1:])  # y is x shifted by one
@@ -337,8 +337,8 @@ import astrai_core.strategies.seq as t
 
 _read = t.read_windows
 
-def masked(tokens, starts, seq_len, device):
-    x, y = _read(tokens, starts, seq_len, device)
+def masked(tokens, starts, seq_len):
+    x, y = _read(tokens, starts, seq_len)
     y = y.clone()
     for i, s in enumerate(starts):
         y[i, : int(s) % (seq_len - 1)] = t.IGNORE_INDEX  # 0 .. seq_len - 2 of seq_len targets masked

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from astrai_core.data import Batch, WindowSampler, open_tokens, read_windows
+from astrai_core.data import Batch, WindowSampler, open_tokens, read_windows, to_device
 from astrai_core.errors import AstraiError
-from astrai_core.losses import full_kl_sum, token_loss_sum
+from astrai_core.losses import IGNORE_INDEX, full_kl_sum, token_loss_sum
 from astrai_core.model import Transformer
 from astrai_core.strategies.base import BaseStrategy, frozen_copy
 
@@ -21,8 +21,11 @@ if TYPE_CHECKING:
 VAL_SEED_OFFSET = 10**9  # the validation sampler's seed: never equal to the training sampler's
 
 
-def window_batch(x: torch.Tensor, y: torch.Tensor, **data: torch.Tensor) -> Batch:
-    return Batch(x, {"y": y, **data}, y.numel(), x.numel())  # every target of a window is a token of the file
+def window_batch(x: torch.Tensor, y: torch.Tensor, device: torch.device) -> Batch:
+    """Windows read into host memory, as a batch on `device`: the targets are counted in host memory, before the
+    copy (reading the count back from a GPU would wait for it)."""
+    count = int(np.count_nonzero(y.numpy() != IGNORE_INDEX))
+    return Batch(to_device(x, device), {"y": to_device(y, device)}, count, x.numel())
 
 
 class SeqStrategy(BaseStrategy):
@@ -84,14 +87,14 @@ class SeqStrategy(BaseStrategy):
         batches = []
         for sel in self.my_slices(np.arange(self.per_step)):
             if sources is None:
-                x, y = read_windows(self.tokens, starts[sel], cfg.seq_len, self.device)
-                batches.append(window_batch(x, y))
+                batches.append(window_batch(*read_windows(self.tokens, starts[sel], cfg.seq_len), self.device))
                 continue
             # A mixture: each window from its own source; the frozen reference's logits for the KL term.
-            xs, ys = zip(*(read_windows(sources[i], starts[i : i + 1], cfg.seq_len, self.device) for i in sel))
-            x, y = torch.cat(xs), torch.cat(ys)
+            xs, ys = zip(*(read_windows(sources[i], starts[i : i + 1], cfg.seq_len) for i in sel))
+            batch = window_batch(torch.cat(xs), torch.cat(ys), self.device)
             with torch.no_grad(), self.autocast:
-                batches.append(window_batch(x, y, ref_logits=self.reference(x)))
+                batch.data["ref_logits"] = self.reference(batch.x)
+            batches.append(batch)
         return batches
 
     def loss(self, logits, batch):
@@ -106,7 +109,7 @@ class SeqStrategy(BaseStrategy):
         b = self.cfg.batch_size
         starts = self.val_sampler.starts(i * self.world_size * b, self.world_size * b)
         return window_batch(*read_windows(self.val_tokens, starts[self.rank * b : (self.rank + 1) * b],
-                                          self.cfg.seq_len, self.device))
+                                          self.cfg.seq_len), self.device)
 
     def state_dict(self):
         state = super().state_dict()
