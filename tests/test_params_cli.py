@@ -181,3 +181,13 @@ def test_every_param_dvc_yaml_lists_is_written_in_params_yaml():
             for part in key.split("."):
                 assert isinstance(node, dict) and part in node, f"dvc.yaml stage {name}: {key} not in params.yaml"
                 node = node[part]
+
+
+@pytest.mark.parametrize("profile", sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml")))
+def test_every_profile_merges_into_a_valid_params(profile):
+    """profiles/*.yaml (quick, gpu) each give a valid run configuration over the real params.yaml."""
+    from tasks.params import load_profile, parse_params, run_params_text
+
+    text = run_params_text(ROOT / "params.yaml", {}, load_profile(ROOT, profile))
+    params = parse_params(yaml.safe_load(text))
+    assert params.model.vocab_size >= params.tokenizer.vocab_size
