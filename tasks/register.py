@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import random
-import signal
 import subprocess
 import tempfile
 import time
@@ -384,8 +383,6 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
         mlflow.log_dict(record, GATE_ITEMS)  # in the version's run before the version exists: a later gate reads it
         # The version and all its tags in one step (one transaction in the store): never a version without them.
         mv = mlflow.register_model(info.model_uri, name, tags={**tags, REGISTRATION: PENDING}).version
-        if os.environ.get("ASTRAI_TEST_SIGKILL_AT") == "register:version-created":  # tests: a kill at the worst moment
-            os.kill(os.getpid(), signal.SIGKILL)
         return _decide(client, name, str(mv), metric, record, base, tags, out_dir, locked)
 
 
