@@ -173,7 +173,7 @@ def start(d: Path, host: str = "127.0.0.1", postgres: str | None = None, pg_port
         mlflow_db = database(with_driver(server, "psycopg2"), "mlflow")
         _run([VENV_BIN / "mlflow", "db", "upgrade", mlflow_db], env, "mlflow db upgrade")
         (d / "artifacts").mkdir(exist_ok=True)
-        # No job execution and one worker: ~500 MB instead of 2.4 GB (DESIGN.md, measured here).
+        # No job execution and one worker: ~500 MB instead of 2.4 GB (measured on the 2-core machine).
         state["pids"]["mlflow"] = _spawn(d, "mlflow", [
             VENV_BIN / "mlflow", "server", "--host", host, "--port", str(mlflow_port), "--workers", "1",
             "--backend-store-uri", mlflow_db, "--artifacts-destination", d / "artifacts", "--serve-artifacts"],
