@@ -147,3 +147,29 @@ def test_promote_copies_with_lineage_and_moves_the_alias_only_past_the_gate(regi
                                     ("models:/g/1", "g", "--to g: models:/g/1 is already a version of g")):
         with pytest.raises(AstraiError, match=message):
             promote(client, source, target)
+
+
+def test_promote_into_a_target_without_champion_still_applies_the_gates_absolute_rule(registry, client):
+    """Issue 43 (3): the register gate's rule that needs no champion (a task better than chance) held only against a
+    champion; into an empty target a version register had kept candidate was promoted."""
+    from tasks.promote import promote
+
+    assert str(client.get_model_version_by_alias("g", "candidate").version) == "3"  # learned no task
+    out = cli(registry, "models:/g@candidate", "--to", "g-empty")
+    assert out.returncode == 2 and out.stdout == "", out
+    assert out.stderr.startswith("astrai: error: models:/g/3 not promoted to g-empty: fails the register gate's "
+                                 "absolute rule: no task better than chance (task_accuracy 0.000"), out.stderr
+    assert out.stderr.count("\n") == 1 and "--force" in out.stderr, out.stderr
+    assert "g-empty" not in registered_models(client)  # nothing written
+
+    # --force promotes it, and the line and the copy's tag say past which rule.
+    line = promote(client, "models:/g@candidate", "g-empty", force=True)
+    assert "copied to g-empty version 1, now g-empty@champion; forced past the gate: fails the register gate's " \
+           "absolute rule: no task better than chance" in line, line
+    assert client.get_model_version("g-empty", "1").tags["promotion"].startswith(
+        "forced past the gate: fails the register gate's absolute rule")
+
+    # A version that learned a task passes it, and the line says so.
+    line = promote(client, "models:/g/1", "g-empty2")
+    assert line.endswith("now g-empty2@champion; g-empty2 has no champion; passes the register gate's absolute rule "
+                         "(a task better than chance)"), line
