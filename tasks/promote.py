@@ -9,7 +9,8 @@ is the register stage's gate (tasks/register.py gate), against the version the t
 copy keeps mlflow_run_id, whose registration run holds the per-item results, so the paired interval applies as it
 does at registration. The gate's absolute rule (register's no_skill: a task better than chance) needs no champion,
 so it holds for a target without one too. A version that does not pass is refused (AstraiError, nothing copied)
-unless `force`. The whole step runs under the registry lock of the target's name (registry_lock), so neither a registration nor
+unless `force`. The target's name and the alias are checked by MLflow's rules before anything is written. The
+whole step runs under the registry lock of the target's name (registry_lock), so neither a registration nor
 another promotion into it can interleave. Weights already in the target (the same weights_sha256) are not copied
 again: the alias moves to that version, and a copy a cut-short promotion left without its promoted_* tags gets them.
 """
@@ -28,7 +29,24 @@ from mlflow.exceptions import MlflowException
 
 from astrai_core.errors import AstraiError
 from tasks.metrics import CHANCE
-from tasks.register import PENDING, REGISTRATION, champion_record, gate, no_skill, registry_lock, version_record
+from tasks.register import (PENDING, REGISTRATION, champion_record, gate, no_skill, registry_lock, version_record,
+                            versions_with_weights)
+
+
+def check_names(target: str, alias: str) -> None:
+    """AstraiError naming the option unless `target` is a name MLflow registers and `alias` one it sets, by MLflow's
+    own rules (its validators, so they stay MLflow's): checked before anything is written, since MLflow checks an
+    alias only when it is set, after the copy, which left the target a version without it."""
+    from mlflow.utils.validation import (_validate_model_alias_name, _validate_model_alias_name_reserved,
+                                         _validate_model_name)
+
+    alias_checks = [_validate_model_alias_name, _validate_model_alias_name_reserved]
+    for option, value, checks in (("--to", target, [_validate_model_name]), ("--alias", alias, alias_checks)):
+        try:
+            for check in checks:
+                check(value)
+        except MlflowException as e:
+            raise AstraiError(f"{option} {value!r}: {e.message}") from None
 
 
 def absolute_rule(metric: str, values: dict) -> tuple[bool, str]:
@@ -48,6 +66,7 @@ def promote(client: mlflow.MlflowClient, source: str, target: str, alias: str = 
     from tasks.models import registry_version
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the gate reads the runs' items
+    check_names(target, alias)
     try:
         src = registry_version(client, source)
     except MlflowException as e:
@@ -62,8 +81,7 @@ def promote(client: mlflow.MlflowClient, source: str, target: str, alias: str = 
     new = version_record(src)
     with registry_lock(lock_uri, target):
         held, current = champion_record(client, target, alias)
-        same = [str(v.version) for v in client.search_model_versions(
-            f"name = '{target}' and tags.weights_sha256 = '{src.tags['weights_sha256']}'")] \
+        same = [str(v.version) for v in versions_with_weights(client, target, src.tags["weights_sha256"])] \
             if "weights_sha256" in src.tags else []
         if held in same:
             return f"{where} ({source}) is {target}@{alias} already (version {held}): nothing to do"

@@ -121,6 +121,13 @@ def gate_record(metrics: dict, items: dict, stage: str) -> dict:
             "item_sets": items.get("item_sets", {})}
 
 
+def versions_with_weights(client: mlflow.MlflowClient, name: str, weights_sha256: str) -> list:
+    """The versions of registered model `name` tagged with these weights (tag weights_sha256; aliases left empty).
+    The filter names only the hash: MLflow's filter strings have no escape for a quote, which a model's name may
+    hold (a'b), so the name is compared here."""
+    return [v for v in client.search_model_versions(f"tags.weights_sha256 = '{weights_sha256}'") if v.name == name]
+
+
 def champion_record(client: mlflow.MlflowClient, name: str, alias: str = "champion") -> tuple[str | None, dict | None]:
     """(version, version_record) of the version alias `alias` (the champion) points to; (None, None) without one."""
     try:
@@ -314,7 +321,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
         weights_sha256 = sha256_file(checkpoint_dir / "model.safetensors")
         # weights_sha256 is written with the version itself (one transaction), so this finds every version of these
         # weights, also one whose registration a kill cut short before its aliases: that one is finished here.
-        same = client.search_model_versions(f"name = '{name}' and tags.weights_sha256 = '{weights_sha256}'")
+        same = versions_with_weights(client, name, weights_sha256)
         if same:
             # search_model_versions leaves aliases empty: the version itself has them
             mv = client.get_model_version(name, min(same, key=lambda v: int(v.version)).version)

@@ -173,3 +173,32 @@ def test_promote_into_a_target_without_champion_still_applies_the_gates_absolute
     line = promote(client, "models:/g/1", "g-empty2")
     assert line.endswith("now g-empty2@champion; g-empty2 has no champion; passes the register gate's absolute rule "
                          "(a task better than chance)"), line
+
+
+def test_promote_checks_the_names_before_anything_is_written(registry, client):
+    """Issue 43 (4): MLflow checked the alias only when setting it, after the copy (the target kept a version with no
+    alias), and the target's name went unescaped into a search filter."""
+    from tasks.promote import promote
+
+    for target, alias, message in (
+            ("g-names", "latest", "--alias 'latest': 'latest' alias name (case insensitive) is reserved."),
+            ("g-names", "v3", "--alias 'v3': Version alias name 'v3' is reserved."),
+            ("g-names", "bad alias!", "--alias 'bad alias!': Invalid alias name: 'bad alias!'. Names may only "
+                                      "contain alphanumerics, underscores (_), and dashes (-)."),
+            ("g-names", "", "--alias '': Registered model alias name cannot be empty."),
+            ("", "champion", "--to '': Missing value for required parameter 'name'."),
+            ("g/names", "champion", "--to 'g/names': Invalid model name 'g/names'. Names cannot contain '/' or ':'.")):
+        with pytest.raises(AstraiError) as e:
+            promote(client, "models:/g/2", target, alias=alias)
+        assert str(e.value) == message
+    assert not {"g-names", "", "g/names"} & registered_models(client)  # nothing written
+
+    out = cli(registry, "models:/g/2", "--to", "g-names", "--alias", "v3")
+    assert (out.returncode, out.stdout) == (2, ""), out
+    assert out.stderr == "astrai: error: --alias 'v3': Version alias name 'v3' is reserved.\n", out.stderr
+    assert "g-names" not in registered_models(client)
+
+    # Quotes are MLflow's to allow in a name (it does): promoted, and found again by its weights (nothing to do).
+    for target in ("g'q", 'g"q', "g'q\"q"):
+        assert f"copied to {target} version 1, now {target}@champion" in promote(client, "models:/g/2", target)
+        assert "nothing to do" in promote(client, "models:/g/2", target)
