@@ -202,3 +202,24 @@ def test_promote_checks_the_names_before_anything_is_written(registry, client):
     for target in ("g'q", 'g"q', "g'q\"q"):
         assert f"copied to {target} version 1, now {target}@champion" in promote(client, "models:/g/2", target)
         assert "nothing to do" in promote(client, "models:/g/2", target)
+
+
+def test_promote_stops_in_bounded_time_when_the_registry_lock_server_does_not_answer(registry, client):
+    """Issue 43 (5): with the lock's PostgreSQL down, promote waited without end and said nothing. A port where
+    nothing listens (refused at once), and one that accepts and never answers (a server that hangs: the kernel
+    completes the handshake, nothing reads): each one line naming the server, exit 2, nothing written, well before
+    the bound (the connect timeout is REGISTRY_LOCK_CONNECT_TIMEOUT, 10 s)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        for port, what in ((free_port(), "Connection refused"), (silent.getsockname()[1], "timeout expired")):
+            started = time.monotonic()
+            out = cli(registry, "models:/g/2", "--to", "g-lock", timeout=60,
+                      env={"ASTRAI_REGISTRY_LOCK_URI": f"postgresql://astrai:secret@127.0.0.1:{port}/astrai"})
+            assert time.monotonic() - started < 60
+            assert (out.returncode, out.stdout) == (2, ""), out
+            assert out.stderr.startswith("astrai: error: registry lock (ASTRAI_REGISTRY_LOCK_URI or "
+                                         f'tracking.registry_lock_uri): connection to server at "127.0.0.1", port '
+                                         f"{port} failed: {what}"), out.stderr
+            assert out.stderr.count("\n") == 1 and "secret" not in out.stderr, out.stderr
+    assert "g-lock" not in registered_models(client)
