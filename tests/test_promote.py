@@ -223,3 +223,20 @@ def test_promote_stops_in_bounded_time_when_the_registry_lock_server_does_not_an
                                          f"{port} failed: {what}"), out.stderr
             assert out.stderr.count("\n") == 1 and "secret" not in out.stderr, out.stderr
     assert "g-lock" not in registered_models(client)
+
+
+def test_promote_stops_in_bounded_time_when_the_tracking_server_does_not_answer(registry):
+    """Issue 43 (5), MLflow's side: a tracking server that accepts and never answers held each request for MLflow's
+    default 120 s (and retried it). promote bounds a request at 15 s; retries off here (env.py's six, about a
+    minute, are for a server restarting), so one request's wait is what this measures, against a generous bound."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        started = time.monotonic()
+        out = cli(registry, "models:/g/2", "--to", "g-lock", timeout=60,
+                  env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"})
+        assert time.monotonic() - started < 60
+    assert (out.returncode, out.stdout) == (2, ""), out
+    assert out.stderr.startswith(f"astrai: error: models:/g/2: API request to http://127.0.0.1:{port}/"), out.stderr
+    assert out.stderr.count("\n") == 1, out.stderr
