@@ -93,12 +93,24 @@ def best_model(metrics: dict, metric: str) -> str:
     return best
 
 
+def version_by_alias(client: mlflow.MlflowClient, name: str, alias: str):
+    """The ModelVersion alias `alias` of model `name` points to; None when the model or the alias does not exist.
+    Only those two answers mean none (the store's RESOURCE_DOES_NOT_EXIST and INVALID_PARAMETER_VALUE, the same
+    through the server): a registry that failed or did not answer (its database down) raises, since "no champion"
+    would let the gate pass anything, and a registry back by the next call would take the copy or the alias."""
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except MlflowException as e:
+        if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
+
+
 def champion_value(client: mlflow.MlflowClient, name: str, metric: str) -> tuple[str | None, float | None]:
     """(version, its tag `metric` as a number) of the current champion; (None, None) without one, and a value of
     None when the champion was registered without that metric."""
-    try:
-        champ = client.get_model_version_by_alias(name, "champion")
-    except MlflowException:
+    champ = version_by_alias(client, name, "champion")
+    if champ is None:
         return None, None
     value = champ.tags.get(metric)
     return str(champ.version), (float(value) if value is not None else None)
@@ -131,11 +143,8 @@ def versions_with_weights(client: mlflow.MlflowClient, name: str, weights_sha256
 
 def champion_record(client: mlflow.MlflowClient, name: str, alias: str = "champion") -> tuple[str | None, dict | None]:
     """(version, version_record) of the version alias `alias` (the champion) points to; (None, None) without one."""
-    try:
-        champ = client.get_model_version_by_alias(name, alias)
-    except MlflowException:
-        return None, None
-    return str(champ.version), version_record(champ)
+    champ = version_by_alias(client, name, alias)
+    return (None, None) if champ is None else (str(champ.version), version_record(champ))
 
 
 def version_record(mv) -> dict:

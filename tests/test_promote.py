@@ -240,3 +240,17 @@ def test_promote_stops_in_bounded_time_when_the_tracking_server_does_not_answer(
     assert (out.returncode, out.stdout) == (2, ""), out
     assert out.stderr.startswith(f"astrai: error: models:/g/2: API request to http://127.0.0.1:{port}/"), out.stderr
     assert out.stderr.count("\n") == 1, out.stderr
+
+
+def test_champion_record_of_a_registry_that_does_not_answer_is_an_error_not_no_champion(monkeypatch):
+    """A champion looked up while the registry does not answer (PostgreSQL down) was taken for "no champion": the
+    gate then passed anything, and a registry back by the next call took the copy. Only "no such model" and "no
+    such alias" mean none."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from tasks.register import champion_record
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # refused at once, no retries to wait out
+    with pytest.raises(MlflowException, match="Connection refused"):
+        champion_record(mlflow.MlflowClient(f"http://127.0.0.1:{free_port()}"), "g-prod")
