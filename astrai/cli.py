@@ -473,16 +473,23 @@ def promote(source: str = typer.Argument(..., help="The version: models:/NAME@AL
     who promoted it from where, and move the target's alias to it: refused unless it beats the version that alias
     points to on the register stage's gate (or --force). Serve it with `astrai serve --model models:/TARGET@ALIAS`."""
     import mlflow
+    from mlflow.exceptions import MlflowException
 
     from tasks.models import use_tracking_store
     from tasks.promote import promote as run
     from tasks.register import registry_lock_uri
 
+    # A tracking server that accepts and does not answer (its database down) held each request for MLflow's default
+    # 120 s, tried 7 times (env.py): promote's requests are small (versions, tags, the gate's items as one JSON), so
+    # 15 s each bounds the whole wait at about 3 minutes, the retries for a restarting server kept.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
     params = use_tracking_store()
     try:
         print(run(mlflow.MlflowClient(), source, to, alias, force, registry_lock_uri(params)))
     except AstraiError as e:
         _fail(str(e))
+    except MlflowException as e:  # the registry failed, or did not answer past MLflow's retries: its line names it
+        _fail(str(e.message).strip().splitlines()[0])
 
 
 services_app = typer.Typer(help="The team services: PostgreSQL, the MLflow and Prefect servers on it, a process "

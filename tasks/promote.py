@@ -7,7 +7,9 @@ DVC hashes, its held-out metrics) and gets five more: promoted_by (user@host), p
 (models:/NAME/VERSION), promoted_from_uri (SOURCE as given) and promotion (the decision, in words). The decision
 is the register stage's gate (tasks/register.py gate), against the version the target's alias points to, on the source's register_metric: the
 copy keeps mlflow_run_id, whose registration run holds the per-item results, so the paired interval applies as it
-does at registration. A version that does not pass is refused (AstraiError, nothing copied) unless `force`. The
+does at registration. The gate's absolute rule (register's no_skill: a task better than chance) needs no champion,
+so it holds for a target without one too. A version that does not pass is refused (AstraiError, nothing copied)
+unless `force`. The target's name and the alias are checked by MLflow's rules before anything is written. The
 whole step runs under the registry lock of the target's name (registry_lock), so neither a registration nor
 another promotion into it can interleave. Weights already in the target (the same weights_sha256) are not copied
 again: the alias moves to that version, and a copy a cut-short promotion left without its promoted_* tags gets them.
@@ -26,7 +28,35 @@ import mlflow
 from mlflow.exceptions import MlflowException
 
 from astrai_core.errors import AstraiError
-from tasks.register import PENDING, REGISTRATION, champion_record, gate, registry_lock, version_record
+from tasks.metrics import CHANCE
+from tasks.register import (PENDING, REGISTRATION, champion_record, gate, no_skill, registry_lock, version_record,
+                            versions_with_weights)
+
+
+def check_names(target: str, alias: str) -> None:
+    """AstraiError naming the option unless `target` is a name MLflow registers and `alias` one it sets, by MLflow's
+    own rules (its validators, so they stay MLflow's): checked before anything is written, since MLflow checks an
+    alias only when it is set, after the copy, which left the target a version without it."""
+    from mlflow.utils.validation import (_validate_model_alias_name, _validate_model_alias_name_reserved,
+                                         _validate_model_name)
+
+    alias_checks = [_validate_model_alias_name, _validate_model_alias_name_reserved]
+    for option, value, checks in (("--to", target, [_validate_model_name]), ("--alias", alias, alias_checks)):
+        try:
+            for check in checks:
+                check(value)
+        except MlflowException as e:
+            raise AstraiError(f"{option} {value!r}: {e.message}") from None
+
+
+def absolute_rule(metric: str, values: dict) -> tuple[bool, str]:
+    """(passed, why) on the register gate's rule that needs no champion (register's no_skill: a version chosen by a
+    task metric must beat chance on some task): it holds for an empty target too."""
+    if unskilled := no_skill(metric, values):
+        return False, f"fails the register gate's absolute rule: {unskilled}"
+    if metric in CHANCE:
+        return True, "passes the register gate's absolute rule (a task better than chance)"
+    return True, f"the register gate's absolute rule (a task better than chance) is for task metrics, not {metric}"
 
 
 def promote(client: mlflow.MlflowClient, source: str, target: str, alias: str = "champion", force: bool = False,
@@ -36,6 +66,7 @@ def promote(client: mlflow.MlflowClient, source: str, target: str, alias: str = 
     from tasks.models import registry_version
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the gate reads the runs' items
+    check_names(target, alias)
     try:
         src = registry_version(client, source)
     except MlflowException as e:
@@ -50,17 +81,19 @@ def promote(client: mlflow.MlflowClient, source: str, target: str, alias: str = 
     new = version_record(src)
     with registry_lock(lock_uri, target):
         held, current = champion_record(client, target, alias)
-        same = [str(v.version) for v in client.search_model_versions(
-            f"name = '{target}' and tags.weights_sha256 = '{src.tags['weights_sha256']}'")] \
+        same = [str(v.version) for v in versions_with_weights(client, target, src.tags["weights_sha256"])] \
             if "weights_sha256" in src.tags else []
         if held in same:
             return f"{where} ({source}) is {target}@{alias} already (version {held}): nothing to do"
-        if current is None:
-            passed, why = True, f"{target} has no {alias}"
-        elif metric is None or new["values"].get(metric) is None:
-            passed, why = False, f"{where} has no register_metric to compare (not registered by the register stage?)"
+        # The gate's absolute rule first, champion or not; then the comparison, when there is something to compare.
+        if metric is None or new["values"].get(metric) is None:
+            passed, why = False, f"{where} has no register_metric (not registered by the register stage?)"
+        elif not (rule := absolute_rule(metric, new["values"]))[0]:
+            passed, why = rule
+        elif current is None:
+            passed, why = True, f"{target} has no {alias}; {rule[1]}"
         elif current["values"].get(metric) is None:
-            passed, why = True, f"{target}@{alias} (version {held}) has no {metric} to compare"
+            passed, why = True, f"{target}@{alias} (version {held}) has no {metric} to compare; {rule[1]}"
         else:
             passed, why = gate(metric, new, current)
             verdict = "passes" if passed else "fails"

@@ -54,6 +54,7 @@ from tasks.tracking import FLOW_RUN_ENV
 # left pending (the stage was killed in between) is finished by the next registration of the same weights.
 REGISTRATION, PENDING = "registration", "pending"
 REGISTRY_LOCK_ENV = "ASTRAI_REGISTRY_LOCK_URI"  # wins over tracking.registry_lock_uri, as MLFLOW_TRACKING_URI does
+REGISTRY_LOCK_CONNECT_TIMEOUT = 10  # s: how long the lock waits for its PostgreSQL to answer
 PREDICT_PARAMS = {"max_new_tokens": 64, "temperature": 0.0, "top_k": 0, "seed": 0}
 
 
@@ -91,12 +92,24 @@ def best_model(metrics: dict, metric: str) -> str:
     return best
 
 
+def version_by_alias(client: mlflow.MlflowClient, name: str, alias: str):
+    """The ModelVersion alias `alias` of model `name` points to; None when the model or the alias does not exist.
+    Only those two answers mean none (the store's RESOURCE_DOES_NOT_EXIST and INVALID_PARAMETER_VALUE, the same
+    through the server): a registry that failed or did not answer (its database down) raises, since "no champion"
+    would let the gate pass anything, and a registry back by the next call would take the copy or the alias."""
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except MlflowException as e:
+        if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
+
+
 def champion_value(client: mlflow.MlflowClient, name: str, metric: str) -> tuple[str | None, float | None]:
     """(version, its tag `metric` as a number) of the current champion; (None, None) without one, and a value of
     None when the champion was registered without that metric."""
-    try:
-        champ = client.get_model_version_by_alias(name, "champion")
-    except MlflowException:
+    champ = version_by_alias(client, name, "champion")
+    if champ is None:
         return None, None
     value = champ.tags.get(metric)
     return str(champ.version), (float(value) if value is not None else None)
@@ -120,13 +133,17 @@ def gate_record(metrics: dict, items: dict, stage: str) -> dict:
             "item_sets": items.get("item_sets", {})}
 
 
+def versions_with_weights(client: mlflow.MlflowClient, name: str, weights_sha256: str) -> list:
+    """The versions of registered model `name` tagged with these weights (tag weights_sha256; aliases left empty).
+    The filter names only the hash: MLflow's filter strings have no escape for a quote, which a model's name may
+    hold (a'b), so the name is compared here."""
+    return [v for v in client.search_model_versions(f"tags.weights_sha256 = '{weights_sha256}'") if v.name == name]
+
+
 def champion_record(client: mlflow.MlflowClient, name: str, alias: str = "champion") -> tuple[str | None, dict | None]:
     """(version, version_record) of the version alias `alias` (the champion) points to; (None, None) without one."""
-    try:
-        champ = client.get_model_version_by_alias(name, alias)
-    except MlflowException:
-        return None, None
-    return str(champ.version), version_record(champ)
+    champ = version_by_alias(client, name, alias)
+    return (None, None) if champ is None else (str(champ.version), version_record(champ))
 
 
 def version_record(mv) -> dict:
@@ -252,15 +269,26 @@ def registry_lock(uri: str | None, name: str) -> Iterator[bool]:
     MLflow's API has no compare-and-set for aliases, and a client reaches only that API; so the compare and the set
     are made one step by a lock every registration takes. An advisory lock is the session's: when the holder's
     connection ends (the stage finished, crashed or was killed), the server lets it go, so no stale lock remains
-    for anyone to break by hand, unlike a lock file or a create-if-absent marker in the registry.
+    for anyone to break by hand, unlike a lock file or a create-if-absent marker in the registry. A server that does
+    not answer within REGISTRY_LOCK_CONNECT_TIMEOUT s, or refuses, is an AstraiError naming it: nothing waits unbounded.
     """
     if not uri:
         yield False
         return
     import psycopg2  # the team extra (pyproject.toml)
+    from psycopg2.extensions import parse_dsn
 
     key = int.from_bytes(hashlib.sha256(f"astrai.register:{name}".encode()).digest()[:8], "big", signed=True)
-    conn = psycopg2.connect(uri.replace("postgresql+psycopg2://", "postgresql://", 1))
+    dsn = uri.replace("postgresql+psycopg2://", "postgresql://", 1)
+    try:
+        # libpq waits for a server that does not answer (down behind a firewall, stopped, a dead host) without end by
+        # default: bounded here, unless the URI or PGCONNECT_TIMEOUT sets a wait of its own.
+        bound = {} if "connect_timeout" in parse_dsn(dsn) or os.environ.get("PGCONNECT_TIMEOUT") \
+            else {"connect_timeout": REGISTRY_LOCK_CONNECT_TIMEOUT}
+        conn = psycopg2.connect(dsn, **bound)
+    except psycopg2.Error as e:  # libpq's first line names the server and what failed, never the password
+        raise AstraiError(f"registry lock ({REGISTRY_LOCK_ENV} or tracking.registry_lock_uri): "
+                          f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
     conn.autocommit = True  # session-level lock, no transaction held open while it is
     try:
         with conn.cursor() as cur:
@@ -313,7 +341,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
         weights_sha256 = sha256_file(checkpoint_dir / "model.safetensors")
         # weights_sha256 is written with the version itself (one transaction), so this finds every version of these
         # weights, also one whose registration a kill cut short before its aliases: that one is finished here.
-        same = client.search_model_versions(f"name = '{name}' and tags.weights_sha256 = '{weights_sha256}'")
+        same = versions_with_weights(client, name, weights_sha256)
         if same:
             # search_model_versions leaves aliases empty: the version itself has them
             mv = client.get_model_version(name, min(same, key=lambda v: int(v.version)).version)
