@@ -476,6 +476,28 @@ def test_completions_options_refused_together_name_the_field(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
 
 
+def test_a_token_id_prompt_is_one_prompt_however_many_ids_it_has(served, server):
+    """A flat list of integers is one prompt of token ids, not as many prompts as it has ids (issue 43: 300 ids
+    were refused as "at most 256 prompts (got 300)"); too long for the context, it is refused as a text prompt
+    is. 257 prompts, of text or of ids, are still too many."""
+    ids = (served["tokenizer"].encode(TEXT, add_special_tokens=False).ids * 30)[:300]
+    r = _complete(server, prompt=ids, max_tokens=1)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert r.json()["error"]["message"] == f"prompt has 300 tokens; the context is {CONTEXT} (prompt and reply " \
+                                           f"must fit in it)"
+    text = " ".join(["the king"] * 150)  # 300 tokens of text: the same refusal
+    r = _complete(server, prompt=text, max_tokens=1)
+    n = len(served["tokenizer"].encode(text, add_special_tokens=False).ids)
+    assert n > CONTEXT and r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert r.json()["error"]["message"].startswith(f"prompt has {n} tokens; the context is {CONTEXT}")
+    r = _complete(server, prompt=ids[:CONTEXT - 4], max_tokens=2)  # a long one that fits is answered
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == CONTEXT - 4, r.text
+    for prompts in (["the king"] * 257, [ids[:3]] * 257):
+        r = _complete(server, prompt=prompts, max_tokens=1)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert r.json()["error"]["message"] == "prompt: at most 256 prompts (got 257)"
+
+
 def test_tokenize_detokenize_and_tokenizer_info_in_vllms_shapes(served, server):
     tok, auth = served["tokenizer"], {"authorization": f"Bearer {KEY}"}
     r = httpx.post(f"{server}/tokenize", json={"prompt": TEXT, "add_special_tokens": False}, headers=auth, timeout=30)
