@@ -284,6 +284,29 @@ def test_stop_string_split_across_tokens_is_never_returned_or_streamed(served, o
         assert s.get_final_message().stop_sequence == stop
 
 
+def test_a_stop_string_that_is_a_special_tokens_text_stops_at_that_token(served, oai):
+    """lm-eval's generate_until sends its `until` (<|end_of_turn|>) as `stop`. Special tokens are not emitted as
+    text, so as a text that stop string could never match: it stops at the token instead, as in vLLM (the text
+    before it, finish_reason "stop", the token counted but not returned)."""
+    tok = served["tokenizer"]
+    prompt = "<|user|>Does this line ask a question?\nThat will I do.<|end_of_turn|><|assistant|>"  # issue 43's
+    ids = tok.encode(prompt, add_special_tokens=False).ids
+    out = generate(served["model"], ids, 16, stop_ids=served["chat"].stop_ids)
+    assert out[-1] == special_id(tok, "end_of_turn") and len(out) < 16  # the model ends its turn on its own
+    text = tok.decode(out[:-1])
+    for p in (prompt, ids):
+        r = oai.completions.create(model=MODEL_ID, prompt=p, max_tokens=16, temperature=0,
+                                   stop=["zzz", "<|end_of_turn|>"])
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (text, "stop")
+        assert r.usage.completion_tokens == len(out)
+    pieces = [c.choices[0].text for c in oai.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=16,
+                                                                 temperature=0, stop="<|end_of_turn|>", stream=True)]
+    assert "".join(pieces) == text
+    # Without it a completion stops only at end-of-text: the reply runs on into the next turn.
+    r = oai.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=16, temperature=0)
+    assert r.choices[0].text.startswith(text) and r.choices[0].text != text and r.usage.completion_tokens > len(out)
+
+
 def test_anthropic_messages(served, claude):
     system = "you speak of the crown"
     msgs = [{"role": "system", "content": system}] + USER
