@@ -51,6 +51,11 @@ class ChatFormat:
         self.control_tokens = tuple(sorted({t.content for t in tokenizer.get_added_tokens_decoder().values()
                                             if t.special} | set(SPECIAL_TOKENS.values())))
 
+    def special_ids(self, texts: Iterable[str]) -> tuple[int, ...]:
+        """The ids of those of `texts` that are a special token's whole text (as a stop string: special tokens are
+        never decoded as text, so only the token itself can stop at one)."""
+        return tuple(i for t in texts if t in self.control_tokens and (i := self.tokenizer.token_to_id(t)) is not None)
+
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
         try:
             return self.template.render(messages=list(messages), add_generation_prompt=add_generation_prompt)

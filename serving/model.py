@@ -93,6 +93,13 @@ class ServedModel:
             raise ApiError(400, f"prompt has more than {self.context} tokens ({size} bytes of text, at most "
                                 f"{self.max_token_bytes} per token); the context is {self.context}", param=field)
 
+    def completion_stop_ids(self, stops: Sequence[str]) -> tuple[int, ...]:
+        """Where a plain-text completion stops: at end-of-text, and at each special token a stop string spells out
+        (as vLLM does). Special tokens are not emitted as text (TextStream skips them), so a stop string such as
+        lm-eval's until "<|end_of_turn|>" could never match the reply's text: the engine stops at the token, as it
+        stops a chat reply at the end of its turn."""
+        return self.eos + self.chat.special_ids(stops)
+
     def chat_prompt(self, messages: list[dict], field: str) -> list[int]:
         """Messages ({"role", "content"}) in the chat template, ready for the assistant's turn."""
         self.check_length([m["content"] for m in messages], field)

@@ -39,10 +39,11 @@ async def completions(request: Request):
     prompts = [completion_prompt_ids(served, p) for p in body.prompts]
     # OpenAI's default for the legacy completions endpoint is 16 tokens.
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    stop_ids = served.completion_stop_ids(body.stop)
     if body.stream:
-        sub = served.submit(prompts[0], body, max_tokens, served.eos, "prompt")
+        sub = served.submit(prompts[0], body, max_tokens, stop_ids, "prompt")
         return await respond(request, served, body, prompts[0], sub, started, "text")
-    return await complete(request, served, body, prompts, max_tokens, started)
+    return await complete(request, served, body, prompts, max_tokens, stop_ids, started)
 
 
 def check_completion_options(body: CompletionBody) -> None:
@@ -67,7 +68,7 @@ def completion_prompt_ids(served: ServedModel, prompt: str | list[int]) -> list[
 
 
 async def complete(request: Request, served: ServedModel, body: CompletionBody, prompts: list[list[int]],
-                   max_tokens: int, started: float) -> dict:
+                   max_tokens: int, stop_ids: tuple[int, ...], started: float) -> dict:
     """The whole reply to a completions request: one choice per prompt, with the prompt (echo) and the logprobs
     asked for. Logprobs follow OpenAI's legacy completions API, the prompt's first token null as in vLLM."""
     k = body.logprobs
@@ -76,7 +77,7 @@ async def complete(request: Request, served: ServedModel, body: CompletionBody, 
     subs: list[Submission] = []
     try:
         for ids in prompts:
-            subs.append(served.submit(ids, body, max_tokens, served.eos, "prompt", logprobs=k,
+            subs.append(served.submit(ids, body, max_tokens, stop_ids, "prompt", logprobs=k,
                                       prompt_logprobs=prompt_logprobs))
     except ApiError:
         for sub in subs:

@@ -54,7 +54,7 @@ class AstraiLM(TemplateLM):
         self.model, self.tokenizer, self.batch_size, self.max_gen_toks = model, tokenizer, batch_size, max_gen_toks
         self.max_length = model.cfg.max_seq_len
         self._eos = special_id(tokenizer, "eos")
-        self._stop_ids = ChatFormat(tokenizer).stop_ids  # where `astrai serve` stops a completion: end of turn or text
+        self._chat = ChatFormat(tokenizer)
 
     @property
     def eot_token_id(self) -> int:
@@ -101,8 +101,9 @@ class AstraiLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuations, stopped at the end of a turn or of the text (as `astrai serve` stops a completion)
-        and cut at the first of each request's `until` strings."""
+        """Greedy continuations, stopped where `astrai serve` stops a completion that lm-eval's local-completions
+        sends with these `until` strings as `stop`: at end-of-text and at each special token an `until` string
+        spells (the tasks' "<|end_of_turn|>"), and cut at the first of the other `until` strings."""
         out: list[str] = [""] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for i, req in enumerate(requests):
@@ -112,14 +113,15 @@ class AstraiLM(TemplateLM):
             groups.setdefault((tuple(until), int(kwargs.get("max_gen_toks", self.max_gen_toks))), []).append(i)
         for (until, max_new), members in groups.items():
             max_new = min(max_new, self.max_length - 1)
+            stop_ids = (self._eos,) + self._chat.special_ids(until)  # ServedModel.completion_stop_ids
             prompts = [self.tok_encode(requests[i].args[0])[-(self.max_length - max_new):] or [self._eos]
                        for i in members]
             for first in range(0, len(members), self.batch_size):
                 chunk = members[first:first + self.batch_size]
                 new = generate_batch(self.model, prompts[first:first + self.batch_size], max_new,
-                                     stop_ids=self._stop_ids)
+                                     stop_ids=stop_ids)
                 for i, ids in zip(chunk, new):
-                    text = self.tokenizer.decode(ids[:-1] if ids and ids[-1] in self._stop_ids else ids)
+                    text = self.tokenizer.decode(ids[:-1] if ids and ids[-1] in stop_ids else ids)
                     for stop in until:
                         text = text.split(stop)[0] if stop else text
                     out[i] = text

@@ -4,7 +4,9 @@
 scoring of the same items (astrai_core.scoring) on the same weights.
 
 The corpus is a tiny made-up "play" in the Gutenberg layout tasks/plays.py parses (no Shakespeare text here); the
-model is trained on it for a few seconds, so that it is better than chance at who speaks next.
+model is trained on it for a few seconds, so that it is better than chance at who speaks next, and on the demo's
+task families as chat turns, one after another, so that it answers and ends its turn with <|end_of_turn|> (and,
+not stopped there, runs on into a next question, as a chat model does).
 """
 
 from __future__ import annotations
@@ -24,16 +26,24 @@ import torch
 import torch.nn.functional as F
 
 from astrai_core.bpe import special_id, train_tokenizer
+from astrai_core.chat import ChatFormat
 from astrai_core.checkpoint import load_model, save_checkpoint
 from astrai_core.config import ModelConfig
+from astrai_core.generate import generate_batch
 from astrai_core.model import Transformer
 from astrai_core.scoring import continuation_logprobs, sequence_nll
+from tasks.demo_tasks import items as family_items
 from tasks.lm_eval_data import FILES
+from tasks.plays import parse_play
 from test_serve_api import PROJECT_ROOT, WORDS, _start_server, _stop_server
 
 pytest.importorskip("lm_eval")
 
 CONTEXT = 256
+# The families' training conversations: enough to answer is_question and end the turn, while the speaker order is
+# still learnt (here 33 of 40 next-speaker items right with them, 30 without).
+CONVERSATIONS = 200
+FAMILY_TASKS = [task for task in FILES if task not in ("astrai_next_speaker", "astrai_speech_ppl")]
 SPEAKERS = ("ROMEO", "JULIET", "NURSE", "FRIAR", "TYBALT")
 
 
@@ -69,7 +79,12 @@ def setup(tmp_path_factory):
                       max_seq_len=CONTEXT, tie_embeddings=False)
     model = Transformer(cfg)
     eos = special_id(tokenizer, "eos")
-    data = torch.tensor([i for t in train_text for i in tokenizer.encode(t, add_special_tokens=False).ids + [eos]])
+    plain = [i for t in train_text for i in tokenizer.encode(t, add_special_tokens=False).ids + [eos]]
+    chat = ChatFormat(tokenizer)
+    plays = {f"train{i}": parse_play(f"train{i}", text) for i, text in enumerate(train_text)}
+    turns = [i for item in family_items(plays, "train")[:CONVERSATIONS] for i in chat.encode(
+        [{"role": "user", "content": item.prompt}, {"role": "assistant", "content": item.answer}])[0]]
+    data = torch.tensor(plain + turns)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(0)
     # 300 steps: at 150 the model was just learning the speaker order, and the kernels of the machine decided
@@ -161,6 +176,23 @@ def test_lm_eval_scores_equal_the_projects_offline_scoring(setup, http_run):
     assert scores["word_perplexity,none"] == pytest.approx(math.exp(nll / words), rel=1e-5)
     assert scores["byte_perplexity,none"] == pytest.approx(math.exp(nll / size), rel=1e-5)
     assert scores["bits_per_byte,none"] == pytest.approx(nll / size / math.log(2), rel=1e-5)
+
+    # The families' greedy replies: each task's `until` is ["<|end_of_turn|>"], which local-completions sends as
+    # `stop` (with the end-of-text token's text); the server stops at that special token, so a reply is the
+    # answer alone, as astrai_core.generate gives it stopping at the end of the turn or the text, and exact_match
+    # (surrounding whitespace aside) is what it counts.
+    stop_ids = (special_id(tok, "end_of_turn"), eos)
+    for task in FAMILY_TASKS:
+        items = [json.loads(line) for line in (setup["root"] / "run/evals/lm_eval_tasks/data" / FILES[task]).open()]
+        by_doc = {s["doc_id"]: s for s in samples[task]}
+        assert len(by_doc) == len(items) > 10, task
+        replies = generate_batch(model, [encode(item["prompt"]) for item in items], 16, stop_ids=stop_ids)
+        texts = [tok.decode(ids[:-1] if ids[-1] in stop_ids else ids) for ids in replies]
+        assert [by_doc[i]["resps"][0][0] for i in range(len(items))] == texts, task
+        right = sum(text.strip() == item["answer"] for text, item in zip(texts, items))
+        assert results["results"][task]["exact_match,none"] == pytest.approx(right / len(items), abs=1e-12), task
+    # Not stopped at the end of the turn, every reply ran on into a next question and none was right (issue 43).
+    assert results["results"]["astrai_is_question"]["exact_match,none"] > 0.5
 
 
 def test_in_process_lm_eval_equals_the_http_route(setup, http_run):

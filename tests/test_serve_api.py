@@ -284,6 +284,29 @@ def test_stop_string_split_across_tokens_is_never_returned_or_streamed(served, o
         assert s.get_final_message().stop_sequence == stop
 
 
+def test_a_stop_string_that_is_a_special_tokens_text_stops_at_that_token(served, oai):
+    """lm-eval's generate_until sends its `until` (<|end_of_turn|>) as `stop`. Special tokens are not emitted as
+    text, so as a text that stop string could never match: it stops at the token instead, as in vLLM (the text
+    before it, finish_reason "stop", the token counted but not returned)."""
+    tok = served["tokenizer"]
+    prompt = "<|user|>Does this line ask a question?\nThat will I do.<|end_of_turn|><|assistant|>"  # issue 43's
+    ids = tok.encode(prompt, add_special_tokens=False).ids
+    out = generate(served["model"], ids, 16, stop_ids=served["chat"].stop_ids)
+    assert out[-1] == special_id(tok, "end_of_turn") and len(out) < 16  # the model ends its turn on its own
+    text = tok.decode(out[:-1])
+    for p in (prompt, ids):
+        r = oai.completions.create(model=MODEL_ID, prompt=p, max_tokens=16, temperature=0,
+                                   stop=["zzz", "<|end_of_turn|>"])
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (text, "stop")
+        assert r.usage.completion_tokens == len(out)
+    pieces = [c.choices[0].text for c in oai.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=16,
+                                                                 temperature=0, stop="<|end_of_turn|>", stream=True)]
+    assert "".join(pieces) == text
+    # Without it a completion stops only at end-of-text: the reply runs on into the next turn.
+    r = oai.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=16, temperature=0)
+    assert r.choices[0].text.startswith(text) and r.choices[0].text != text and r.usage.completion_tokens > len(out)
+
+
 def test_anthropic_messages(served, claude):
     system = "you speak of the crown"
     msgs = [{"role": "system", "content": system}] + USER
@@ -474,6 +497,28 @@ def test_completions_options_refused_together_name_the_field(server):
                         (dict(echo="yes"), "echo"), (dict(suffix="x"), "suffix")):
         r = _complete(server, **{"prompt": "the king", **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
+
+
+def test_a_token_id_prompt_is_one_prompt_however_many_ids_it_has(served, server):
+    """A flat list of integers is one prompt of token ids, not as many prompts as it has ids (issue 43: 300 ids
+    were refused as "at most 256 prompts (got 300)"); too long for the context, it is refused as a text prompt
+    is. 257 prompts, of text or of ids, are still too many."""
+    ids = (served["tokenizer"].encode(TEXT, add_special_tokens=False).ids * 30)[:300]
+    r = _complete(server, prompt=ids, max_tokens=1)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert r.json()["error"]["message"] == f"prompt has 300 tokens; the context is {CONTEXT} (prompt and reply " \
+                                           f"must fit in it)"
+    text = " ".join(["the king"] * 150)  # 300 tokens of text: the same refusal
+    r = _complete(server, prompt=text, max_tokens=1)
+    n = len(served["tokenizer"].encode(text, add_special_tokens=False).ids)
+    assert n > CONTEXT and r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert r.json()["error"]["message"].startswith(f"prompt has {n} tokens; the context is {CONTEXT}")
+    r = _complete(server, prompt=ids[:CONTEXT - 4], max_tokens=2)  # a long one that fits is answered
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == CONTEXT - 4, r.text
+    for prompts in (["the king"] * 257, [ids[:3]] * 257):
+        r = _complete(server, prompt=prompts, max_tokens=1)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert r.json()["error"]["message"] == "prompt: at most 256 prompts (got 257)"
 
 
 def test_tokenize_detokenize_and_tokenizer_info_in_vllms_shapes(served, server):

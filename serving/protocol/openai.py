@@ -88,7 +88,15 @@ class CompletionBody(OpenAIBody):
 
     _suffix = field_validator("suffix")(refuse("suffix", ""))
     _best_of = field_validator("best_of")(refuse("best_of other than 1", 1))
-    _count = field_validator("prompt", mode="before")(at_most(MAX_PROMPTS, "prompts"))
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _count(cls, value: Any) -> Any:
+        """At most MAX_PROMPTS prompts, counted before any is validated. A flat list of integers is one prompt of
+        token ids, however many: its length is the prompt's, checked against the context as a text's is."""
+        if isinstance(value, list) and not (value and type(value[0]) is int):
+            at_most(MAX_PROMPTS, "prompts")(value)
+        return value
 
     @field_validator("prompt", mode="before")
     @classmethod
