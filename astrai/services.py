@@ -37,8 +37,8 @@ VENV_BIN = Path(sys.executable).parent  # mlflow and prefect from the environmen
 def with_driver(uri: str, driver: str | None) -> str:
     """postgresql://... with SQLAlchemy's driver written out (postgresql+psycopg2://...), or none for libpq.
     SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3 (2.0 mapped it to psycopg2), so the driver is explicit."""
-    scheme, rest = uri.split("://", 1)
-    if scheme.split("+")[0] not in ("postgresql", "postgres"):
+    scheme, _, rest = uri.partition("://")
+    if scheme.split("+")[0] not in ("postgresql", "postgres") or not rest:
         raise AstraiError(f"--postgres {uri}: expected postgresql://USER:PASSWORD@HOST:PORT")
     return f"postgresql{'+' + driver if driver else ''}://{rest}"
 
@@ -92,8 +92,9 @@ def create_databases(server_uri: str) -> None:
 
     try:
         conn = psycopg2.connect(database(with_driver(server_uri, None), "postgres"))
-    except psycopg2.OperationalError as e:
-        raise AstraiError(f"PostgreSQL at {urllib.parse.urlsplit(server_uri).hostname}: {str(e).strip()}") from None
+    except psycopg2.OperationalError as e:  # libpq's hint is a line of its own: one line, for the error line
+        why = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        raise AstraiError(f"PostgreSQL at {urllib.parse.urlsplit(server_uri).hostname}: {why}") from None
     conn.autocommit = True  # CREATE DATABASE cannot run in a transaction
     try:
         with conn.cursor() as cur:
@@ -134,6 +135,23 @@ def wait_healthy(url: str, pid: int, log: Path, timeout: float = 180) -> None:
     raise AstraiError(f"{url}: no answer after {timeout:.0f} s; see {log}")
 
 
+def _check_start(d: Path, postgres: str | None, ports: dict[str, int]) -> None:
+    """Bad input to `start`, before anything is written or started."""
+    for option, port in ports.items():
+        if not 1 <= port <= 65535:
+            raise AstraiError(f"{option} {port}: expected a TCP port, 1-65535")
+    if postgres is not None:
+        parts = urllib.parse.urlsplit(with_driver(postgres, None))
+        try:
+            port_ok = parts.port is None or parts.port > 0  # .port: ValueError unless a number up to 65535
+        except ValueError:
+            port_ok = False
+        if not (parts.hostname and port_ok):
+            raise AstraiError(f"--postgres {postgres}: expected postgresql://USER:PASSWORD@HOST:PORT")
+    if d.exists() and not d.is_dir():
+        raise AstraiError(f"{d}: not a directory; give a new one or one `astrai services start` used before")
+
+
 def _alive(pid: int) -> bool:
     try:  # a zombie (exited, not yet reaped by whoever adopted it) counts as gone
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -152,14 +170,26 @@ def client_env(state: dict) -> dict[str, str]:
             "ASTRAI_REGISTRY_LOCK_URI": state["lock_uri"]}
 
 
+def running_env(d: Path) -> dict[str, str]:
+    """client_env of the services that run from d. Refused where its servers do not run: after a stop or a failed
+    start, its URLs (if it got that far) name ports where nothing, or another team's servers, answer."""
+    state = load(d)
+    if not all(name in state["pids"] and _alive(state["pids"][name]) for name in ("mlflow", "prefect")):
+        raise AstraiError(f"{d.resolve() / 'services.json'}: its servers do not run (stopped, or their start failed: "
+                          f"see the logs there); start them with `astrai services start {d}`")
+    return client_env(state)
+
+
 def start(d: Path, host: str = "127.0.0.1", postgres: str | None = None, pg_port: int = 5432,
           mlflow_port: int = 5000, prefect_port: int = 4200, pool: str = "astrai-local") -> dict:
-    """Start every service (on failure, stop what started, then raise); returns the state in d/services.json."""
+    """Start every service (on failure, stop what started, then raise); returns the state in d/services.json.
+    Bad input is refused before anything is written or started."""
     d = d.resolve()
-    d.mkdir(parents=True, exist_ok=True)
-    if (d / "services.json").exists() and any(_alive(p) for p in json.loads((d / "services.json").read_text())
-                                              .get("pids", {}).values()):
+    ports = {"--pg-port": pg_port, "--mlflow-port": mlflow_port, "--prefect-port": prefect_port}
+    _check_start(d, postgres, ports)
+    if (d / "services.json").exists() and any(_alive(p) for p in load(d)["pids"].values()):
         raise AstraiError(f"{d}: services already run from here; `astrai services stop {d}` first")
+    d.mkdir(parents=True, exist_ok=True)
     state: dict = {"dir": str(d), "pids": {}, "trial_postgres": postgres is None}
     save(d, state)  # first: a failed start stops what it started from here
     try:
@@ -214,7 +244,14 @@ def load(d: Path) -> dict:
     path = d.resolve() / "services.json"
     if not path.is_file():
         raise AstraiError(f"{d}: no services.json (start them with `astrai services start {d}`)")
-    return json.loads(path.read_text())
+    try:
+        state = json.loads(path.read_text())
+    except ValueError:  # cut short (a full disk, a killed start) or not ours; UnicodeDecodeError is one too
+        state = None
+    if not isinstance(state, dict) or not isinstance(state.get("pids"), dict) or "dir" not in state:
+        raise AstraiError(f"{path}: not a state file of `astrai services start` (cut short?); stop by hand what "
+                          f"still runs from {d.resolve()} (its logs are there), then remove the file")
+    return state
 
 
 def _group_alive(pgid: int) -> bool:

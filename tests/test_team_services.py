@@ -101,6 +101,10 @@ def test_services_run_on_postgres(services):
         [("astrai-local", "process")]
     # `pg_ctl -o "-c listen_addresses=127.0.0.1"`: nothing else answers
     assert _sql(_db(services, "postgres"), "SHOW listen_addresses") == [("127.0.0.1",)]
+    # `services env` prints again what start printed (while the servers run; after a stop it refuses)
+    again = subprocess.run([str(VENV_BIN / "astrai"), "services", "env", str(services["dir"])], capture_output=True,
+                           text=True, timeout=60)
+    assert dict(line.removeprefix("export ").split("=", 1) for line in again.stdout.splitlines()) == services["env"]
 
 
 @pytest.fixture(scope="module")
