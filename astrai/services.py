@@ -15,10 +15,12 @@ read and write them over HTTP (`mlflow-artifacts:/` URIs) and need no shared pat
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -135,6 +137,71 @@ def wait_healthy(url: str, pid: int, log: Path, timeout: float = 180) -> None:
     raise AstraiError(f"{url}: no answer after {timeout:.0f} s; see {log}")
 
 
+def check_serves(url: str, pid: int, option: str, log: Path) -> None:
+    """AstraiError unless what answers at `url` is the server started as `pid`: a server that took the port first
+    (another team's) answers too, while ours exits with "address in use"."""
+    port = urllib.parse.urlsplit(url).port
+    if not _group_listens(pid, port):
+        raise AstraiError(f"{url}: another server answers on port {port} ({option}), not the one started here "
+                          f"({'exited' if not _alive(pid) else 'not listening there'}; its log: {log}); choose a free "
+                          f"port with {option}")
+
+
+def _group_listens(pgid: int, port: int) -> bool:
+    """Whether a process of group `pgid` holds a TCP socket listening on `port` (in that group's network namespace:
+    /proc/PID/net is the namespace of PID)."""
+    sockets = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = Path(f"/proc/{pgid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:  # the group's leader is gone
+            return False
+        for row in rows:  # sl local_address rem_address st ... inode
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                sockets.add(f"socket:[{fields[9]}]")
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            fds = list((proc / "fd").iterdir())
+        except (OSError, IndexError, ValueError):  # a process that ended meanwhile
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd) in sockets:
+                    return True
+            except OSError:  # a file closed meanwhile
+                continue
+    return False
+
+
+def _check_ports_free(host: str, ports: dict[str, int]) -> None:
+    """AstraiError naming every port of `ports` (option: port) that something listens on already at `host`: the
+    servers would fail to bind it, while what listens there answered in their place."""
+    seen: dict[int, str] = {}
+    for option, port in ports.items():
+        if port in seen:
+            raise AstraiError(f"{seen[port]} {port} and {option} {port}: each server needs a port of its own")
+        seen[port] = option
+    busy = []
+    for option, port in ports.items():
+        bind_host = "0.0.0.0" if host == "*" else host  # PostgreSQL's "every address"
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is free
+                s.bind((bind_host, port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise AstraiError(f"--host {host}: cannot listen on {host}:{port} ({e.strerror or e})") from None
+            busy.append(option)
+    if busy:
+        which = "a free port" if len(busy) == 1 else "free ports"
+        raise AstraiError(f"in use already: {', '.join(f'{host}:{ports[o]} ({o})' for o in busy)}; stop what listens "
+                          f"there (another team's services?) or choose {which} with {', '.join(busy)}; nothing was "
+                          "started")
+
+
 def _check_start(d: Path, postgres: str | None, ports: dict[str, int]) -> None:
     """Bad input to `start`, before anything is written or started."""
     for option, port in ports.items():
@@ -183,12 +250,15 @@ def running_env(d: Path) -> dict[str, str]:
 def start(d: Path, host: str = "127.0.0.1", postgres: str | None = None, pg_port: int = 5432,
           mlflow_port: int = 5000, prefect_port: int = 4200, pool: str = "astrai-local") -> dict:
     """Start every service (on failure, stop what started, then raise); returns the state in d/services.json.
-    Bad input is refused before anything is written or started."""
+    Bad input, a port in use included, is refused before anything is written or started."""
     d = d.resolve()
     ports = {"--pg-port": pg_port, "--mlflow-port": mlflow_port, "--prefect-port": prefect_port}
     _check_start(d, postgres, ports)
     if (d / "services.json").exists() and any(_alive(p) for p in load(d)["pids"].values()):
         raise AstraiError(f"{d}: services already run from here; `astrai services stop {d}` first")
+    if postgres is not None:
+        del ports["--pg-port"]  # the trial database's
+    _check_ports_free(host, ports)
     d.mkdir(parents=True, exist_ok=True)
     state: dict = {"dir": str(d), "pids": {}, "trial_postgres": postgres is None}
     save(d, state)  # first: a failed start stops what it started from here
@@ -218,8 +288,10 @@ def start(d: Path, host: str = "127.0.0.1", postgres: str | None = None, pg_port
                                                          "--port", str(prefect_port)], prefect_env)
         state["prefect_api_url"] = f"http://{reach}:{prefect_port}/api"
         save(d, state)
-        wait_healthy(f"{state['mlflow_url']}/health", state["pids"]["mlflow"], d / "mlflow.log")
-        wait_healthy(f"{state['prefect_api_url']}/health", state["pids"]["prefect"], d / "prefect.log")
+        for name, url, option in (("mlflow", f"{state['mlflow_url']}/health", "--mlflow-port"),
+                                  ("prefect", f"{state['prefect_api_url']}/health", "--prefect-port")):
+            wait_healthy(url, state["pids"][name], d / f"{name}.log")
+            check_serves(url, state["pids"][name], option, d / f"{name}.log")
 
         worker_env = {**env, **client_env(state)}  # flow runs inherit it: they log to the server, lock the registry
         _run([VENV_BIN / "prefect", "work-pool", "create", pool, "--type", "process", "--overwrite"], worker_env,

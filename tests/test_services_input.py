@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import VENV_BIN, free_port
+from conftest import VENV_BIN, free_port, stop_group
 
 
 def _astrai(*args, cwd: Path) -> subprocess.CompletedProcess:
@@ -33,7 +35,7 @@ def _ports() -> list[str]:
 
 
 @pytest.mark.parametrize("case", ["dir-is-a-file", "dir-not-writable", "postgres-garbage", "postgres-no-host",
-                                  "mlflow-port-99999", "prefect-port-0", "pg-port-70000"])
+                                  "mlflow-port-99999", "prefect-port-0", "pg-port-70000", "one-port-twice"])
 def test_bad_start_input_is_one_line_before_anything_starts(tmp_path, case):
     team = tmp_path / "team"  # new: nothing may be created there
     args, named = [], None
@@ -47,6 +49,9 @@ def test_bad_start_input_is_one_line_before_anything_starts(tmp_path, case):
         args, named = ["--postgres", "garbage"], "--postgres garbage"
     elif case == "postgres-no-host":
         args, named = ["--postgres", "postgresql://u:p@:notaport"], "--postgres"
+    elif case == "one-port-twice":
+        port = str(free_port())
+        args, named = ["--mlflow-port", port, "--prefect-port", port], f"--prefect-port {port}"
     else:
         option, port = case.rsplit("-", 1)
         args, named = [f"--{option}", port], f"--{option} {port}"
@@ -57,6 +62,25 @@ def test_bad_start_input_is_one_line_before_anything_starts(tmp_path, case):
         assert team.read_text() == "mine\n"
     else:
         assert not team.exists()  # nothing written: no services.json, no trial database
+
+
+@pytest.mark.parametrize("option", ["--pg-port", "--mlflow-port", "--prefect-port"])
+def test_start_refuses_a_port_in_use_before_anything_starts(tmp_path, option):
+    """Started beside another team on its ports, `start` used to go on: its own servers died (address in use) while
+    the other team's answered, and it exited 0 printing the other team's URLs."""
+    team = tmp_path / "team"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _astrai("services", "start", team, *_ports(), option, port, cwd=tmp_path)
+        try:
+            line = _one_error_line(out)
+        finally:  # the unfixed start went on with the trial database: stop whatever it left
+            if (team / "services.json").exists():
+                _astrai("services", "stop", team, cwd=tmp_path)
+    assert f"127.0.0.1:{port}" in line and option in line, line
+    assert not team.exists()
 
 
 def _failed_start(tmp_path: Path) -> Path:
@@ -93,3 +117,26 @@ def test_a_truncated_services_json_is_one_line(tmp_path, command):
     args = _ports() if command == "start" else []
     line = _one_error_line(_astrai("services", command, team, *args, cwd=tmp_path))
     assert str(state) in line, line
+
+
+def test_a_server_is_taken_for_the_one_started_only_if_its_processes_listen():
+    """What answers on a port is the server just started only if a process of its group holds the listening socket
+    (not another team's server that took the port first)."""
+    from astrai.services import _group_listens
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    other = subprocess.Popen(["sleep", "300"], start_new_session=True)  # alive, listening nowhere
+    try:
+        for _ in range(100):
+            if _group_listens(server.pid, port):
+                break
+            assert server.poll() is None
+            __import__("time").sleep(0.1)
+        assert _group_listens(server.pid, port)
+        assert not _group_listens(other.pid, port)
+        assert not _group_listens(server.pid, free_port())
+    finally:
+        stop_group(server)
+        stop_group(other)
