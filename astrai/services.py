@@ -284,9 +284,12 @@ def start(d: Path, host: str = "127.0.0.1", postgres: str | None = None, pg_port
 
         prefect_env = {**env, "PREFECT_API_DATABASE_CONNECTION_URL": database(with_driver(server, "asyncpg"), "prefect")}
         _run([VENV_BIN / "prefect", "server", "database", "upgrade", "-y"], prefect_env, "prefect server database upgrade")
-        state["pids"]["prefect"] = _spawn(d, "prefect", [VENV_BIN / "prefect", "server", "start", "--host", host,
-                                                         "--port", str(prefect_port)], prefect_env)
         state["prefect_api_url"] = f"http://{reach}:{prefect_port}/api"
+        # The UI's pages call the API at PREFECT_SERVER_UI_API_URL, by default 127.0.0.1:4200 whatever --port says
+        # (as the Makefile's `server` target sets it).
+        state["pids"]["prefect"] = _spawn(d, "prefect", [VENV_BIN / "prefect", "server", "start", "--host", host,
+                                                         "--port", str(prefect_port)],
+                                          {**prefect_env, "PREFECT_SERVER_UI_API_URL": state["prefect_api_url"]})
         save(d, state)
         for name, url, option in (("mlflow", f"{state['mlflow_url']}/health", "--mlflow-port"),
                                   ("prefect", f"{state['prefect_api_url']}/health", "--prefect-port")):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import VENV_BIN, free_port, stop_group
+from conftest import PROJECT_ROOT, VENV_BIN, free_port, stop_group
 
 
 def _astrai(*args, cwd: Path) -> subprocess.CompletedProcess:
@@ -83,6 +83,23 @@ def test_start_refuses_a_port_in_use_before_anything_starts(tmp_path, option):
     assert not team.exists()
 
 
+def test_make_team_services_moves_postgres_port(tmp_path):
+    """TEAM_POSTGRES_PORT reaches `astrai services start --pg-port`: on a port in use, its error names it.
+    (-o: make leaves .venv as it is, whatever the dates of pyproject.toml and the lock.)"""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(["make", "-s", "-C", str(PROJECT_ROOT), "-o", ".venv/bin/astrai", "team-services",
+                              f"TEAM_DIR={tmp_path / 'team'}", f"TEAM_POSTGRES_PORT={port}",
+                              f"MLFLOW_PORT={free_port()}", f"PREFECT_PORT={free_port()}"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        if (tmp_path / "team" / "services.json").exists():  # the unfixed Makefile started a team on 5432
+            _astrai("services", "stop", tmp_path / "team", cwd=tmp_path)
+    ours = [line for line in out.stderr.splitlines() if line.startswith("astrai: error: ")]
+    assert out.returncode != 0 and len(ours) == 1 and f"127.0.0.1:{port} (--pg-port)" in ours[0], out.stderr
+
+
 def _failed_start(tmp_path: Path) -> Path:
     """A real start that failed: --postgres names a PostgreSQL that is not there, so the start stops at its first
     connection, leaving a services.json with no servers in it."""
@@ -140,3 +157,22 @@ def test_a_server_is_taken_for_the_one_started_only_if_its_processes_listen():
     finally:
         stop_group(server)
         stop_group(other)
+
+
+@pytest.mark.parametrize("uri, mlflow_port, base", [
+    ("http://127.0.0.1:25000", None, "http://127.0.0.1:25000"),
+    ("http://127.0.0.1:25000/", None, "http://127.0.0.1:25000"),
+    ("HTTP://mlflow.example:8080/prefix/", None, "http://mlflow.example:8080/prefix"),
+    ("https://user:secret@mlflow.example/mlflow", None, "https://mlflow.example/mlflow"),  # no password on screen
+    ("sqlite:////tmp/mlflow.db", None, "http://127.0.0.1:5000"),  # a local store: `make mlflow-ui`'s server
+    ("sqlite:////tmp/mlflow.db", "5001", "http://127.0.0.1:5001"),  # ... on the Makefile's MLFLOW_PORT
+])
+def test_the_mlflow_link_follows_the_tracking_uri(monkeypatch, uri, mlflow_port, base):
+    from tasks.tracking import ui_link
+
+    if mlflow_port:
+        monkeypatch.setenv("MLFLOW_PORT", mlflow_port)
+    else:
+        monkeypatch.delenv("MLFLOW_PORT", raising=False)
+    assert ui_link(uri, "3") == f"{base}/#/experiments/3?workflowType=machine_learning"
+    assert ui_link(uri, "3", "r1") == f"{base}/#/experiments/3/runs/r1?workflowType=machine_learning"

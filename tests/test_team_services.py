@@ -107,6 +107,16 @@ def test_services_run_on_postgres(services):
     assert dict(line.removeprefix("export ").split("=", 1) for line in again.stdout.splitlines()) == services["env"]
 
 
+def test_prefect_ui_calls_this_servers_api(services):
+    """The UI's pages call the API at /ui-settings' api_url: the server's own port (the fixture's, never 4200), not
+    Prefect's default of 127.0.0.1:4200."""
+    import urllib.request
+
+    api = services["env"]["PREFECT_API_URL"]
+    with urllib.request.urlopen(f"{api.removesuffix('/api')}/ui-settings", timeout=30) as r:
+        assert json.load(r)["api_url"] == api
+
+
 def test_a_second_team_on_the_same_ports_is_refused(services):
     """Started beside the running team on its MLflow and Prefect ports, `start` used to exit 0 printing the running
     team's URLs while its own servers had died (address in use). Now: one line naming the ports, nothing started, and
