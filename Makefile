@@ -114,13 +114,16 @@ mlflow-server: setup  ## MLflow tracking server for the cluster: MLFLOW_BACKEND,
 
 # The team services on PostgreSQL (docs/scaling-out.md, "Team setup"): a trial PostgreSQL in TEAM_DIR, or the team's
 # with TEAM_POSTGRES=postgresql://USER:PASS@HOST:PORT; the MLflow and Prefect servers on it and a process worker.
+# Ports: TEAM_POSTGRES_PORT (the trial PostgreSQL's), MLFLOW_PORT, PREFECT_PORT.
 # Then `eval "$$(.venv/bin/astrai services env TEAM_DIR)"` points a shell at them.
 TEAM_DIR ?= $(CURDIR)/.astrai/team
 TEAM_HOST ?= 127.0.0.1
 TEAM_POSTGRES ?=
-team-services: setup  ## PostgreSQL + MLflow + Prefect + worker for a team: TEAM_DIR, TEAM_HOST, TEAM_POSTGRES
-	$(BIN)/astrai services start $(TEAM_DIR) --host $(TEAM_HOST) --mlflow-port $(MLFLOW_PORT) \
-	  --prefect-port $(PREFECT_PORT) --pool $(POOL) $(if $(TEAM_POSTGRES),--postgres '$(TEAM_POSTGRES)')
+TEAM_POSTGRES_PORT ?= 5432
+team-services: setup  ## PostgreSQL + MLflow + Prefect + worker for a team: TEAM_DIR, TEAM_HOST, TEAM_POSTGRES(_PORT)
+	$(BIN)/astrai services start $(TEAM_DIR) --host $(TEAM_HOST) --pg-port $(TEAM_POSTGRES_PORT) \
+	  --mlflow-port $(MLFLOW_PORT) --prefect-port $(PREFECT_PORT) --pool $(POOL) \
+	  $(if $(TEAM_POSTGRES),--postgres '$(TEAM_POSTGRES)')
 
 team-services-stop:  ## stop what team-services started (the trial database's data stays in TEAM_DIR)
 	$(BIN)/astrai services stop $(TEAM_DIR)

@@ -519,7 +519,7 @@ def services_start(
         _fail(str(e))
     typer.echo(f"MLflow: {state['mlflow_url']}  Prefect: {state['prefect_api_url'].removesuffix('/api')}  "
                f"pool: {state['pool']}  (stop: astrai services stop {directory})", err=True)
-    _print_env(state)
+    _print_env(services.client_env(state))
 
 
 @services_app.command("env")
@@ -528,17 +528,15 @@ def services_env(directory: Path = typer.Argument(..., help="The directory given
     from astrai import services
 
     try:
-        _print_env(services.load(directory))
+        _print_env(services.running_env(directory))
     except AstraiError as e:
         _fail(str(e))
 
 
-def _print_env(state: dict) -> None:
+def _print_env(env: dict[str, str]) -> None:
     import shlex
 
-    from astrai import services
-
-    for key, value in services.client_env(state).items():
+    for key, value in env.items():
         print(f"export {key}={shlex.quote(value)}")
 
 

@@ -15,10 +15,12 @@ read and write them over HTTP (`mlflow-artifacts:/` URIs) and need no shared pat
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -37,8 +39,8 @@ VENV_BIN = Path(sys.executable).parent  # mlflow and prefect from the environmen
 def with_driver(uri: str, driver: str | None) -> str:
     """postgresql://... with SQLAlchemy's driver written out (postgresql+psycopg2://...), or none for libpq.
     SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3 (2.0 mapped it to psycopg2), so the driver is explicit."""
-    scheme, rest = uri.split("://", 1)
-    if scheme.split("+")[0] not in ("postgresql", "postgres"):
+    scheme, _, rest = uri.partition("://")
+    if scheme.split("+")[0] not in ("postgresql", "postgres") or not rest:
         raise AstraiError(f"--postgres {uri}: expected postgresql://USER:PASSWORD@HOST:PORT")
     return f"postgresql{'+' + driver if driver else ''}://{rest}"
 
@@ -92,8 +94,9 @@ def create_databases(server_uri: str) -> None:
 
     try:
         conn = psycopg2.connect(database(with_driver(server_uri, None), "postgres"))
-    except psycopg2.OperationalError as e:
-        raise AstraiError(f"PostgreSQL at {urllib.parse.urlsplit(server_uri).hostname}: {str(e).strip()}") from None
+    except psycopg2.OperationalError as e:  # libpq's hint is a line of its own: one line, for the error line
+        why = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        raise AstraiError(f"PostgreSQL at {urllib.parse.urlsplit(server_uri).hostname}: {why}") from None
     conn.autocommit = True  # CREATE DATABASE cannot run in a transaction
     try:
         with conn.cursor() as cur:
@@ -134,6 +137,88 @@ def wait_healthy(url: str, pid: int, log: Path, timeout: float = 180) -> None:
     raise AstraiError(f"{url}: no answer after {timeout:.0f} s; see {log}")
 
 
+def check_serves(url: str, pid: int, option: str, log: Path) -> None:
+    """AstraiError unless what answers at `url` is the server started as `pid`: a server that took the port first
+    (another team's) answers too, while ours exits with "address in use"."""
+    port = urllib.parse.urlsplit(url).port
+    if not _group_listens(pid, port):
+        raise AstraiError(f"{url}: another server answers on port {port} ({option}), not the one started here "
+                          f"({'exited' if not _alive(pid) else 'not listening there'}; its log: {log}); choose a free "
+                          f"port with {option}")
+
+
+def _group_listens(pgid: int, port: int) -> bool:
+    """Whether a process of group `pgid` holds a TCP socket listening on `port` (in that group's network namespace:
+    /proc/PID/net is the namespace of PID)."""
+    sockets = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = Path(f"/proc/{pgid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:  # the group's leader is gone
+            return False
+        for row in rows:  # sl local_address rem_address st ... inode
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                sockets.add(f"socket:[{fields[9]}]")
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            fds = list((proc / "fd").iterdir())
+        except (OSError, IndexError, ValueError):  # a process that ended meanwhile
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(fd) in sockets:
+                    return True
+            except OSError:  # a file closed meanwhile
+                continue
+    return False
+
+
+def _check_ports_free(host: str, ports: dict[str, int]) -> None:
+    """AstraiError naming every port of `ports` (option: port) that something listens on already at `host`: the
+    servers would fail to bind it, while what listens there answered in their place."""
+    seen: dict[int, str] = {}
+    for option, port in ports.items():
+        if port in seen:
+            raise AstraiError(f"{seen[port]} {port} and {option} {port}: each server needs a port of its own")
+        seen[port] = option
+    busy = []
+    for option, port in ports.items():
+        bind_host = "0.0.0.0" if host == "*" else host  # PostgreSQL's "every address"
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is free
+                s.bind((bind_host, port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise AstraiError(f"--host {host}: cannot listen on {host}:{port} ({e.strerror or e})") from None
+            busy.append(option)
+    if busy:
+        which = "a free port" if len(busy) == 1 else "free ports"
+        raise AstraiError(f"in use already: {', '.join(f'{host}:{ports[o]} ({o})' for o in busy)}; stop what listens "
+                          f"there (another team's services?) or choose {which} with {', '.join(busy)}; nothing was "
+                          "started")
+
+
+def _check_start(d: Path, postgres: str | None, ports: dict[str, int]) -> None:
+    """Bad input to `start`, before anything is written or started."""
+    for option, port in ports.items():
+        if not 1 <= port <= 65535:
+            raise AstraiError(f"{option} {port}: expected a TCP port, 1-65535")
+    if postgres is not None:
+        parts = urllib.parse.urlsplit(with_driver(postgres, None))
+        try:
+            port_ok = parts.port is None or parts.port > 0  # .port: ValueError unless a number up to 65535
+        except ValueError:
+            port_ok = False
+        if not (parts.hostname and port_ok):
+            raise AstraiError(f"--postgres {postgres}: expected postgresql://USER:PASSWORD@HOST:PORT")
+    if d.exists() and not d.is_dir():
+        raise AstraiError(f"{d}: not a directory; give a new one or one `astrai services start` used before")
+
+
 def _alive(pid: int) -> bool:
     try:  # a zombie (exited, not yet reaped by whoever adopted it) counts as gone
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -152,14 +237,29 @@ def client_env(state: dict) -> dict[str, str]:
             "ASTRAI_REGISTRY_LOCK_URI": state["lock_uri"]}
 
 
+def running_env(d: Path) -> dict[str, str]:
+    """client_env of the services that run from d. Refused where its servers do not run: after a stop or a failed
+    start, its URLs (if it got that far) name ports where nothing, or another team's servers, answer."""
+    state = load(d)
+    if not all(name in state["pids"] and _alive(state["pids"][name]) for name in ("mlflow", "prefect")):
+        raise AstraiError(f"{d.resolve() / 'services.json'}: its servers do not run (stopped, or their start failed: "
+                          f"see the logs there); start them with `astrai services start {d}`")
+    return client_env(state)
+
+
 def start(d: Path, host: str = "127.0.0.1", postgres: str | None = None, pg_port: int = 5432,
           mlflow_port: int = 5000, prefect_port: int = 4200, pool: str = "astrai-local") -> dict:
-    """Start every service (on failure, stop what started, then raise); returns the state in d/services.json."""
+    """Start every service (on failure, stop what started, then raise); returns the state in d/services.json.
+    Bad input, a port in use included, is refused before anything is written or started."""
     d = d.resolve()
-    d.mkdir(parents=True, exist_ok=True)
-    if (d / "services.json").exists() and any(_alive(p) for p in json.loads((d / "services.json").read_text())
-                                              .get("pids", {}).values()):
+    ports = {"--pg-port": pg_port, "--mlflow-port": mlflow_port, "--prefect-port": prefect_port}
+    _check_start(d, postgres, ports)
+    if (d / "services.json").exists() and any(_alive(p) for p in load(d)["pids"].values()):
         raise AstraiError(f"{d}: services already run from here; `astrai services stop {d}` first")
+    if postgres is not None:
+        del ports["--pg-port"]  # the trial database's
+    _check_ports_free(host, ports)
+    d.mkdir(parents=True, exist_ok=True)
     state: dict = {"dir": str(d), "pids": {}, "trial_postgres": postgres is None}
     save(d, state)  # first: a failed start stops what it started from here
     try:
@@ -184,12 +284,17 @@ def start(d: Path, host: str = "127.0.0.1", postgres: str | None = None, pg_port
 
         prefect_env = {**env, "PREFECT_API_DATABASE_CONNECTION_URL": database(with_driver(server, "asyncpg"), "prefect")}
         _run([VENV_BIN / "prefect", "server", "database", "upgrade", "-y"], prefect_env, "prefect server database upgrade")
-        state["pids"]["prefect"] = _spawn(d, "prefect", [VENV_BIN / "prefect", "server", "start", "--host", host,
-                                                         "--port", str(prefect_port)], prefect_env)
         state["prefect_api_url"] = f"http://{reach}:{prefect_port}/api"
+        # The UI's pages call the API at PREFECT_SERVER_UI_API_URL, by default 127.0.0.1:4200 whatever --port says
+        # (as the Makefile's `server` target sets it).
+        state["pids"]["prefect"] = _spawn(d, "prefect", [VENV_BIN / "prefect", "server", "start", "--host", host,
+                                                         "--port", str(prefect_port)],
+                                          {**prefect_env, "PREFECT_SERVER_UI_API_URL": state["prefect_api_url"]})
         save(d, state)
-        wait_healthy(f"{state['mlflow_url']}/health", state["pids"]["mlflow"], d / "mlflow.log")
-        wait_healthy(f"{state['prefect_api_url']}/health", state["pids"]["prefect"], d / "prefect.log")
+        for name, url, option in (("mlflow", f"{state['mlflow_url']}/health", "--mlflow-port"),
+                                  ("prefect", f"{state['prefect_api_url']}/health", "--prefect-port")):
+            wait_healthy(url, state["pids"][name], d / f"{name}.log")
+            check_serves(url, state["pids"][name], option, d / f"{name}.log")
 
         worker_env = {**env, **client_env(state)}  # flow runs inherit it: they log to the server, lock the registry
         _run([VENV_BIN / "prefect", "work-pool", "create", pool, "--type", "process", "--overwrite"], worker_env,
@@ -214,7 +319,14 @@ def load(d: Path) -> dict:
     path = d.resolve() / "services.json"
     if not path.is_file():
         raise AstraiError(f"{d}: no services.json (start them with `astrai services start {d}`)")
-    return json.loads(path.read_text())
+    try:
+        state = json.loads(path.read_text())
+    except ValueError:  # cut short (a full disk, a killed start) or not ours; UnicodeDecodeError is one too
+        state = None
+    if not isinstance(state, dict) or not isinstance(state.get("pids"), dict) or "dir" not in state:
+        raise AstraiError(f"{path}: not a state file of `astrai services start` (cut short?); stop by hand what "
+                          f"still runs from {d.resolve()} (its logs are there), then remove the file")
+    return state
 
 
 def _group_alive(pgid: int) -> bool:

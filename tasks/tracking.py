@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import sys
+import urllib.parse
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -39,8 +40,15 @@ DVC_EXPERIMENT_TAG = "astrai.dvc_experiment"  # the DVC experiment a run belongs
 def ui_link(uri: str, experiment_id: str, run_id: str | None = None) -> str:
     """An experiment's (or one run's) page in MLflow's UI, opening on its runs: MLflow 3.x's UI opens experiments on
     its GenAI pages unless its URL says workflowType=machine_learning or the sidebar's switch was set to "Model
-    training" (the browser remembers that). A local store's UI is `make mlflow-ui`'s, on port 5000."""
-    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    training" (the browser remembers that). A tracking server's UI is at its URI (without a user and password: the
+    link is printed); a local store's is `make mlflow-ui`'s, on MLFLOW_PORT where set (the Makefile's variable, and
+    the port `mlflow server` takes from the environment), else 5000."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme.lower() in ("http", "https"):
+        netloc = parts.netloc.rpartition("@")[2]
+        base = urllib.parse.urlunsplit((parts.scheme.lower(), netloc, parts.path.rstrip("/"), "", ""))
+    else:
+        base = f"http://127.0.0.1:{os.environ.get('MLFLOW_PORT') or 5000}"
     page = f"experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
     return f"{base}/#/{page}?workflowType=machine_learning"
 

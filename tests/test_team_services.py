@@ -101,6 +101,48 @@ def test_services_run_on_postgres(services):
         [("astrai-local", "process")]
     # `pg_ctl -o "-c listen_addresses=127.0.0.1"`: nothing else answers
     assert _sql(_db(services, "postgres"), "SHOW listen_addresses") == [("127.0.0.1",)]
+    # `services env` prints again what start printed (while the servers run; after a stop it refuses)
+    again = subprocess.run([str(VENV_BIN / "astrai"), "services", "env", str(services["dir"])], capture_output=True,
+                           text=True, timeout=60)
+    assert dict(line.removeprefix("export ").split("=", 1) for line in again.stdout.splitlines()) == services["env"]
+
+
+def test_prefect_ui_calls_this_servers_api(services):
+    """The UI's pages call the API at /ui-settings' api_url: the server's own port (the fixture's, never 4200), not
+    Prefect's default of 127.0.0.1:4200."""
+    import urllib.request
+
+    api = services["env"]["PREFECT_API_URL"]
+    with urllib.request.urlopen(f"{api.removesuffix('/api')}/ui-settings", timeout=30) as r:
+        assert json.load(r)["api_url"] == api
+
+
+def test_a_second_team_on_the_same_ports_is_refused(services):
+    """Started beside the running team on its MLflow and Prefect ports, `start` used to exit 0 printing the running
+    team's URLs while its own servers had died (address in use). Now: one line naming the ports, nothing started, and
+    the running team untouched."""
+    import urllib.parse
+
+    mlflow_port = urllib.parse.urlsplit(services["env"]["MLFLOW_TRACKING_URI"]).port
+    prefect_port = urllib.parse.urlsplit(services["env"]["PREFECT_API_URL"]).port
+    d = Path(tempfile.mkdtemp(prefix="astrai-team2-"))
+    d.chmod(0o755)  # user postgres must reach it, were a trial database started
+    astrai = str(VENV_BIN / "astrai")
+    try:
+        out = subprocess.run([astrai, "services", "start", str(d), "--pg-port", str(free_port()), "--mlflow-port",
+                              str(mlflow_port), "--prefect-port", str(prefect_port)],
+                             cwd=d, capture_output=True, text=True, timeout=600)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stdout, out.stderr)
+        assert f"127.0.0.1:{mlflow_port} (--mlflow-port), 127.0.0.1:{prefect_port} (--prefect-port)" in lines[0]
+        assert not (d / "services.json").exists() and out.stdout == ""
+    finally:
+        if (d / "services.json").exists():
+            subprocess.run([astrai, "services", "stop", str(d)], capture_output=True, timeout=300)
+        shutil.rmtree(d, ignore_errors=True)
+    from astrai.services import _alive
+
+    assert all(_alive(pid) for pid in services["state"]["pids"].values())
 
 
 @pytest.fixture(scope="module")
