@@ -96,7 +96,9 @@ def _download(uri: str, dst: Path) -> Resolved:
             ref = uri.removeprefix("models:/")
             model_id, aliases = f"{mv.name}/{mv.version}", [mv.name] + ([ref] if "@" in ref else [])
     except MlflowException as e:  # no such model, version, alias or run
-        raise AstraiError(f"{uri}: {str(e.message).splitlines()[0]} (store: {mlflow.get_tracking_uri()})") from None
+        hint = "" if uri.startswith("runs:/") else registered_here(mlflow.MlflowClient())
+        raise AstraiError(f"{uri}: {str(e.message).splitlines()[0]} (store: {mlflow.get_tracking_uri()}){hint}") \
+            from None
     # The register stage logs the checkpoint directory as the pyfunc artifact "checkpoint"; MLmodel says where.
     try:
         artifacts = Model.load(local).flavors.get("python_function", {}).get("artifacts", {})
@@ -105,6 +107,21 @@ def _download(uri: str, dst: Path) -> Resolved:
     if "checkpoint" not in artifacts:
         raise AstraiError(f"{uri}: no checkpoint artifact (not a model registered by `astrai stage register`?)")
     return Resolved(Path(local) / artifacts["checkpoint"]["path"], model_id, aliases)
+
+
+def registered_here(client) -> str:
+    """What a reference could have named instead, for its error line: "; registered here: astrai-quick (@candidate
+    v1)" (a quick run registers astrai-quick, whose versions seldom become champion), or that nothing is."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        models = client.search_registered_models(max_results=10)
+    except MlflowException:  # the store cannot say: the error line stands alone
+        return ""
+    if not models:
+        return "; nothing is registered in this store yet (the pipeline's register stage registers a model)"
+    return "; registered here: " + ", ".join(
+        f"{m.name} ({', '.join(f'@{a} v{v}' for a, v in sorted(m.aliases.items())) or 'no alias'})" for m in models)
 
 
 def alias_version(name: str, alias: str) -> str:

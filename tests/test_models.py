@@ -73,3 +73,22 @@ def test_resolve_model_of_a_directory_and_of_nothing(tmp_path, core_tiny_data):
     assert resolve_model(str(tmp_path / "ckpt"), tmp_path / "dl") == (tmp_path / "ckpt", "ckpt", [])
     with pytest.raises(AstraiError, match="nowhere: no such model"):
         resolve_model(str(tmp_path / "nowhere"), tmp_path / "dl")
+
+
+def test_a_reference_to_nothing_says_what_is_registered(tmp_path, monkeypatch):
+    """Issue 43, item 14: after a quick run (it registers astrai-quick, seldom a champion) `astrai serve` and
+    `astrai generate` with the default models:/astrai@champion said only "not found". The line now names what
+    the store holds, aliases and versions, or that it holds nothing."""
+    import mlflow
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    with pytest.raises(AstraiError, match=r"not found .*; nothing is registered in this store yet"):
+        resolve_model("models:/astrai@champion", tmp_path / "dl")
+    client = mlflow.MlflowClient()
+    client.create_registered_model("astrai-quick")
+    client.set_registered_model_alias("astrai-quick", "candidate",
+                                      client.create_model_version("astrai-quick", source=str(tmp_path)).version)
+    with pytest.raises(AstraiError, match=r"models:/astrai@champion: .*; registered here: astrai-quick "
+                                          r"\(@candidate v1\)$"):
+        resolve_model("models:/astrai@champion", tmp_path / "dl")
