@@ -39,6 +39,7 @@ from astrai_core.io import write_json
 from astrai_core.proc import record, stream_process
 from tasks import stages as S
 from tasks.params import Params, RunParams, check_cluster, run_params
+from tasks.register import versions_with_weights
 from tasks.run_lock import checkout_lock, note_prefect_server
 from tasks.runlog import RUN_LOG_ENV, ConsoleFilter, crash_line, log_file, shown
 from tasks.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, flatten, setup, ui_link
@@ -111,8 +112,9 @@ def stage_error(stage: str, lines: list[str], log: str) -> str:
 
 
 @task(task_run_name="{stage}", retries=0)
-def run_dvc_stage(stage: str, project_dir: str, env: dict[str, str]) -> str | State:
-    """Run one stage through DVC; returns its stage_status ("ran", "restored" or "unchanged").
+def run_dvc_stage(stage: str, project_dir: str, env: dict[str, str], force: bool = False) -> str | State:
+    """Run one stage through DVC (`force`: even if it is up to date); returns its stage_status ("ran", "restored"
+    or "unchanged").
 
     DVC deletes a stage's outputs before running it, so a stage that fails or is cancelled would leave none:
     the last good ones (those dvc.lock records) are checked out again from DVC's cache. A cancel ends this
@@ -137,7 +139,8 @@ def run_dvc_stage(stage: str, project_dir: str, env: dict[str, str]) -> str | St
                 (logger.warning if line.lstrip().startswith("WARNING") else logger.info)(line)
 
         try:
-            stream_process(dvc_command() + ["repro", "--single-item", stage], env=env, cwd=project_dir,
+            stream_process(dvc_command() + ["repro", "--single-item", *(["--force"] if force else []), stage], env=env,
+                           cwd=project_dir,
                            on_line=on_line, what=f"dvc repro {stage}")
         except TerminationSignal:
             logger.warning(restore_last_good_outputs(stage, project_dir, env))
@@ -233,6 +236,12 @@ def _run_stages(root: Path, params: Params, log: Path) -> dict[str, Any]:
             state = run_dvc_stage(stage, str(root), env, return_state=True)
             if state.is_cancelled():
                 raise TerminationSignal(signal.SIGTERM)  # the flow run ends as the cancel asked, with no more stages
+            if stage == "register" and not state.is_failed() and state.result() != "ran" and \
+                    (why := registered_elsewhere(root)):
+                logger.info(f"stage register: {why}: registering the cached results there")
+                state = run_dvc_stage(stage, str(root), env, force=True, return_state=True)
+                if state.is_cancelled():
+                    raise TerminationSignal(signal.SIGTERM)
             if state.is_failed():
                 raise AstraiError(state.message)  # the MLflow run ends FAILED; the flow run ends with this line
             status[stage] = state.result()
@@ -267,6 +276,18 @@ def _run_stages(root: Path, params: Params, log: Path) -> dict[str, Any]:
     }
     logger.info("pipeline done: %s", json.dumps({k: result[k] for k in ("stages", "registration")}, default=str))
     return result
+
+
+def registered_elsewhere(root: Path) -> str | None:
+    """Why the register stage runs again though DVC finds it up to date: the version its output records is not in
+    the registry this run points at (a checkout that ran locally, then as a team's deployment run); None: it is."""
+    report = json.loads((root / S.REGISTER / "registration.json").read_text())
+    if not report.get("registered"):
+        return None
+    name = report["model_uri"].removeprefix("models:/").rsplit("/", 1)[0]
+    if versions_with_weights(mlflow.MlflowClient(), name, report["tags"]["weights_sha256"]):
+        return None
+    return f"the registry at {mlflow.get_tracking_uri()} has no version of {name} with these weights"
 
 
 def log_headline(root: Path) -> None:

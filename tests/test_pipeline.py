@@ -51,6 +51,11 @@ def flow_result(project, tmp_path_factory):
             state = pipeline(project_dir=str(repo), return_state=True)
             result = state.result()
             second = pipeline(project_dir=str(repo))  # nothing changed: every stage is skipped by DVC
+            # The same checkout pointed at another tracking store (a team's server after a local run): DVC finds
+            # every stage up to date, and the registration is made there.
+            os.environ["MLFLOW_TRACKING_URI"] = elsewhere = f"sqlite:///{tmp_path_factory.mktemp('team')}/mlflow.db"
+            third = pipeline(project_dir=str(repo))
+            os.environ["MLFLOW_TRACKING_URI"] = patch["MLFLOW_TRACKING_URI"]
             from prefect.client.orchestration import get_client
             from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
 
@@ -62,7 +67,8 @@ def flow_result(project, tmp_path_factory):
                 logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
                 artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
                     flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
-        yield {"result": result, "second": second, "flow_run_id": str(state.state_details.flow_run_id),
+        yield {"result": result, "second": second, "third": third, "elsewhere": elsewhere,
+               "flow_run_id": str(state.state_details.flow_run_id),
                "task_runs": task_runs, "logs": [log.message for log in logs], "repo": repo, "env": env,
                "artifacts": {a.key: a.data for a in artifacts}}
     finally:
@@ -187,6 +193,21 @@ def test_dvc_is_up_to_date_after_the_flow_and_second_run_skips_everything(flow_r
     assert "up to date" in run([str(BIN / "dvc"), "status"], repo, env)
     out = run([str(BIN / "dvc"), "repro"], repo, env)
     assert "Running stage" not in out, out
+
+
+def test_a_run_on_another_tracking_store_registers_the_cached_results_there(flow_result):
+    """Issue 43, item 7: a deployment run on a team's server after a local run found every stage up to date,
+    said "Completed" and left the server without a run or a model. The register stage runs again there."""
+    import mlflow
+
+    third = flow_result["third"]
+    assert third["stages"]["register"] == "ran", third["stages"]
+    assert {v for s, v in third["stages"].items() if s != "register"} == {"unchanged"}
+    assert third["mlflow_parent_run_id"] and not third["up_to_date"]
+    client = mlflow.MlflowClient(flow_result["elsewhere"])
+    weights = flow_result["result"]["registration"]["tags"]["weights_sha256"]
+    [version] = client.search_model_versions(f"tags.weights_sha256 = '{weights}'")
+    assert third["registration"]["model_uri"] == f"models:/{version.name}/{version.version}"
 
 
 def test_changing_a_grpo_param_reruns_only_grpo_and_after(flow_result):
