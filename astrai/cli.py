@@ -129,12 +129,30 @@ def stage(name: str = typer.Argument(..., help="corpus | tokenizer | pack | pret
         loaded = load_params(params)
     except AstraiError as e:
         _fail(str(e))
+    from mlflow.exceptions import MlflowException
+
     with command_log(Path(), f"stage-{name}") as log:
         try:
             with checkout_lock(Path(), log=_note):  # the pipeline's own stages pass: they carry its token
                 run_stage(name, loaded)
         except AstraiError as e:
             _fail(_with_log(str(e), log))
+        except MlflowException as e:
+            if not (outage := tracking_outage(e)):
+                raise
+            _fail(_with_log(f"stage {name}: {outage}", log))
+
+
+def tracking_outage(e: Exception) -> str | None:
+    """The one line for an MLflow tracking server that stopped answering (MLflow's client gave up after its retries:
+    "API request to URL failed with exception ..."), or None for any other MLflow error."""
+    import mlflow
+
+    message = str(getattr(e, "message", e)).strip()
+    if not message.startswith("API request to "):
+        return None
+    return (f"the MLflow tracking server at {mlflow.get_tracking_uri()} did not answer ({message.splitlines()[0][:200]}"
+            "); once it answers again, run the stage again")
 
 
 @app.command()

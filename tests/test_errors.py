@@ -114,3 +114,23 @@ def test_a_failing_rank_also_appends_its_error_line_to_the_error_file(tmp_path):
         lines.append(out.stderr.strip().splitlines()[-1])
         assert lines[-1].startswith("error: ") and name in lines[-1], out.stderr
     assert errors.read_text().splitlines() == lines  # both, in order: appended, never overwritten
+
+
+def test_a_tracking_server_that_does_not_answer_is_one_line(tmp_path):
+    """Issue 43, item 10: MLflow killed under a stage ended it in the crash form (rest_utils.py:321). A stage
+    whose tracking server stops answering says so in one line naming the server, and how to go on."""
+    import shutil
+    import sys
+
+    from conftest import free_port
+
+    shutil.copy(PROJECT_ROOT / "params.yaml", tmp_path / "params.yaml")
+    port = free_port()
+    out = subprocess.run([sys.executable, "-m", "astrai.cli", "stage", "tokenizer"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT),
+                                                      "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}",
+                                                      "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"})
+    line = _one_error_line(out)
+    assert out.returncode == 2 and line.startswith(
+        f"astrai: error: stage tokenizer: the MLflow tracking server at http://127.0.0.1:{port} did not answer ("), line
+    assert "once it answers again, run the stage again" in line
