@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -222,8 +223,14 @@ def _run_stages(root: Path, params: Params, log: Path) -> dict[str, Any]:
     env.setdefault("DVC_NO_ANALYTICS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")  # a stage's progress lines reach the task log as they are printed
     env[FLOW_RUN_ENV] = str(flow_run.get_id() or "none")
+    checkout = f"{socket.gethostname()}:{root}"
+    if closed := close_left_runs(mlflow.MlflowClient(), mlflow.get_experiment_by_name(params.tracking.experiment),
+                                 checkout):
+        logger.info(f"closed {len(closed)} MLflow run(s) an earlier run of this checkout left RUNNING (marked FAILED): "
+                    f"{', '.join(closed)}")
     with mlflow.start_run(run_name=f"pipeline {flow_run.get_name() or ''}".strip(),
-                          tags={"astrai.stage": "pipeline", "prefect.flow_run_id": env[FLOW_RUN_ENV]}) as parent:
+                          tags={"astrai.stage": "pipeline", "prefect.flow_run_id": env[FLOW_RUN_ENV],
+                                CHECKOUT_TAG: checkout}) as parent:
         record({"mlflow_run": parent.info.run_id, "tracking_uri": mlflow.get_tracking_uri()})
         mlflow.log_params(flatten(params.model_dump(mode="json")))
         env[PARENT_RUN_ENV] = parent.info.run_id
@@ -276,6 +283,25 @@ def _run_stages(root: Path, params: Params, log: Path) -> dict[str, Any]:
     }
     logger.info("pipeline done: %s", json.dumps({k: result[k] for k in ("stages", "registration")}, default=str))
     return result
+
+
+CHECKOUT_TAG = "astrai.checkout"  # on a pipeline's parent run: HOST:PATH of the checkout it ran in
+
+
+def close_left_runs(client: mlflow.MlflowClient, experiment, checkout: str) -> list[str]:
+    """Mark FAILED the pipeline runs of this checkout still RUNNING, and their stages' runs: a flow that failed while
+    the tracking server was down could not end them there. This run holds the checkout's lock, so none of them is
+    alive. The filter names no path (MLflow's filter strings cannot escape a quote): the checkout is compared here."""
+    if experiment is None:
+        return []
+    running = "attributes.status = 'RUNNING'"
+    left = [r for r in client.search_runs([experiment.experiment_id], f"tags.`astrai.stage` = 'pipeline' and {running}")
+            if r.data.tags.get(CHECKOUT_TAG) == checkout]
+    left += [child for r in left for child in client.search_runs(
+        [experiment.experiment_id], f"tags.mlflow.parentRunId = '{r.info.run_id}' and {running}")]
+    for r in left:
+        client.set_terminated(r.info.run_id, status="FAILED")
+    return [r.info.run_id for r in left]
 
 
 def registered_elsewhere(root: Path) -> str | None:

@@ -244,3 +244,30 @@ def test_dvc_push_to_the_default_remote(flow_result):
     run([str(BIN / "dvc"), "push"], repo, env)
     remote = repo.parent / "remote"
     assert sum(1 for p in remote.rglob("*") if p.is_file()) > 5
+
+
+def test_the_next_run_closes_the_runs_a_failed_one_left_running(tmp_path):
+    """Issue 43, item 10: a pipeline that failed while the tracking server was down left its parent run (and a
+    stage's) RUNNING forever. The next run of the same checkout marks them FAILED; another checkout's are left."""
+    import mlflow
+
+    from flows.pipeline import CHECKOUT_TAG, close_left_runs
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment(client.create_experiment("astrai", artifact_location=(tmp_path / "a").as_uri()))
+
+    def run(checkout: str, parent: str | None = None, done: bool = False) -> str:
+        tags = {"astrai.stage": "pipeline", CHECKOUT_TAG: checkout} if parent is None else \
+            {"astrai.stage": "pretrain", "mlflow.parentRunId": parent}
+        r = client.create_run(exp.experiment_id, tags=tags)
+        if done:
+            client.set_terminated(r.info.run_id)
+        return r.info.run_id
+
+    left = run("host:/work/it")
+    stage = run("", parent=left)
+    other, finished = run("host:/elsewhere"), run("host:/work/it", done=True)
+    assert sorted(close_left_runs(client, exp, "host:/work/it")) == sorted([left, stage])
+    status = {r: client.get_run(r).info.status for r in (left, stage, other, finished)}
+    assert status == {left: "FAILED", stage: "FAILED", other: "RUNNING", finished: "FINISHED"}
+    assert close_left_runs(client, exp, "host:/work/it") == []
