@@ -79,7 +79,25 @@ def pipeline(
             result = flow(params_path=str(params), overrides=overrides or None, profile=profile, resolved=resolved)
     except AstraiError as e:
         _fail(str(e))
+    except Exception as e:  # noqa: BLE001 - a Prefect server that stopped answering, else a bug (main's crash line)
+        if not (outage := prefect_outage(e)):
+            raise
+        _fail(outage)
     _print_summary(result)
+
+
+def prefect_outage(e: Exception) -> str | None:
+    """The one line for a Prefect server that does not answer or fails its requests (its database went down under
+    a run: PrefectHTTPStatusError; unreachable: "Failed to reach API"), or None for any other exception."""
+    import httpx
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    if not (isinstance(e, (PrefectHTTPStatusError, httpx.HTTPError))
+            or (isinstance(e, RuntimeError) and str(e).startswith("Failed to reach API"))):
+        return None
+    url = os.environ.get("PREFECT_API_URL", "the temporary one")
+    return (f"the Prefect server ({url}) did not answer ({(str(e).strip().splitlines() or [type(e).__name__])[0][:200]})"
+            "; once it answers again, run the pipeline again (finished stages are not repeated)")
 
 
 def _note(msg: str) -> None:

@@ -134,3 +134,22 @@ def test_a_tracking_server_that_does_not_answer_is_one_line(tmp_path):
     assert out.returncode == 2 and line.startswith(
         f"astrai: error: stage tokenizer: the MLflow tracking server at http://127.0.0.1:{port} did not answer ("), line
     assert "once it answers again, run the stage again" in line
+
+
+def test_a_prefect_server_that_does_not_answer_is_one_line(tmp_path):
+    """Issue 43, item 10: with the Prefect server's database down a pipeline ended in Prefect's traceback and a
+    crash-form line (prefect/client/base.py: PrefectHTTPStatusError). A server that does not answer is one line."""
+    import shutil
+    import sys
+
+    from conftest import free_port
+
+    shutil.copy(PROJECT_ROOT / "params.yaml", tmp_path / "params.yaml")
+    port = free_port()
+    out = subprocess.run([sys.executable, "-m", "astrai.cli", "pipeline"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT),
+                                           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"})
+    line = _one_error_line(out)
+    assert out.returncode == 2 and line.startswith(
+        f"astrai: error: the Prefect server (http://127.0.0.1:{port}/api) did not answer ("), line
+    assert (tmp_path / "params.yaml").read_bytes() == (PROJECT_ROOT / "params.yaml").read_bytes()
