@@ -321,17 +321,27 @@ class WindowSampler(IndexSampler):
         return self.next_indices(n) * self.seq_len
 
 
-def _open_checked(path: str, tokenizer_sha256: str, vocab_size: int) -> PackedTokens:
+def open_checked(path: str, tokenizer_sha256: str, vocab_size: int) -> PackedTokens:
+    """A packed file, refused unless its tokenizer is this one and every id in it is one the model embeds (the ids
+    are read once, in chunks of 16M: ~3 GB/s; an id out of range would otherwise stop training with an IndexError
+    that names no file)."""
     data = PackedTokens(path, expected_tokenizer_sha256=tokenizer_sha256)
     if data.vocab_size > vocab_size:
+        data.close()
         raise AstraiError(f"{path}: token vocabulary {data.vocab_size} exceeds model.vocab_size {vocab_size}")
+    chunk = 1 << 24
+    largest = max((int(data.tokens[i:i + chunk].max()) for i in range(0, data.n_tokens, chunk)), default=0)
+    if largest >= min(vocab_size, data.vocab_size):
+        data.close()
+        raise AstraiError(f"{path}: holds token id {largest}, outside its vocabulary of {data.vocab_size} ids "
+                          f"(model.vocab_size {vocab_size}); pack it again with this tokenizer")
     return data
 
 
 def open_tokens(path: str, tokenizer_sha256: str, vocab_size: int, seq_len: int):
     """The token ids of a packed file, checked against the tokenizer and the model: a numpy array if small,
     else the on-disk h5py dataset (both slice the same way)."""
-    data = _open_checked(path, tokenizer_sha256, vocab_size)
+    data = open_checked(path, tokenizer_sha256, vocab_size)
     if data.n_tokens < seq_len + 1:
         raise AstraiError(f"{path}: {data.n_tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}")
     return data.tokens[:] if data.n_tokens < IN_MEMORY_TOKENS else data.tokens
@@ -357,7 +367,7 @@ class Documents:
     open_tokens: tokens (int64), loss_mask (1 where a token is a training target) and doc_offsets."""
 
     def __init__(self, path: str, tokenizer_sha256: str, vocab_size: int) -> None:
-        with _open_checked(path, tokenizer_sha256, vocab_size) as data:
+        with open_checked(path, tokenizer_sha256, vocab_size) as data:
             if data.loss_mask is None or data.n_docs == 0:
                 raise AstraiError(f"{path}: no loss_mask or no documents: not a conversation/preference file; "
                                   "re-run chat_data")

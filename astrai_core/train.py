@@ -58,7 +58,7 @@ import torch.distributed as dist
 from astrai_core.callbacks import Callback, ProgressBar, RunState
 from astrai_core.checkpoint import Checkpointer, load_train_state, resumable_checkpoint
 from astrai_core.config import TrainConfig
-from astrai_core.data import PackedTokens
+from astrai_core.data import open_checked
 from astrai_core.distributed import DataGroup, Dist, cleanup, init_distributed, lost_peers, report_error
 from astrai_core.errors import AstraiError, TrainingError
 from astrai_core.io import sha256_file
@@ -270,7 +270,7 @@ def check_train_inputs(cfg: TrainConfig) -> None:
         sha = sha256_file(cfg.tokenizer)
         mix = (cfg.two_stage.stage2_data or {}) if cfg.two_stage else {}
         for path in dict.fromkeys(filter(None, (cfg.train_data, cfg.val_data, *mix))):
-            PackedTokens(path, expected_tokenizer_sha256=sha).close()
+            open_checked(path, sha, cfg.model.vocab_size).close()
     if cfg.strategy == "dpo" and not Path(cfg.dpo.reference_logps).is_file():
         raise AstraiError(f"{cfg.dpo.reference_logps}: reference log-probabilities not found; run the dpo_reference "
                           "stage")

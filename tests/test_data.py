@@ -642,3 +642,27 @@ def test_pack_missing_inputs_leave_nothing(tmp_path, data_corpus_dir):
     with pytest.raises(AstraiError, match=r"nocorpus/manifest\.json: not found"):
         pack(PackParams(), tmp_path / "nocorpus", tmp_path / "tokenizer.json", tmp_path / "out" / "packed")
     assert leftovers(tmp_path / "out") == []
+
+
+def test_an_id_outside_the_vocabulary_is_refused_naming_the_file(core_tiny_data, tmp_path):
+    """Issue 43, item 16: an HDF5 file holding an id the model cannot embed was caught only inside training (an
+    IndexError naming no file). The launch-time check refuses it, naming the file and the id."""
+    import shutil
+
+    import pytest
+
+    from astrai_core.config import TrainConfig
+    from astrai_core.errors import AstraiError
+    from astrai_core.train import check_train_inputs
+
+    bad = tmp_path / "train.h5"
+    shutil.copy(core_tiny_data["train"], bad)
+    with h5py.File(bad, "r+") as f:
+        f["tokens"][7] = core_tiny_data["vocab_size"] + 5
+    cfg = TrainConfig(model=dict(vocab_size=core_tiny_data["vocab_size"], dim=32, n_layers=1, n_heads=4, n_kv_heads=2,
+                                 max_seq_len=32), train_data=str(bad), tokenizer=str(core_tiny_data["tokenizer"]),
+                      out_dir=str(tmp_path / "out"), seq_len=32, device="cpu")
+    with pytest.raises(AstraiError, match=rf"{bad}: holds token id {core_tiny_data['vocab_size'] + 5}, outside its "
+                                          rf"vocabulary of {core_tiny_data['vocab_size']} ids"):
+        check_train_inputs(cfg)
+    check_train_inputs(cfg.model_copy(update={"train_data": str(core_tiny_data["train"])}))  # the good file passes
