@@ -3,7 +3,7 @@
 `local-completions` with the server's remote tokenizer, and the scores it reports equal the project's own offline
 scoring of the same items (astrai_core.scoring) on the same weights.
 
-The corpus is a tiny made-up "play" in the Gutenberg layout tasks/plays.py parses (no Shakespeare text here); the
+The corpus is a tiny made-up "play" in the Gutenberg layout tasks/chat/plays.py parses (no Shakespeare text here); the
 model is trained on it for a few seconds, so that it is better than chance at who speaks next.
 """
 
@@ -28,7 +28,7 @@ from astrai_core.checkpoint import load_model, save_checkpoint
 from astrai_core.config import ModelConfig
 from astrai_core.model import Transformer
 from astrai_core.scoring import continuation_logprobs, sequence_nll
-from tasks.lm_eval_data import FILES
+from tasks.evaluation.lm_eval_data import FILES
 from test_serve_api import PROJECT_ROOT, WORDS, _start_server, _stop_server
 
 pytest.importorskip("lm_eval")
@@ -164,10 +164,10 @@ def test_lm_eval_scores_equal_the_projects_offline_scoring(setup, http_run):
 
 
 def test_in_process_lm_eval_equals_the_http_route(setup, http_run):
-    """The evaluate stage's route (tasks/lm_eval_adapter.py: lm-eval's simple_evaluate on an LM over the loaded
+    """The evaluate stage's route (tasks/evaluation/lm_eval_adapter.py: lm-eval's simple_evaluate on an LM over the loaded
     model, no server) gives what `lm_eval --model local-completions` got from `astrai serve` on the same items:
     every request's loglikelihood, every document's, every greedy reply, and every reported score."""
-    from tasks.lm_eval_adapter import run_tasks, scores
+    from tasks.evaluation.lm_eval_adapter import run_tasks, scores
 
     results, samples, _ = http_run
     ours = run_tasks(setup["model"], setup["tokenizer"], list(FILES), setup["root"] / "run/evals/lm_eval_tasks/data",

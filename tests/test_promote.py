@@ -1,6 +1,6 @@
-"""`astrai promote SOURCE --to TARGET` (tasks/promote.py): a registered version copied to another registered model
+"""`astrai promote SOURCE --to TARGET` (tasks/registry/promote.py): a registered version copied to another registered model
 with its lineage tags and who promoted it from where, the target's alias moved to it, refused when it does not beat
-that alias on the register gate unless forced. Real registrations (tasks/register.py register) in a real MLflow
+that alias on the register gate unless forced. Real registrations (tasks/stages/register.py register) in a real MLflow
 store (a sqlite file); the PostgreSQL-backed server, the registry lock and serving the target are in
 tests/test_team_services.py."""
 
@@ -26,10 +26,10 @@ def test_promote_copies_with_lineage_and_moves_the_alias_only_past_the_gate(tmp_
     from astrai_core.config import ModelConfig
     from astrai_core.model import Transformer
     from astrai_core.scoring import wilson_interval
-    from tasks.layout import model_dir
-    from tasks.params import Params
-    from tasks.promote import promote
-    from tasks.register import register
+    from tasks.registry.promote import promote
+    from tasks.run.layout import model_dir
+    from tasks.run.params import Params
+    from tasks.stages.register import register
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     monkeypatch.delenv("ASTRAI_REGISTRY_LOCK_URI", raising=False)

@@ -1,9 +1,9 @@
 """Stage `register`: pick the chain's best model on one held-out metric, log it as an MLflow pyfunc model,
 register a version, move the aliases.
 
-The metric is `register.metric` in params (tasks/metrics.py says which way is better): the registered model is the
+The metric is `register.metric` in params (tasks/evaluation/metrics.py says which way is better): the registered model is the
 best of the chain on it in the evaluation's metrics.json (a tie goes to the later stage), not blindly the last one.
-Every new version gets alias `candidate`, and its model card as description (tasks/model_card.py). Alias `champion`
+Every new version gets alias `candidate`, and its model card as description (tasks/registry/model_card.py). Alias `champion`
 moves to it only if it learned some task (no_skill) and its value of the same metric beats the current champion's
 (or there is no champion, or the champion was registered without that metric); with a
 registry lock (ASTRAI_REGISTRY_LOCK_URI / tracking.registry_lock_uri, a PostgreSQL advisory lock: registry_lock)
@@ -43,12 +43,12 @@ from astrai_core.hf import export_hf
 from astrai_core.io import sha256_file, write_json
 from astrai_core.progress import advance, expect
 from astrai_core.scoring import paired_difference
-from tasks.evaluate import sample_prompts
-from tasks.layout import MODEL_STAGES, model_dir
-from tasks.model_card import model_card, shape_line
-from tasks.metrics import CHANCE, MAX_FORGETTING, METRICS, better
-from tasks.params import Params
-from tasks.tracking import FLOW_RUN_ENV
+from tasks.evaluation.metrics import CHANCE, MAX_FORGETTING, METRICS, better
+from tasks.registry.model_card import model_card, shape_line
+from tasks.run.layout import MODEL_STAGES, model_dir
+from tasks.run.params import Params
+from tasks.run.tracking import FLOW_RUN_ENV
+from tasks.stages.evaluate import sample_prompts
 
 # A version's tag `registration`: "pending" from its creation until its aliases are decided, then "done". A version
 # left pending (the stage was killed in between) is finished by the next registration of the same weights.
@@ -352,7 +352,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
                     gguf_export = f"none: {e}"
             info = mlflow.pyfunc.log_model(
                 name="model",
-                python_model=str(Path(__file__).with_name("pyfunc_model.py")),
+                python_model=str(Path(__file__).parents[1] / "registry" / "pyfunc_model.py"),
                 artifacts=artifacts,
                 code_paths=[str(Path(astrai_core.__file__).parent)],
                 # An input example (and predict's type hints) give the signature, params included, and spare the log
@@ -375,7 +375,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
             "gguf_export": gguf_export,
             "weights_sha256": weights_sha256,  # a later registration of the same weights finds this version
             "profile": profile,
-            "corpus": params.corpus.source,  # what it learned from, for its card (tasks/model_card.py)
+            "corpus": params.corpus.source,  # what it learned from, for its card (tasks/registry/model_card.py)
             "model": shape_line(read_model_config(checkpoint_dir / "config.json")),
             "dvc_experiment": os.environ.get("DVC_EXP_NAME") or "none",  # `dvc exp show` / `dvc exp apply` name
             **dvc_hashes(project_dir),

@@ -1,0 +1,2 @@
+"""The model registry beside the stages: a model reference resolved to a checkpoint (models), a model's card
+(model_card), the MLflow pyfunc model the register stage logs (pyfunc_model), `astrai promote` (promote)."""
