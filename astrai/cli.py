@@ -474,9 +474,9 @@ def promote(source: str = typer.Argument(..., help="The version: models:/NAME@AL
     points to on the register stage's gate (or --force). Serve it with `astrai serve --model models:/TARGET@ALIAS`."""
     import mlflow
 
+    from tasks.registry.lock import registry_lock_uri
     from tasks.registry.models import use_tracking_store
     from tasks.registry.promote import promote as run
-    from tasks.stages.register import registry_lock_uri
 
     params = use_tracking_store()
     try:

@@ -4,7 +4,7 @@ all on loopback ports. Two checkouts pointed at them by settings alone run the q
 deployment run; their runs, registered versions (two, once each), tags and aliases are then in PostgreSQL, checked
 in its tables. `astrai promote` copies the champion to MODEL-prod under the registry lock, and `astrai serve` pulls
 it through the MLflow server. Two registrations racing into one registry decide the champion one after the other
-(tasks/stages/register.py registry_lock).
+(tasks/registry/lock.py registry_lock).
 
 Skipped with the reason where Debian's postgresql-15 or root (PostgreSQL then runs as user postgres) is missing;
 ASTRAI_REQUIRE_POSTGRES=1 (set by .ci/run) turns the skip into a failure.
@@ -184,8 +184,8 @@ def test_two_pipelines_at_once_register_once_each(services, deployment_runs):
     import mlflow
 
     from astrai_core.io import sha256_file
+    from tasks.registry.gate import gate, version_record
     from tasks.run.layout import model_dir
-    from tasks.stages.register import gate, version_record
 
     name, db = f"{MODEL}-quick", _db(services, "mlflow")
     reports = {who: json.loads((c["repo"] / "data" / "register" / "registration.json").read_text())
@@ -223,7 +223,7 @@ def test_promote_to_prod_under_the_lock_and_serve_it(services, deployment_run, t
     import mlflow
 
     from astrai.services import wait_healthy
-    from tasks.stages.register import registry_lock
+    from tasks.registry.lock import registry_lock
 
     client = mlflow.MlflowClient(services["env"]["MLFLOW_TRACKING_URI"])
     source, target = client.get_model_version_by_alias(f"{MODEL}-quick", "champion"), f"{MODEL}-prod"
@@ -330,7 +330,8 @@ def test_champion_decisions_are_one_step_under_the_lock(services, monkeypatch):
     import mlflow
 
     import tasks.stages.register as register
-    from tasks.stages.register import claim_champion, registry_lock
+    from tasks.registry.lock import registry_lock
+    from tasks.stages.register import claim_champion
 
     client = mlflow.MlflowClient(services["env"]["MLFLOW_TRACKING_URI"])
     lock_uri = services["env"]["ASTRAI_REGISTRY_LOCK_URI"]

@@ -5,7 +5,7 @@ astrai-prod) with MlflowClient.copy_model_version, and the target's alias (champ
 The copy keeps every tag of the source version (its lineage: stage, params_hash, git_commit, mlflow_run_id, the
 DVC hashes, its held-out metrics) and gets five more: promoted_by (user@host), promoted_at (UTC), promoted_from
 (models:/NAME/VERSION), promoted_from_uri (SOURCE as given) and promotion (the decision, in words). The decision
-is the register stage's gate (tasks/stages/register.py gate), against the version the target's alias points to, on the source's register_metric: the
+is the register stage's gate (tasks/registry/gate.py gate), against the version the target's alias points to, on the source's register_metric: the
 copy keeps mlflow_run_id, whose registration run holds the per-item results, so the paired interval applies as it
 does at registration. A version that does not pass is refused (AstraiError, nothing copied) unless `force`. The
 whole step runs under the registry lock of the target's name (registry_lock), so neither a registration nor
@@ -26,7 +26,8 @@ import mlflow
 from mlflow.exceptions import MlflowException
 
 from astrai_core.errors import AstraiError
-from tasks.stages.register import PENDING, REGISTRATION, champion_record, gate, registry_lock, version_record
+from tasks.registry.gate import PENDING, REGISTRATION, champion_record, gate, version_record
+from tasks.registry.lock import registry_lock
 
 
 def promote(client: mlflow.MlflowClient, source: str, target: str, alias: str = "champion", force: bool = False,

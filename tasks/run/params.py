@@ -187,7 +187,7 @@ class TrackingParams(Strict):
     uri: str | None = None
     experiment: str = "astrai"
     # A PostgreSQL every registration reaches (postgresql://USER:PASS@HOST:PORT/DB): the register stage takes an
-    # advisory lock there, so two registrations decide the champion one after the other (tasks/stages/register.py
+    # advisory lock there, so two registrations decide the champion one after the other (tasks/registry/lock.py
     # registry_lock). None: no lock (ASTRAI_REGISTRY_LOCK_URI in the environment wins; `astrai services env` sets it)
     registry_lock_uri: str | None = None
 
