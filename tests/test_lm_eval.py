@@ -164,8 +164,8 @@ def test_lm_eval_scores_equal_the_projects_offline_scoring(setup, http_run):
 
 
 def test_in_process_lm_eval_equals_the_http_route(setup, http_run):
-    """The evaluate stage's route (tasks/evaluation/lm_eval_adapter.py: lm-eval's simple_evaluate on an LM over the loaded
-    model, no server) gives what `lm_eval --model local-completions` got from `astrai serve` on the same items:
+    """The evaluate stage's route (tasks/evaluation/lm_eval_adapter.py: lm-eval's simple_evaluate on an LM over the
+    loaded model, no server) gives what `lm_eval --model local-completions` got from `astrai serve` on the same items:
     every request's loglikelihood, every document's, every greedy reply, and every reported score."""
     from tasks.evaluation.lm_eval_adapter import run_tasks, scores
 

@@ -72,9 +72,10 @@ def test_a_run_logs_the_settings_of_its_own_method_only():
 
 @pytest.mark.integration
 def test_a_training_stage_run_shows_system_metrics_and_each_setting_once(store, tmp_path, core_tiny_data):
-    """The pretrain stage's run as the stage makes it (tasks.run.tracking.stage_run) with the training core on 2 torchrun
-    ranks logging into it: MLflow's system metrics from local rank 0 alone (one value per step), the TrainConfig's
-    settings, the section's launch settings as pretrain.*, nothing of the other methods and no setting twice."""
+    """The pretrain stage's run as the stage makes it (tasks.run.tracking.stage_run) with the training core on 2
+    torchrun ranks logging into it: MLflow's system metrics from local rank 0 alone (one value per step), the
+    TrainConfig's settings, the section's launch settings as pretrain.*, nothing of the other methods and no setting
+    twice."""
     import mlflow
     import yaml
 

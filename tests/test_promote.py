@@ -1,7 +1,7 @@
-"""`astrai promote SOURCE --to TARGET` (tasks/registry/promote.py): a registered version copied to another registered model
-with its lineage tags and who promoted it from where, the target's alias moved to it, refused when it does not beat
-that alias on the register gate unless forced. Real registrations (tasks/stages/register.py register) in a real MLflow
-store (a sqlite file); the PostgreSQL-backed server, the registry lock and serving the target are in
+"""`astrai promote SOURCE --to TARGET` (tasks/registry/promote.py): a registered version copied to another registered
+model with its lineage tags and who promoted it from where, the target's alias moved to it, refused when it does not
+beat that alias on the register gate unless forced. Real registrations (tasks/stages/register.py register) in a real
+MLflow store (a sqlite file); the PostgreSQL-backed server, the registry lock and serving the target are in
 tests/test_team_services.py."""
 
 from __future__ import annotations

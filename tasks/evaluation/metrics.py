@@ -22,7 +22,8 @@ METRICS: dict[str, tuple[str, str]] = {
 
 
 # The task metrics (held out) and what guessing scores on each: a model no better than this on every one it has
-# learned no task (tasks/stages/register.py no_skill). An exact answer is never guessed; a preference pair is a coin flip.
+# learned no task (tasks/stages/register.py no_skill). An exact answer is never guessed; a preference pair is a
+# coin flip.
 CHANCE: dict[str, float] = {"task_accuracy": 0.0, "pass_at_1": 0.0, "pass_at_k": 0.0, "preference_accuracy": 0.5}
 
 

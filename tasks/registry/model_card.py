@@ -44,8 +44,8 @@ def model_card(title: str, reference: str, tags: dict[str, str]) -> str:
 
 
 def card_of(reference: str, checkpoint: Path) -> str:
-    """The card of a model reference as tasks/registry/models.py resolved it to `checkpoint`: a registered version's from its
-    tags (the text of its description), a checkpoint directory's from its config alone."""
+    """The card of a model reference as tasks/registry/models.py resolved it to `checkpoint`: a registered version's
+    from its tags (the text of its description), a checkpoint directory's from its config alone."""
     from astrai_core.checkpoint import read_model_config
 
     tags = {"model": shape_line(read_model_config(checkpoint / "config.json"))}

@@ -111,8 +111,8 @@ class StageParams(TrainingSection):
 class DPOParams(StageParams):
     objective: DPOSettings = DPOSettings()  # DPO's own settings (its label_smoothing is conservative DPO's)
     # on_policy: the dpo_reference stage makes each pair's rejected reply the starting model's own wrong answer
-    # (tasks/stages/dpo_reference.py on_policy_pairs), for pairs whose chosen reply is the one right answer (the demo's);
-    # static: chat_data's pairs as they are (your own JSONL of preferences).
+    # (tasks/stages/dpo_reference.py on_policy_pairs), for pairs whose chosen reply is the one right answer (the
+    # demo's); static: chat_data's pairs as they are (your own JSONL of preferences).
     rejected: Literal["on_policy", "static"] = "on_policy"
 
 
@@ -139,8 +139,9 @@ class EvaluateParams(Strict):
     pass_samples: PositiveInt = 8
     pass_temperature: float = Field(1.0, gt=0.0)
     pass_k: PositiveInt = 4
-    # lm-evaluation-harness tasks of evals/lm_eval_tasks/ run in process on every model (tasks/evaluation/lm_eval_adapter.py),
-    # task_examples items each, from the held-out plays (tasks/evaluation/lm_eval_data.py); [] runs none.
+    # lm-evaluation-harness tasks of evals/lm_eval_tasks/ run in process on every model
+    # (tasks/evaluation/lm_eval_adapter.py), task_examples items each, from the held-out plays
+    # (tasks/evaluation/lm_eval_data.py); [] runs none.
     lm_eval_tasks: list[str] = ["astrai_next_speaker", "astrai_speech_ppl"]
 
     @field_validator("lm_eval_tasks")
@@ -165,8 +166,8 @@ class RegisterParams(Strict):
     # A run with a profile (astrai pipeline --profile NAME) registers as "<model_name>-NAME", never moving the
     # aliases of model_name itself.
     model_name: str = "astrai"
-    # Which model of the chain is registered: the best on this held-out metric (tasks/evaluation/metrics.py; ties go to the
-    # later stage), and the metric the new version must beat the champion's on to take alias `champion`.
+    # Which model of the chain is registered: the best on this held-out metric (tasks/evaluation/metrics.py; ties go to
+    # the later stage), and the metric the new version must beat the champion's on to take alias `champion`.
     metric: str = "task_accuracy"
     # The profile the run's params came from: `astrai pipeline --profile NAME` writes it into the run's params
     # (params_of_run), and the register stage reads it from there like any other setting.

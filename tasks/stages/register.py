@@ -1,17 +1,17 @@
 """Stage `register`: pick the chain's best model on one held-out metric, log it as an MLflow pyfunc model,
 register a version, move the aliases.
 
-The metric is `register.metric` in params (tasks/evaluation/metrics.py says which way is better): the registered model is the
-best of the chain on it in the evaluation's metrics.json (a tie goes to the later stage), not blindly the last one.
-Every new version gets alias `candidate`, and its model card as description (tasks/registry/model_card.py). Alias `champion`
-moves to it only if it learned some task (no_skill) and its value of the same metric beats the current champion's
-(or there is no champion, or the champion was registered without that metric); with a
-registry lock (ASTRAI_REGISTRY_LOCK_URI / tracking.registry_lock_uri, a PostgreSQL advisory lock: tasks/registry/lock.py)
-registrations of one name, on any machine, go one after the other, so that decision is a compare-and-set. Weights
-already registered (the same sha256 of model.safetensors under the same name) are not registered again: the stage
-reports that version and moves no alias. A flow run with a profile registers under "<model_name>-<profile>" (the
-quick profile's throwaway models never become `astrai@candidate`), and every version is tagged with its profile;
-`register.enabled: false` registers nothing. Each version
+The metric is `register.metric` in params (tasks/evaluation/metrics.py says which way is better): the registered model
+is the best of the chain on it in the evaluation's metrics.json (a tie goes to the later stage), not blindly the last
+one. Every new version gets alias `candidate`, and its model card as description (tasks/registry/model_card.py). Alias
+`champion` moves to it only if it learned some task (no_skill) and its value of the same metric beats the current
+champion's (or there is no champion, or the champion was registered without that metric); with a
+registry lock (ASTRAI_REGISTRY_LOCK_URI / tracking.registry_lock_uri, a PostgreSQL advisory lock:
+tasks/registry/lock.py) registrations of one name, on any machine, go one after the other, so that decision is a
+compare-and-set. Weights already registered (the same sha256 of model.safetensors under the same name) are not
+registered again: the stage reports that version and moves no alias. A flow run with a profile registers under
+"<model_name>-<profile>" (the quick profile's throwaway models never become `astrai@candidate`), and every version is
+tagged with its profile; `register.enabled: false` registers nothing. Each version
 is tagged with the metric it was chosen by, the stage that trained it and its held-out metrics. The model's
 artifacts are the checkpoint and its Hugging Face export (`hf`, see astrai_core/hf.py), so a version loads with
 transformers too; with `register.gguf: f32|q8_0` also one GGUF file for llama.cpp (`gguf`: artifacts/model.gguf). Alone: `astrai stage register`.

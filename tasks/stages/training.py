@@ -4,8 +4,8 @@ RunSettings and objective, the model, the paths). Alone: `astrai stage NAME`.
 
 Each post-training stage starts from the previous enabled stage's model, and trains its shape; a disabled one
 (`enabled: false`) writes only skipped.json and the next stage starts from the model before it. Pretraining starts
-from `pretrain.init_from` (any model reference: tasks/registry/models.py) when it is set; with `pretrain.enabled: false` its
-output is that model as it is, so post-training fine-tunes it.
+from `pretrain.init_from` (any model reference: tasks/registry/models.py) when it is set; with `pretrain.enabled: false`
+its output is that model as it is, so post-training fine-tunes it.
 
 Resuming (`resume: auto`, the default): a run that crashed or was stopped continues from its newest checkpoint in
 data/<stage>.ckpts (written every `checkpoint_every` steps and on SIGTERM) when the stage is run again with the
