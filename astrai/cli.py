@@ -18,9 +18,9 @@ from astrai import env
 
 env.apply()  # before Prefect, MLflow or DVC is imported
 
-from tasks.models import REFERENCE_HELP  # noqa: E402
+from tasks.registry.models import REFERENCE_HELP  # noqa: E402
 from astrai_core.errors import AstraiError  # noqa: E402
-from tasks.runlog import command_log, crash_line, log_file, shown  # noqa: E402
+from tasks.run.log import command_log, crash_line, log_file, shown  # noqa: E402
 
 app = typer.Typer(help="AstrAI pipeline: corpus -> tokenizer -> HDF5 -> torchrun pretraining -> SFT -> DPO -> GRPO -> "
                        "evaluation -> MLflow registry.",
@@ -33,7 +33,7 @@ def _fail(msg: str) -> None:
 
 
 def _with_log(msg: str, log: Path | None) -> str:
-    """A stage's or a training run's error line, naming the log that holds all it printed (tasks/runlog.py)."""
+    """A stage's or a training run's error line, naming the log that holds all it printed (tasks/run/log.py)."""
     return f"{msg} (full log: {shown(log)})" if log else msg
 
 
@@ -58,8 +58,8 @@ def pipeline(
 ) -> None:
     """Run the whole pipeline as a Prefect flow in this process (a temporary Prefect server starts when
     PREFECT_API_URL is unset), then print where the results are."""
-    from tasks.params import check_cluster, params_of_run, restore_user_params
-    from tasks.run_lock import checkout_lock
+    from tasks.run.lock import checkout_lock
+    from tasks.run.params import check_cluster, params_of_run, restore_user_params
 
     overrides = dict(_parse_override(s) for s in set_)
     try:
@@ -137,9 +137,9 @@ def stage(name: str = typer.Argument(..., help="corpus | tokenizer | pack | pret
                                                 "dpo | grpo | evaluate | register"),
           params: Path = typer.Option(Path("params.yaml"), help="Params file.")) -> None:
     """Run one stage in the current directory (this is what dvc.yaml calls)."""
-    from tasks.params import load_params
-    from tasks.run_lock import checkout_lock
-    from tasks.stages import STAGES, run_stage
+    from tasks.run.lock import checkout_lock
+    from tasks.run.params import load_params
+    from tasks.stages.table import STAGES, run_stage
 
     if name not in STAGES:
         _fail(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
@@ -184,7 +184,7 @@ def train(config: Path = typer.Option(..., help="TrainConfig JSON or YAML (see a
     from astrai_core.config import TrainConfig
     from astrai_core.distributed import launch, resolve_nproc
     from astrai_core.train import check_train_inputs
-    from tasks.params import load_raw, validation_message
+    from tasks.run.params import load_raw, validation_message
 
     try:
         cfg = TrainConfig.model_validate(load_raw(config))
@@ -224,7 +224,7 @@ def generate(model: str = typer.Option(..., help=f"The model: {REFERENCE_HELP}."
 
     import torch
 
-    from tasks.models import resolve_model
+    from tasks.registry.models import resolve_model
     from astrai_core.chat import load_chat
     from astrai_core.checkpoint import load_model
     from astrai_core.distributed import resolve_device
@@ -301,7 +301,7 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
 
     import torch
 
-    from tasks.models import resolve_model
+    from tasks.registry.models import resolve_model
     from astrai_core.chat import load_chat
     from astrai_core.checkpoint import load_model
     from astrai_core.engine import Engine, EngineConfig, EngineProcess
@@ -372,7 +372,7 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
 
 def _watch_alias(watch: "AliasWatch", every: float) -> None:
     """Look up where watch's alias points every `every` s, for as long as the server runs; a change is logged."""
-    from tasks.models import alias_version
+    from tasks.registry.models import alias_version
 
     while True:
         time.sleep(every)
@@ -419,8 +419,8 @@ def export_hf(model: str = typer.Argument(..., help=f"The model: {REFERENCE_HELP
     AutoModelForCausalLM / AutoTokenizer load. Options with no matching transformers architecture are refused."""
     import tempfile
 
-    from tasks.model_card import card_of
-    from tasks.models import resolve_model
+    from tasks.registry.model_card import card_of
+    from tasks.registry.models import resolve_model
     from astrai_core.hf import export_hf as export
 
     with tempfile.TemporaryDirectory(prefix="astrai-export-") as tmp:  # a registry download
@@ -445,7 +445,7 @@ def export_gguf(model: str = typer.Argument(..., help=f"The model: {REFERENCE_HE
     arcee architectures do not compute are refused."""
     import tempfile
 
-    from tasks.models import resolve_model
+    from tasks.registry.models import resolve_model
     from astrai_core.gguf_export import TYPES, export_gguf as export
 
     if type_ not in TYPES:
@@ -492,7 +492,7 @@ def lm_eval_data(corpus: Path = typer.Option(Path("data/corpus"), help="The corp
     """Write the JSONL of the lm-evaluation-harness tasks in evals/lm_eval_tasks/ (who speaks next, speech
     perplexity, the demo's task families as generate_until) from the held-out plays; then run lm_eval against
     `astrai serve` (docs/serving.md, "lm-evaluation-harness")."""
-    from tasks.lm_eval_data import FILES, write_lm_eval_data
+    from tasks.evaluation.lm_eval_data import FILES, write_lm_eval_data
 
     counts = write_lm_eval_data(corpus, out, limit, seed, force=force)
     for task, n in counts.items():
@@ -511,9 +511,9 @@ def promote(source: str = typer.Argument(..., help="The version: models:/NAME@AL
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from tasks.models import use_tracking_store
-    from tasks.promote import promote as run
-    from tasks.register import registry_lock_uri
+    from tasks.registry.lock import registry_lock_uri
+    from tasks.registry.models import use_tracking_store
+    from tasks.registry.promote import promote as run
 
     # A tracking server that accepts and does not answer (its database down) held each request for MLflow's default
     # 120 s, tried 7 times (env.py): promote's requests are small (versions, tags, the gate's items as one JSON), so

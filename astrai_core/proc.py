@@ -11,7 +11,7 @@ import threading
 from typing import Callable, Mapping, Sequence
 
 
-# The file where a run notes what it started (tasks/run_lock.py sets it): a run killed outright cannot stop its
+# The file where a run notes what it started (tasks/run/lock.py sets it): a run killed outright cannot stop its
 # children, so the next run in the checkout reads this and stops them.
 RECORD_ENV = "ASTRAI_RUN_RECORD"
 

@@ -259,7 +259,7 @@ def check_train_inputs(cfg: TrainConfig) -> None:
     """What the ranks read first, checked where a run is launched, before torchrun (or Slurm) starts: a missing or
     corrupt file is then one line naming it, not every rank's failure and torchrun's report. The tokenizer, the
     packed files (against the tokenizer's sha256), the other inputs' presence, and the training state a resumed
-    run would load. The stage (tasks/training.py) and `astrai train` call it before either launcher."""
+    run would load. The stage (tasks/stages/training.py) and `astrai train` call it before either launcher."""
     if not Path(cfg.tokenizer).is_file():
         raise AstraiError(f"{cfg.tokenizer}: tokenizer file not found; run the tokenizer stage")
     if cfg.strategy == "grpo":  # JSONL prompts

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from astrai_core.model import Transformer  # noqa: E402
 from astrai_core.optim import build_optimizer  # noqa: E402
-from tasks.params import load_params  # noqa: E402
+from tasks.run.params import load_params  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -43,7 +43,7 @@ def run_variant(name: str, overrides: dict, steps: int, nproc: int, tmp: Path) -
     from astrai_core.config import ModelConfig, TrainConfig
     from astrai_core.distributed import run_torchrun
     from astrai_core.model import Transformer
-    from tasks.params import load_params
+    from tasks.run.params import load_params
 
     params = load_params(ROOT / "params.yaml")
     model = ModelConfig(**{**params.model.model_dump(), **overrides})

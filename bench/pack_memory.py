@@ -37,12 +37,12 @@ from pathlib import Path
 stage, src, work, pack_params = sys.argv[1], sys.argv[2], Path(sys.argv[3]), json.loads(sys.argv[4])
 t = time.time()
 if stage == "corpus":
-    from tasks.corpus import build_corpus
-    from tasks.params import CorpusParams
+    from tasks.run.params import CorpusParams
+    from tasks.stages.corpus import build_corpus
     build_corpus(CorpusParams(source=src), work / "corpus")
 else:
-    from tasks.pack import pack
-    from tasks.params import PackParams
+    from tasks.run.params import PackParams
+    from tasks.stages.pack import pack
     pack(PackParams(**pack_params), work / "corpus", work / "tokenizer.json", work / "packed")
 print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "seconds": time.time() - t}))
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=50.0, help="size of the huge document in MB (ASCII: characters)")
     ap.add_argument("--limit-gb", type=float, default=14.0, help="address-space cap per stage (0: none)")
     ap.add_argument("--pack", action="append", default=[], metavar="KEY=VALUE",
-                    help="a pack param, e.g. --pack batch_characters=100000 (default: those of tasks/params.py)")
+                    help="a pack param, e.g. --pack batch_characters=100000 (default: those of tasks/run/params.py)")
     ap.add_argument("--before", type=Path, help="also run the stages with the code of this directory")
     ap.add_argument("--report", default=str(ROOT / "bench" / "pack_memory_report.json"))
     ap.add_argument("--no-report", action="store_true")

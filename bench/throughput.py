@@ -49,7 +49,7 @@ from astrai_core.config import ModelConfig, TrainConfig  # noqa: E402
 from astrai_core.data import PackedWriter  # noqa: E402
 from astrai_core.distributed import run_torchrun  # noqa: E402
 from astrai_core.io import sha256_file  # noqa: E402
-from tasks.params import load_params  # noqa: E402
+from tasks.run.params import load_params  # noqa: E402
 
 _DEMO = load_params(ROOT / "params.yaml")
 SHAPES = {

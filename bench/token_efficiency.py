@@ -35,9 +35,9 @@ from astrai_core.data import PackedTokens  # noqa: E402
 from astrai_core.distributed import resolve_nproc, run_torchrun  # noqa: E402
 from astrai_core.io import sha256_file, write_json  # noqa: E402
 from astrai_core.scoring import sequence_nll, summarize, unigram_nll  # noqa: E402
-from tasks.pack import pack  # noqa: E402
-from tasks.params import load_params, train_config  # noqa: E402
-from tasks.tokenizer import build_tokenizer  # noqa: E402
+from tasks.run.params import load_params, train_config  # noqa: E402
+from tasks.stages.pack import pack  # noqa: E402
+from tasks.stages.tokenizer import build_tokenizer  # noqa: E402
 
 OUT = ROOT / "bench" / "out"
 REPORT = ROOT / "bench" / "token_efficiency_report.json"

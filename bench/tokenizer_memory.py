@@ -35,8 +35,8 @@ STAGE = r"""
 import hashlib, json, resource, sys, time
 from pathlib import Path
 corpus, out = Path(sys.argv[1]), Path(sys.argv[2])
-from tasks.params import load_params
-from tasks.tokenizer import build_tokenizer
+from tasks.run.params import load_params
+from tasks.stages.tokenizer import build_tokenizer
 params = load_params(sys.argv[3]).tokenizer
 t = time.time()
 path = build_tokenizer(params, corpus, out)
@@ -87,8 +87,8 @@ def main() -> None:
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT))
-    from tasks.corpus import build_corpus
-    from tasks.params import load_params
+    from tasks.run.params import load_params
+    from tasks.stages.corpus import build_corpus
 
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "tasks", "astrai_core"], capture_output=True,

@@ -43,7 +43,7 @@ from astrai import env  # noqa: E402
 env.apply()  # telemetry off, the MLflow client's retries: as every astrai command has them
 
 from astrai_core.metric_log import flatten  # noqa: E402
-from tasks.params import load_params, load_profile  # noqa: E402
+from tasks.run.params import load_params, load_profile  # noqa: E402
 from throughput import machine, synthetic_data  # noqa: E402
 
 TARGET = 0.03  # tracking may cost at most 3% of the steps/s

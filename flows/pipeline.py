@@ -38,12 +38,12 @@ from astrai_core.callbacks import duration
 from astrai_core.errors import AstraiError
 from astrai_core.io import write_json
 from astrai_core.proc import record, stream_process
-from tasks import stages as S
-from tasks.params import Params, RunParams, check_cluster, run_params
-from tasks.register import versions_with_weights
-from tasks.run_lock import checkout_lock, note_prefect_server
-from tasks.runlog import RUN_LOG_ENV, ConsoleFilter, crash_line, log_file, shown
-from tasks.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, flatten, setup, ui_link
+from tasks.run.lock import checkout_lock, note_prefect_server
+from tasks.run.log import RUN_LOG_ENV, ConsoleFilter, crash_line, log_file, shown
+from tasks.run.params import Params, RunParams, check_cluster, run_params
+from tasks.registry.gate import versions_with_weights
+from tasks.run.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, flatten, setup, ui_link
+from tasks.stages import table as S
 
 STAGE_ORDER = list(S.STAGES)
 # Each stage's wall-clock seconds the last time it ran, per params profile: what the flow's eta is made of.

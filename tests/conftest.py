@@ -51,7 +51,7 @@ def make_project(repo: _Path, remote: _Path, model_name: str, post_training: boo
     post_training=False disables sft, dpo and grpo (for tests of an entry point, not of the stages: a minute less)."""
     import yaml
 
-    from tasks.layout import MODEL_STAGES
+    from tasks.run.layout import MODEL_STAGES
 
     repo.mkdir(parents=True, exist_ok=True)
     for name in ("dvc.yaml", ".gitignore", "prefect.yaml"):
@@ -60,7 +60,8 @@ def make_project(repo: _Path, remote: _Path, model_name: str, post_training: boo
         _shutil.copytree(PROJECT_ROOT / pkg, repo / pkg, ignore=_shutil.ignore_patterns("__pycache__", "data"))
     params = yaml.safe_load((PROJECT_ROOT / "params.yaml").read_text())
     # Registered by test bits/char: a model this tiny scores 0 on the tasks, and chosen by a task metric it would stay
-    # candidate (tasks/register.py no_skill); these projects test the registry and serving, which need a champion.
+    # candidate (tasks/stages/register.py no_skill); these projects test the registry and serving, which need a
+    # champion.
     register = {"model_name": model_name, "metric": "test_bits_per_char"}
     off = {} if post_training else {kind: {**TINY_PARAMS[kind], "enabled": False} for kind in MODEL_STAGES[1:]}
     for section, values in {**TINY_PARAMS, "register": register, **off}.items():

@@ -10,7 +10,7 @@ a path names and so every namespace reaches). Names resolve through /etc/hosts l
 with MARK and the run's tag, and removes. Only slurmctld gets a host name of its own (unshare --uts: it must be
 the SlurmctldHost it reads in slurm.conf); the compute namespaces keep the host's name, which resolves to loopback
 here, as a real node's name may resolve to an address the other nodes cannot reach: the Slurm launcher must use
-each node's NodeAddr, not its host name, for torchrun and gloo (tasks/slurm.py).
+each node's NodeAddr, not its host name, for torchrun and gloo (tasks/run/slurm.py).
 
 Every name carries the pid of the process that built it (astrai<PID>): whatever an earlier run left (its process
 gone) is removed before a new cluster starts; a cluster of a live process is left alone and the new one refuses to

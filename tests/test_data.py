@@ -20,16 +20,16 @@ import numpy as np
 import pytest
 
 import astrai_core.data as data_mod
-import tasks.corpus as corpus_mod
+import tasks.stages.corpus as corpus_mod
 from astrai_core.data import FORMAT_VERSION, PackedTokens, PackedWriter
 from astrai_core.errors import AstraiError
 from astrai_core.io import OUTPUT_MARK, sha256_file
 from astrai_core.bpe import SPECIAL_TOKENS, load_tokenizer, piece_bounds, special_id, train_tokenizer
 from conftest import PROJECT_ROOT
-from tasks.corpus import assign_splits, build_corpus
-from tasks.pack import pack
-from tasks.params import CorpusParams, PackParams, TokenizerParams
-from tasks.tokenizer import build_tokenizer
+from tasks.run.params import CorpusParams, PackParams, TokenizerParams
+from tasks.stages.corpus import assign_splits, build_corpus
+from tasks.stages.pack import pack
+from tasks.stages.tokenizer import build_tokenizer
 
 ROUND_TRIP = [
     "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n",
@@ -107,8 +107,8 @@ def test_the_tokenizer_stage_trains_on_bounded_pieces_and_learns_the_same(tmp_pa
     """A single-line document reaches the trainer in pieces of at most PIECE_CHARACTERS (its memory grew with the
     longest line: 2.16 GB for 20 MB), cut where the pre-tokenizer splits anyway: the same vocabulary and merges as
     training on the whole texts."""
-    import tasks.tokenizer as tokenizer_mod
-    from tasks.tokenizer import iter_texts
+    import tasks.stages.tokenizer as tokenizer_mod
+    from tasks.stages.tokenizer import iter_texts
 
     rng = np.random.default_rng(0)
     vocab = ["the", "king", "queen's", "lord,", "sweet", "love.", "12", "O!", "thee", "  night", "day\t"]
@@ -531,7 +531,7 @@ def test_pack_empty_split_and_special_text(tmp_path, data_tokenizer):
 @pytest.fixture
 def encode_batches(monkeypatch) -> list[list[str]]:
     """The texts of every encode batch pack sends to its tokenizer, in order."""
-    import tasks.pack as pack_mod
+    import tasks.stages.pack as pack_mod
 
     real_load = pack_mod.load_tokenizer
     batches = []
@@ -609,8 +609,8 @@ def test_pack_bounds_memory_by_characters_not_documents(tmp_path, data_tokenizer
 PACK_PEAK = """
 import json, resource, sys
 from pathlib import Path
-from tasks.pack import pack
-from tasks.params import PackParams
+from tasks.run.params import PackParams
+from tasks.stages.pack import pack
 root = Path(sys.argv[1])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 pack(PackParams(batch_characters=100_000), root / "corpus", root / "tokenizer.json", root / "packed")

@@ -1,4 +1,4 @@
-"""The demo's chat tasks (tasks/demo_tasks.py): each answer is right, each wrong answer is wrong, and the items
+"""The demo's chat tasks (tasks/chat/demo_tasks.py): each answer is right, each wrong answer is wrong, and the items
 of a split are balanced, unique and deterministic."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 
 from astrai_core.rewards import exact_answer
-from tasks.demo_tasks import TASKS, Item, items, passage_text, passages
-from tasks.plays import Speech
+from tasks.chat.demo_tasks import TASKS, Item, items, passage_text, passages
+from tasks.chat.plays import Speech
 
 
 def speech(pos: int, speaker: str, *lines: str, scene: int = 1, play: str = "p") -> Speech:

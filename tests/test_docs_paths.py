@@ -1,5 +1,5 @@
 """Every file the docs, the README and the code's docstrings and comments name exists (issue 45): a reader who
-follows `tasks/evaluate.py` or `docs/serving.md` finds it. Generated outputs (data/, reports, lm-eval data) and
+follows `tasks/stages/evaluate.py` or `docs/serving.md` finds it. Generated outputs (data/, reports, lm-eval data) and
 placeholders (profiles/NAME.yaml) are not checked; DESIGN.md is the team's shared page, outside the project, and
 is not cited as if it were in it."""
 

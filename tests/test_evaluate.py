@@ -13,8 +13,8 @@ import torch
 
 from astrai_core.scoring import (Z95, paired_difference, pass_at_k, sequence_nll, summarize, unigram_nll,
                                   wilson_interval)
-from tasks.evaluate import pass_metrics
-from tasks.evaluate import Check, evaluation_markdown, flag_tags, grpo_why, stage_checks
+from tasks.stages.evaluate import pass_metrics
+from tasks.stages.evaluate import Check, evaluation_markdown, flag_tags, grpo_why, stage_checks
 from test_posttrain import MODEL, chat_setup  # noqa: F401  (a module fixture: tokenizer, chat files, random model)
 
 
@@ -199,7 +199,7 @@ def tiny_chain(chat_setup, core_write_packed, tmp_path):
     from tokenizers import Tokenizer
 
     from astrai_core.io import sha256_file
-    from tasks.layout import CHAT, PACKED, model_dir
+    from tasks.run.layout import CHAT, PACKED, model_dir
 
     root = tmp_path / "project"
     shutil.copytree(chat_setup["chat"], root / CHAT)
@@ -221,7 +221,7 @@ def tiny_chain(chat_setup, core_write_packed, tmp_path):
         for s in range(3))
     (root / "data/corpus").mkdir(parents=True)
     (root / "data/corpus/test.jsonl").write_text(json.dumps({"id": "play", "text": play}) + "\n")
-    from tasks.params import parse_params
+    from tasks.run.params import parse_params
 
     params = parse_params({"model": MODEL, "tokenizer": {"vocab_size": 320}, "pretrain": {"seq_len": 64},
                            "grpo": {"objective": {"max_new_tokens": 6}, "enabled": False}, "dpo": {"enabled": False},
@@ -234,7 +234,7 @@ def test_evaluate_stage_reports_intervals_and_flags_a_stage_that_did_not_improve
                                                                                 capsys):
     import mlflow
 
-    from tasks.stages import run_stage
+    from tasks.stages.table import run_stage
 
     root, params = tiny_chain
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
@@ -307,7 +307,7 @@ def test_the_prefect_artifact_embeds_the_plots_as_data_uris(tmp_path):
 
 
 def test_plots_label_every_axis_draw_no_empty_panel_and_show_the_reference_lines():
-    from tasks.evaluation_plots import chain_figure, curves_figure
+    from tasks.evaluation.plots import chain_figure, curves_figure
 
     curves = {"pretrain": [{"step": s, "train/loss": 5 / s, "val/loss": 5.2 / s} for s in range(1, 6)],
               "sft": [{"step": s, "train/loss": 2 / s} for s in range(1, 6)],
@@ -332,7 +332,7 @@ def test_plots_label_every_axis_draw_no_empty_panel_and_show_the_reference_lines
 
 def test_an_unknown_lm_eval_task_is_refused_by_name():
     from astrai_core.errors import AstraiError
-    from tasks.params import parse_params
+    from tasks.run.params import parse_params
 
     with pytest.raises(AstraiError, match=r"evaluate\.lm_eval_tasks: unknown lm-eval task 'nope'; one of: "
                                           r"astrai_next_speaker, astrai_speech_ppl"):

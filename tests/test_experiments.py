@@ -19,8 +19,8 @@ METRICS = {"pretrain": (0.10, 2.0, 0.50), "sft": (0.20, 2.2, 0.55), "dpo": (0.30
 
 
 def test_tracking_uri_of_a_dvc_temporary_workspace_is_the_projects(tmp_path, monkeypatch):
-    from tasks.params import Params
-    from tasks.tracking import tracking_uri
+    from tasks.run.params import Params
+    from tasks.run.tracking import tracking_uri
 
     workspace = tmp_path / ".dvc/tmp/exps/tmpabc123"
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -67,7 +67,7 @@ def _fake_upstream(repo, tokenizer) -> None:
 def test_queued_experiments_log_to_the_project_store_and_apply_cleanly(tmp_path, core_tiny_data):
     import mlflow
 
-    from tasks.params import load_params
+    from tasks.run.params import load_params
 
     repo = tmp_path / "project"
     env = make_project(repo, tmp_path / "remote", MODEL)

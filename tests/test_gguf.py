@@ -363,8 +363,8 @@ def test_register_attaches_the_gguf_file(tmp_path, trained, monkeypatch):
     import gguf
     import mlflow
 
-    from tasks.params import Params
-    from tasks.register import register
+    from tasks.run.params import Params
+    from tasks.stages.register import register
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     shutil.copytree(trained["ckpt"], tmp_path / "data" / "pretrain")

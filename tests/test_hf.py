@@ -237,8 +237,8 @@ def test_pipeline_trained_model_registered_with_hf_export_generates_the_same_tex
 
     import shutil
 
-    from tasks.params import Params
-    from tasks.register import register
+    from tasks.run.params import Params
+    from tasks.stages.register import register
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     shutil.copytree(tiny_trained, tmp_path / "data" / "pretrain")

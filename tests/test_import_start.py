@@ -149,16 +149,16 @@ def pack(tok, path, sha: str) -> str:
 def test_imported_checkpoint_starts_pretraining_and_exports_back(tmp_path, monkeypatch):
     from astrai_core.config import ModelConfig
     from astrai_core.train import train
-    from tasks.params import Params
-    from tasks.params import train_config
-    from tasks.tokenizer import copy_tokenizer
+    from tasks.run.params import Params
+    from tasks.run.params import train_config
+    from tasks.stages.tokenizer import copy_tokenizer
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     _, hf_dir, _ = save_hf(tmp_path, "llama")
     ckpt = import_hf(hf_dir, tmp_path / "ckpt")
     model_cfg = json.loads((ckpt / "config.json").read_text())
     # The pipeline's wiring: with pretrain.init_from the tokenizer stage copies the checkpoint's tokenizer
-    # (tasks/stages.py), pretrain starts from it.
+    # (tasks/stages/table.py), pretrain starts from it.
     params = Params(model=model_cfg,
                     pretrain={"init_from": str(ckpt), "seq_len": 32, "batch_size": 2, "max_steps": 1, "device": "cpu",
                               "dtype": "fp32", "log_every": 1, "optim": {"lr": 1e-12, "min_lr": 0.0, "warmup_steps": 0,
@@ -195,8 +195,8 @@ def test_imported_checkpoint_starts_pretraining_and_exports_back(tmp_path, monke
 
 
 def test_tokenizer_source_copies_exactly_or_fails_naming_the_key(tmp_path):
-    from tasks.params import Params, TokenizerParams
-    from tasks.tokenizer import build_tokenizer, check_vocab_size
+    from tasks.run.params import Params, TokenizerParams
+    from tasks.stages.tokenizer import build_tokenizer, check_vocab_size
 
     _, hf_dir, n_tok = save_hf(tmp_path, "llama")
     ckpt = import_hf(hf_dir, tmp_path / "ckpt")
@@ -220,7 +220,7 @@ def test_tokenizer_source_copies_exactly_or_fails_naming_the_key(tmp_path):
 def test_params_yaml_defaults_keep_todays_behaviour():
     from pathlib import Path
 
-    from tasks.params import load_params
+    from tasks.run.params import load_params
 
     import yaml
 

@@ -1,4 +1,4 @@
-"""What a run will read is checked before its first stage (tasks/params.py check_inputs): every input path, and
+"""What a run will read is checked before its first stage (tasks/run/params.py check_inputs): every input path, and
 the combinations that cannot work (demo post-training data from a corpus without plays); a disabled stage needs no
 data."""
 
@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from astrai_core.errors import AstraiError
-from tasks.chat_data import build_chat_data
-from tasks.chat_records import KINDS
-from tasks.params import ChatDataParams, Params, check_inputs
+from tasks.chat.records import KINDS
+from tasks.run.params import ChatDataParams, Params, check_inputs
+from tasks.stages.chat_data import build_chat_data
 
 ROOT = Path(__file__).resolve().parents[1]
 ASTRAI = [str(Path(os.sys.executable).parent / "astrai")]
@@ -66,8 +66,8 @@ def test_a_disabled_stage_needs_no_data(user_files):
 
 def test_chat_data_of_a_prose_corpus_with_a_user_sft_file_and_dpo_grpo_disabled(user_files):
     """The run the issue reports: chat_data used to derive DPO/GRPO demo data from plays that are not there."""
-    from tasks.corpus import build_corpus
-    from tasks.params import CorpusParams
+    from tasks.run.params import CorpusParams
+    from tasks.stages.corpus import build_corpus
 
     corpus = user_files / "data" / "corpus"
     build_corpus(CorpusParams(source=str(user_files / "prose"), validation_fraction=0.2, test_fraction=0.2), corpus)

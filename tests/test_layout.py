@@ -1,6 +1,7 @@
 """The package layering the design promises, read from the source (every import: top level, inside functions and
 under TYPE_CHECKING): astrai (the command) -> flows -> tasks -> astrai_core and astrai -> serving -> astrai_core, astrai_core free of Prefect,
-DVC and web code, serving free of Prefect and DVC, and no import circle."""
+DVC and web code, serving free of Prefect and DVC, and no import circle. Inside tasks, its sub-packages are layered
+the same way: stages -> registry -> run -> evaluation -> chat."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ PACKAGES = ("astrai_core", "tasks", "serving", "flows", "astrai")
 # neither knows the other; flows (the Prefect flows) chains tasks; astrai (the `astrai` command) uses them all.
 MAY_IMPORT = {"astrai_core": set(), "tasks": {"astrai_core"}, "serving": {"astrai_core"},
               "flows": {"tasks", "astrai_core"}, "astrai": {"flows", "tasks", "serving", "astrai_core"}}
+# tasks/ holds only these sub-packages, each of which may import those after it, never one before it: a stage uses
+# the registry, the run's params, layout and tracking, the evaluation's metrics and the chat data; the registry
+# (promote, model references, the champion gate) uses no stage; params read the metrics' names; the metrics name the
+# demo's chat tasks.
+TASKS_LAYERS = ("tasks.stages", "tasks.registry", "tasks.run", "tasks.evaluation", "tasks.chat")
 
 
 def module_name(path: Path) -> str:
@@ -47,6 +53,23 @@ def test_layers_point_down_only():
     assert not against, f"imports against flows -> tasks/serving -> astrai_core: {against}"
 
 
+def test_tasks_subpackages_point_down_only():
+    subpackages = sorted(f"tasks.{p.parent.name}" for p in (ROOT / "tasks").glob("*/__init__.py"))
+    assert subpackages == sorted(TASKS_LAYERS)
+    assert [p.name for p in (ROOT / "tasks").glob("*.py")] == ["__init__.py"], "a module outside the sub-packages"
+    layer = {name: i for i, name in enumerate(TASKS_LAYERS)}
+    up = sorted((a, b) for a, deps in graph().items() for b in deps if a.startswith("tasks.") and b.startswith("tasks.")
+                and layer[".".join(b.split(".")[:2])] < layer[".".join(a.split(".")[:2])])
+    assert not up, f"imports against {' -> '.join(TASKS_LAYERS)}: {up}"
+
+
+def test_tasks_subpackages_are_namespaces():
+    """A sub-package's __init__ imports nothing: reading params (tasks.run.params) or a stage's module loads only
+    what that module needs, not the stage table's MLflow or the others' torch."""
+    found = sorted(module_name(p) for p in (ROOT / "tasks").rglob("__init__.py") if imports_of(p))
+    assert not found, f"these __init__ modules import: {found}"
+
+
 def banned_imports(package: str, banned: tuple[str, ...]) -> list[tuple[str, str]]:
     return sorted((module_name(p), m) for p in (ROOT / package).rglob("*.py") for m in imports_of(p)
                   if m.split(".")[0] in banned)
@@ -63,7 +86,7 @@ def test_serving_imports_no_orchestration():
 
 
 def test_no_import_circle():
-    packages = set(PACKAGES) | {"astrai_core.engine"}  # a package's __init__ is a namespace, not a module
+    packages = set(PACKAGES) | {"astrai_core.engine"} | set(TASKS_LAYERS)  # a package's __init__ is a namespace
     deps = {a: bs - packages for a, bs in graph().items()}
     cycles, state = [], {}
 

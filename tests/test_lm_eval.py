@@ -3,7 +3,7 @@
 `local-completions` with the server's remote tokenizer, and the scores it reports equal the project's own offline
 scoring of the same items (astrai_core.scoring) on the same weights.
 
-The corpus is a tiny made-up "play" in the Gutenberg layout tasks/plays.py parses (no Shakespeare text here); the
+The corpus is a tiny made-up "play" in the Gutenberg layout tasks/chat/plays.py parses (no Shakespeare text here); the
 model is trained on it for a few seconds, so that it is better than chance at who speaks next, and on the demo's
 task families as chat turns, one after another, so that it answers and ends its turn with <|end_of_turn|> (and,
 not stopped there, runs on into a next question, as a chat model does).
@@ -32,9 +32,9 @@ from astrai_core.config import ModelConfig
 from astrai_core.generate import generate_batch
 from astrai_core.model import Transformer
 from astrai_core.scoring import continuation_logprobs, sequence_nll
-from tasks.demo_tasks import items as family_items
-from tasks.lm_eval_data import FILES
-from tasks.plays import parse_play
+from tasks.chat.demo_tasks import items as family_items
+from tasks.evaluation.lm_eval_data import FILES
+from tasks.chat.plays import parse_play
 from test_serve_api import PROJECT_ROOT, WORDS, _start_server, _stop_server
 
 pytest.importorskip("lm_eval")
@@ -196,10 +196,10 @@ def test_lm_eval_scores_equal_the_projects_offline_scoring(setup, http_run):
 
 
 def test_in_process_lm_eval_equals_the_http_route(setup, http_run):
-    """The evaluate stage's route (tasks/lm_eval_adapter.py: lm-eval's simple_evaluate on an LM over the loaded
-    model, no server) gives what `lm_eval --model local-completions` got from `astrai serve` on the same items:
+    """The evaluate stage's route (tasks/evaluation/lm_eval_adapter.py: lm-eval's simple_evaluate on an LM over the
+    loaded model, no server) gives what `lm_eval --model local-completions` got from `astrai serve` on the same items:
     every request's loglikelihood, every document's, every greedy reply, and every reported score."""
-    from tasks.lm_eval_adapter import run_tasks, scores
+    from tasks.evaluation.lm_eval_adapter import run_tasks, scores
 
     results, samples, _ = http_run
     ours = run_tasks(setup["model"], setup["tokenizer"], list(FILES), setup["root"] / "run/evals/lm_eval_tasks/data",

@@ -33,8 +33,8 @@ def test_the_experiment_opens_on_its_runs(store, tmp_path):
     it opens on the runs table. An experiment made before the tag existed gets it on the next stage's start."""
     import mlflow
 
-    from tasks.params import Params
-    from tasks.tracking import setup
+    from tasks.run.params import Params
+    from tasks.run.tracking import setup
 
     client = mlflow.MlflowClient(store)
     exp_id = setup(Params(), tmp_path)
@@ -72,15 +72,16 @@ def test_a_run_logs_the_settings_of_its_own_method_only():
 
 @pytest.mark.integration
 def test_a_training_stage_run_shows_system_metrics_and_each_setting_once(store, tmp_path, core_tiny_data):
-    """The pretrain stage's run as the stage makes it (tasks.tracking.stage_run) with the training core on 2 torchrun
-    ranks logging into it: MLflow's system metrics from local rank 0 alone (one value per step), the TrainConfig's
-    settings, the section's launch settings as pretrain.*, nothing of the other methods and no setting twice."""
+    """The pretrain stage's run as the stage makes it (tasks.run.tracking.stage_run) with the training core on 2
+    torchrun ranks logging into it: MLflow's system metrics from local rank 0 alone (one value per step), the
+    TrainConfig's settings, the section's launch settings as pretrain.*, nothing of the other methods and no setting
+    twice."""
     import mlflow
     import yaml
 
     from astrai_core.config import TrainConfig
-    from tasks.params import Params
-    from tasks.tracking import stage_run
+    from tasks.run.params import Params
+    from tasks.run.tracking import stage_run
 
     params = Params(pretrain={"nproc": 2, "optim": {"lr": 0.01, "min_lr": 0.001, "warmup_steps": 2}},
                     dpo={"objective": {"beta": 0.2}})
@@ -122,8 +123,8 @@ def test_the_printed_link_opens_the_experiment_on_its_runs(store, tmp_path, brow
     import mlflow
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from tasks.params import Params
-    from tasks.tracking import setup, ui_link
+    from tasks.run.params import Params
+    from tasks.run.tracking import setup, ui_link
 
     exp_id = setup(Params(), tmp_path)
     with mlflow.start_run(experiment_id=exp_id) as run:

@@ -1,4 +1,4 @@
-"""One model reference everywhere (tasks/models.py resolve_model): a registry URI, a checkpoint directory or a
+"""One model reference everywhere (tasks/registry/models.py resolve_model): a registry URI, a checkpoint directory or a
 Hugging Face directory works with every command that takes a model (serve, generate, export-hf)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.models import resolve_model
+from tasks.registry.models import resolve_model
 from astrai_core.errors import AstraiError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,9 +25,9 @@ def test_a_registered_model_works_with_export_hf_and_generate_chat(tmp_path, dat
     from astrai_core.checkpoint import save_checkpoint
     from astrai_core.config import ModelConfig
     from astrai_core.model import Transformer
-    from tasks.layout import model_dir
-    from tasks.params import Params
-    from tasks.register import register
+    from tasks.run.layout import model_dir
+    from tasks.run.params import Params
+    from tasks.stages.register import register
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")

@@ -31,7 +31,7 @@ from test_slurm import assert_bitwise_equal, set_params, stage, weights
 pytestmark = pytest.mark.integration
 
 STEPS = 60  # the tiny model; a node is lost at step 20, after two checkpoints
-# A lost node ends the job within peer_timeout + 2 x kill_wait seconds (tasks/params.py ClusterParams).
+# A lost node ends the job within peer_timeout + 2 x kill_wait seconds (tasks/run/params.py ClusterParams).
 TWO_NODES = {"launcher": "slurm", "nodes": 2, "cpus_per_task": 1, "peer_timeout": 20, "kill_wait": 10}
 
 
@@ -147,7 +147,7 @@ def test_the_pipeline_as_a_deployment_run_trains_on_both_nodes_registers_and_ser
     node n2 pulls the weights through the MLflow server and answers a request sent over the bridge."""
     from astrai.services import database, wait_healthy, with_driver
     from astrai_core.io import sha256_file
-    from tasks.layout import MODEL_STAGES, model_dir
+    from tasks.run.layout import MODEL_STAGES, model_dir
 
     repo, env = project
     env = {**env, "PREFECT_HOME": str(tmp_path / "prefect"), "ASTRAI_PROJECT_DIR": str(repo)}
@@ -166,7 +166,7 @@ def test_the_pipeline_as_a_deployment_run_trains_on_both_nodes_registers_and_ser
     print(f"the pipeline as a deployment run on the namespace cluster: {time.monotonic() - t:.0f} s", file=sys.stderr)
     assert (repo / "params.yaml").read_text() == user_params  # the overrides were this run's only
 
-    # Every training stage ran as one Slurm job over both nodes ("--- stage X": the flow's log, tasks/runlog.py).
+    # Every training stage ran as one Slurm job over both nodes ("--- stage X": the flow's log, tasks/run/log.py).
     parts = re.split(r"^--- stage (\S+)\n", text, flags=re.M)
     stages = dict(zip(parts[1::2], parts[2::2]))
     for model_stage in MODEL_STAGES:

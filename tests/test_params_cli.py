@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from astrai_core.errors import AstraiError
-from tasks.params import Params, load_params
+from tasks.run.params import Params, load_params
 
 ROOT = Path(__file__).resolve().parents[1]
 ASTRAI = [sys.executable, "-m", "astrai.cli"]
@@ -76,7 +76,7 @@ def test_sections_resolve_into_the_core_configs():
     stage's TrainConfig, and what it leaves out takes the core's one default. model.vocab_size left out is the
     tokenizer's."""
     from astrai_core.config import RunSettings
-    from tasks.params import dpo_pairs, train_config
+    from tasks.run.params import dpo_pairs, train_config
 
     p = load_params(ROOT / "params.yaml", {"sft.label_smoothing": 0.1, "dpo.objective.label_smoothing": 0.2,
                                            "grpo.objective.kl_coef": 0.5, "grpo.max_steps": 9,
@@ -186,7 +186,7 @@ def test_every_param_dvc_yaml_lists_is_written_in_params_yaml():
 @pytest.mark.parametrize("profile", sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml")))
 def test_every_profile_merges_into_a_valid_params(profile):
     """profiles/*.yaml (quick, gpu) each give a valid run configuration over the real params.yaml."""
-    from tasks.params import load_profile, parse_params, run_params_text
+    from tasks.run.params import load_profile, parse_params, run_params_text
 
     text = run_params_text(ROOT / "params.yaml", {}, load_profile(ROOT, profile))
     params = parse_params(yaml.safe_load(text))

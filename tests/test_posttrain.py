@@ -25,9 +25,9 @@ from astrai_core.data import Batch, Documents, PackedRows, PackedWriter
 from astrai_core.dpo_reference import reference_logps, save_reference_logps
 from astrai_core.bpe import train_tokenizer
 from astrai_core.train import default_callbacks, train
-from tasks.params import parse_params
-from tasks.chat_data import pack_chat
-from tasks.dpo_reference import on_policy_pairs
+from tasks.run.params import parse_params
+from tasks.stages.chat_data import pack_chat
+from tasks.stages.dpo_reference import on_policy_pairs
 
 from test_resume import SigtermAt
 

@@ -1,7 +1,7 @@
-"""`astrai promote SOURCE --to TARGET` (tasks/promote.py): a registered version copied to another registered model
-with its lineage tags and who promoted it from where, the target's alias moved to it, refused when it does not beat
-that alias on the register gate unless forced. Real registrations (tasks/register.py register) in a real MLflow
-store (a sqlite file); the PostgreSQL-backed server, the registry lock and serving the target are in
+"""`astrai promote SOURCE --to TARGET` (tasks/registry/promote.py): a registered version copied to another registered
+model with its lineage tags and who promoted it from where, the target's alias moved to it, refused when it does not
+beat that alias on the register gate unless forced. Real registrations (tasks/stages/register.py register) in a real
+MLflow store (a sqlite file); the PostgreSQL-backed server, the registry lock and serving the target are in
 tests/test_team_services.py."""
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ def registry(tmp_path_factory, core_tiny_data) -> dict:
     from astrai_core.config import ModelConfig
     from astrai_core.model import Transformer
     from astrai_core.scoring import wilson_interval
-    from tasks.layout import model_dir
-    from tasks.params import Params
-    from tasks.register import register
+    from tasks.run.layout import model_dir
+    from tasks.run.params import Params
+    from tasks.stages.register import register
 
     root = tmp_path_factory.mktemp("promote")
     cfg = ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32)
@@ -94,7 +94,7 @@ def registered_models(client) -> set[str]:
 
 
 def test_promote_copies_with_lineage_and_moves_the_alias_only_past_the_gate(registry, client):
-    from tasks.promote import promote
+    from tasks.registry.promote import promote
 
     # The worse version first: the target has no champion, so it passes; a copy, lineage and all.
     line = promote(client, "models:/g/1", "g-prod")
@@ -152,7 +152,7 @@ def test_promote_copies_with_lineage_and_moves_the_alias_only_past_the_gate(regi
 def test_promote_into_a_target_without_champion_still_applies_the_gates_absolute_rule(registry, client):
     """Issue 43 (3): the register gate's rule that needs no champion (a task better than chance) held only against a
     champion; into an empty target a version register had kept candidate was promoted."""
-    from tasks.promote import promote
+    from tasks.registry.promote import promote
 
     assert str(client.get_model_version_by_alias("g", "candidate").version) == "3"  # learned no task
     out = cli(registry, "models:/g@candidate", "--to", "g-empty")
@@ -178,7 +178,7 @@ def test_promote_into_a_target_without_champion_still_applies_the_gates_absolute
 def test_promote_checks_the_names_before_anything_is_written(registry, client):
     """Issue 43 (4): MLflow checked the alias only when setting it, after the copy (the target kept a version with no
     alias), and the target's name went unescaped into a search filter."""
-    from tasks.promote import promote
+    from tasks.registry.promote import promote
 
     for target, alias, message in (
             ("g-names", "latest", "--alias 'latest': 'latest' alias name (case insensitive) is reserved."),
@@ -249,7 +249,7 @@ def test_champion_record_of_a_registry_that_does_not_answer_is_an_error_not_no_c
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from tasks.register import champion_record
+    from tasks.registry.gate import champion_record
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # refused at once, no retries to wait out
     with pytest.raises(MlflowException, match="Connection refused"):

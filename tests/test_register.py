@@ -8,7 +8,7 @@ import json
 import pytest
 
 from astrai_core.errors import AstraiError
-from tasks.register import best_model
+from tasks.stages.register import best_model
 
 
 def test_best_model_by_the_named_metric_ties_to_the_later_stage():
@@ -31,9 +31,9 @@ def test_register_picks_the_best_model_and_compares_the_champion_on_the_same_met
     from astrai_core.config import ModelConfig
     from astrai_core.io import sha256_file
     from astrai_core.model import Transformer
-    from tasks.layout import model_dir
-    from tasks.params import Params
-    from tasks.register import register
+    from tasks.run.layout import model_dir
+    from tasks.run.params import Params
+    from tasks.stages.register import register
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -121,9 +121,9 @@ def test_champion_moves_only_beyond_the_paired_interval_and_without_regressing_b
     from astrai_core.config import ModelConfig
     from astrai_core.model import Transformer
     from astrai_core.scoring import wilson_interval
-    from tasks.layout import model_dir
-    from tasks.params import Params
-    from tasks.register import register
+    from tasks.run.layout import model_dir
+    from tasks.run.params import Params
+    from tasks.stages.register import register
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -193,9 +193,9 @@ def test_a_model_no_better_than_chance_on_every_task_is_never_champion(tmp_path,
     from astrai_core.checkpoint import save_checkpoint
     from astrai_core.config import ModelConfig
     from astrai_core.model import Transformer
-    from tasks.layout import model_dir
-    from tasks.params import Params
-    from tasks.register import no_skill, register
+    from tasks.run.layout import model_dir
+    from tasks.run.params import Params
+    from tasks.stages.register import no_skill, register
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -267,8 +267,8 @@ def test_a_registration_killed_after_the_version_is_created_is_finished_not_repe
 
     # The worst moment: the version exists, its aliases and the end of its registration do not (_decide is what
     # register calls next; the stage runs in a process of its own, which the test kills there).
-    kill_after_the_version = ("import os, signal, sys\nimport tasks.register\n"
-                              "tasks.register._decide = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+    kill_after_the_version = ("import os, signal, sys\nimport tasks.stages.register\n"
+                              "tasks.stages.register._decide = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
                               "from astrai.cli import main\nsys.argv = ['astrai', 'stage', 'register']\nmain()\n")
     killed = subprocess.run([sys.executable, "-c", kill_after_the_version], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=600)

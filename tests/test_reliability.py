@@ -11,8 +11,8 @@ import yaml
 
 from astrai_core.errors import AstraiError
 from conftest import PROJECT_ROOT
-from tasks.params import PARAMS_BACKUP, run_params
-from tasks.params import load_params
+from tasks.run.params import PARAMS_BACKUP, run_params
+from tasks.run.params import load_params
 
 
 @pytest.fixture
@@ -190,8 +190,8 @@ def test_metrics_compare_across_commits_and_plots_render(tmp_path):
     import json
 
     from conftest import VENV_BIN, make_project, run_ok
-    from tasks.evaluate import headline, training_curves, write_plot_data
-    from tasks.evaluation_plots import plot_chain, plot_curves
+    from tasks.evaluation.plots import plot_chain, plot_curves
+    from tasks.stages.evaluate import headline, training_curves, write_plot_data
 
     repo = tmp_path / "project"
     env = make_project(repo, tmp_path / "remote", "unused")
@@ -237,8 +237,8 @@ def test_metrics_compare_across_commits_and_plots_render(tmp_path):
 def test_a_profile_is_merged_over_the_params_and_an_unknown_one_is_named(params_root):
     import yaml as pyyaml
 
-    from tasks.params import load_profile, run_params_text
-    from tasks.params import parse_params
+    from tasks.run.params import load_profile, run_params_text
+    from tasks.run.params import parse_params
 
     shutil.copytree(PROJECT_ROOT / "profiles", params_root / "profiles")
     text = run_params_text(params_root / "params.yaml", {"sft.max_steps": 12}, load_profile(params_root, "quick"))
@@ -253,7 +253,7 @@ def test_a_profile_is_merged_over_the_params_and_an_unknown_one_is_named(params_
     with pytest.raises(AstraiError, match=r"^--profile \.\./params: no such profile; profiles: quick"):
         load_profile(params_root, "../params")
     # The run's params carry the profile's name: the register stage reads it there (no environment variable).
-    from tasks.params import params_of_run
+    from tasks.run.params import params_of_run
 
     assert params_of_run(params_root, "params.yaml", None, "quick").params.register.profile == "quick"
     assert params_of_run(params_root, "params.yaml", None, None).params.register.profile == "default"
@@ -390,7 +390,7 @@ def test_a_fresh_sqlite_store_survives_two_processes_at_once(tmp_path):
     import subprocess
     import sys
 
-    code = ("from pathlib import Path; from tasks.params import Params; from tasks.tracking import setup; "
+    code = ("from pathlib import Path; from tasks.run.params import Params; from tasks.run.tracking import setup; "
             "print(setup(Params(), Path('.')))")
     env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
@@ -407,7 +407,7 @@ def test_two_registrations_at_once_agree_with_the_registry(tmp_path):
 
     import mlflow
 
-    from tasks.register import claim_champion
+    from tasks.stages.register import claim_champion
 
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     client.create_registered_model("m")
@@ -532,8 +532,8 @@ def test_a_single_node_run_listens_on_loopback_only(core_tiny_data, tmp_path):
     ({"a.txt": "text\n", "b.txt": "more\n", "c.txt": "\x00" * 10_000}, "c.txt: contains NUL bytes"),
 ])
 def test_corpus_refuses_what_would_fail_later(tmp_path, files, message):
-    from tasks.corpus import build_corpus
-    from tasks.params import CorpusParams
+    from tasks.run.params import CorpusParams
+    from tasks.stages.corpus import build_corpus
 
     src = tmp_path / "src"
     src.mkdir()
@@ -545,8 +545,8 @@ def test_corpus_refuses_what_would_fail_later(tmp_path, files, message):
 
 
 def test_corpus_names_a_symlink_loop(tmp_path):
-    from tasks.corpus import build_corpus
-    from tasks.params import CorpusParams
+    from tasks.run.params import CorpusParams
+    from tasks.stages.corpus import build_corpus
 
     src = tmp_path / "src"
     src.mkdir()
@@ -567,9 +567,9 @@ def test_register_logs_the_model_without_warnings_or_progress_bars(tmp_path, tin
 
     import mlflow
 
-    from tasks.params import Params
-    from tasks.register import register
-    from tasks.tracking import setup
+    from tasks.run.params import Params
+    from tasks.run.tracking import setup
+    from tasks.stages.register import register
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
@@ -599,8 +599,8 @@ def test_register_logs_the_model_without_warnings_or_progress_bars(tmp_path, tin
 def test_a_stage_run_records_its_data_as_mlflow_datasets(tmp_path, monkeypatch):
     import mlflow
 
-    from tasks.params import Params
-    from tasks.tracking import stage_run
+    from tasks.run.params import Params
+    from tasks.run.tracking import stage_run
 
     shutil.copy(PROJECT_ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
     (tmp_path / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {
@@ -627,8 +627,8 @@ def test_a_killed_stage_run_is_marked_failed_by_the_next_one(tmp_path, monkeypat
 
     import mlflow
 
-    from tasks.params import Params
-    from tasks.tracking import setup, stage_run
+    from tasks.run.params import Params
+    from tasks.run.tracking import setup, stage_run
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.delenv("ASTRAI_PARENT_RUN_ID", raising=False)

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import VENV_BIN, make_quick_project, run_ok
-from tasks.layout import MODEL_STAGES
+from tasks.run.layout import MODEL_STAGES
 
 pytestmark = pytest.mark.integration
 
@@ -140,6 +140,6 @@ def test_a_killed_pipeline_is_cleaned_up_by_the_next_start(tmp_path):
     assert "RUNNING" not in statuses.values() and "KILLED" in statuses.values(), statuses
     parent = [r for r in runs if client.get_run(r).data.tags.get("astrai.stage") == "pipeline"]
     assert [statuses[r] for r in parent] == ["KILLED"]
-    from tasks.params import params_of_run
+    from tasks.run.params import params_of_run
 
     assert_lock_records(repo, env, params_of_run(repo, "params.yaml", POST_TRAINING_OFF, "quick").text.encode())

@@ -168,7 +168,7 @@ def test_a_server_is_taken_for_the_one_started_only_if_its_processes_listen():
     ("sqlite:////tmp/mlflow.db", "5001", "http://127.0.0.1:5001"),  # ... on the Makefile's MLFLOW_PORT
 ])
 def test_the_mlflow_link_follows_the_tracking_uri(monkeypatch, uri, mlflow_port, base):
-    from tasks.tracking import ui_link
+    from tasks.run.tracking import ui_link
 
     if mlflow_port:
         monkeypatch.setenv("MLFLOW_PORT", mlflow_port)

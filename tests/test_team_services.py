@@ -4,7 +4,7 @@ all on loopback ports. Two checkouts pointed at them by settings alone run the q
 deployment run; their runs, registered versions (two, once each), tags and aliases are then in PostgreSQL, checked
 in its tables. `astrai promote` copies the champion to MODEL-prod under the registry lock, and `astrai serve` pulls
 it through the MLflow server. Two registrations racing into one registry decide the champion one after the other
-(tasks/register.py registry_lock).
+(tasks/registry/lock.py registry_lock).
 
 Skipped with the reason where Debian's postgresql-15 or root (PostgreSQL then runs as user postgres) is missing;
 ASTRAI_REQUIRE_POSTGRES=1 (set by .ci/run) turns the skip into a failure.
@@ -226,8 +226,8 @@ def test_two_pipelines_at_once_register_once_each(services, deployment_runs):
     import mlflow
 
     from astrai_core.io import sha256_file
-    from tasks.layout import model_dir
-    from tasks.register import gate, version_record
+    from tasks.registry.gate import gate, version_record
+    from tasks.run.layout import model_dir
 
     name, db = f"{MODEL}-quick", _db(services, "mlflow")
     reports = {who: json.loads((c["repo"] / "data" / "register" / "registration.json").read_text())
@@ -265,7 +265,7 @@ def test_promote_to_prod_under_the_lock_and_serve_it(services, deployment_run, t
     import mlflow
 
     from astrai.services import wait_healthy
-    from tasks.register import registry_lock
+    from tasks.registry.lock import registry_lock
 
     client = mlflow.MlflowClient(services["env"]["MLFLOW_TRACKING_URI"])
     source, target = client.get_model_version_by_alias(f"{MODEL}-quick", "champion"), f"{MODEL}-prod"
@@ -312,10 +312,10 @@ def test_registrations_race_into_one_registry(services, deployment_run, tmp_path
     weights), B (metrics edited so another stage's model is better still) registers that one. Two versions exist,
     once each, and B's is champion, whichever decided first; each decision says what the registry shows."""
     from astrai_core.io import sha256_file
-    from tasks.layout import MODEL_STAGES, model_dir
-    from tasks.metrics import better
-    from tasks.params import load_params
-    from tasks.register import best_model
+    from tasks.evaluation.metrics import better
+    from tasks.run.layout import MODEL_STAGES, model_dir
+    from tasks.run.params import load_params
+    from tasks.stages.register import best_model
 
     repo, env = deployment_run["repo"], deployment_run["env"]
     metrics = json.loads((repo / "data" / "evaluate" / "metrics.json").read_text())
@@ -333,8 +333,8 @@ def test_registrations_race_into_one_registry(services, deployment_run, tmp_path
     b_metrics.update({f"{other}/{metric}": better_value, f"{other}/{metric}_low": better_value - 0.01,
                       f"{other}/{metric}_high": better_value + 0.01})
     (tmp_path / "b.json").write_text(json.dumps(b_metrics))
-    code = ("import sys; from pathlib import Path; from tasks.params import load_params; "
-            "from tasks.tracking import stage_run; from tasks.register import register; "
+    code = ("import sys; from pathlib import Path; from tasks.run.params import load_params; "
+            "from tasks.run.tracking import stage_run; from tasks.stages.register import register; "
             "p = load_params('params.yaml'); p.register.profile = 'race';\n"
             "with stage_run('register', p, Path('.')): register(p, Path(sys.argv[1]), Path(sys.argv[2]), Path('.'))")
     race_env = {**env, "PYTHONPATH": str(repo)}  # register.profile race: registers as MODEL-race
@@ -371,8 +371,9 @@ def test_champion_decisions_are_one_step_under_the_lock(services, monkeypatch):
     one decides first ("no previous champion"), the other compares with it."""
     import mlflow
 
-    import tasks.register as register
-    from tasks.register import claim_champion, registry_lock
+    import tasks.stages.register as register
+    from tasks.registry.lock import registry_lock
+    from tasks.stages.register import claim_champion
 
     client = mlflow.MlflowClient(services["env"]["MLFLOW_TRACKING_URI"])
     lock_uri = services["env"]["ASTRAI_REGISTRY_LOCK_URI"]

@@ -34,7 +34,7 @@ from astrai_core.io import OUTPUT_MARK
 from astrai_core.config import TrainConfig
 from astrai_core.errors import AstraiError
 from astrai_core.train import train
-from tasks.params import parse_params
+from tasks.run.params import parse_params
 
 # G = 8 samples per step in every run below: tp (1 data-parallel rank x batch 4 x accumulation 2), fsdp+tp (2 x 2 x
 # 2) and one rank (batch 4 x 2). checkpoint_every 8 leaves the step-8 checkpoint that the cross-parallelism

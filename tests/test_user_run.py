@@ -18,8 +18,8 @@ import pytest
 from astrai_core.checkpoint import read_model_config
 from astrai_core.errors import AstraiError
 from astrai_core.hf import export_hf, import_hf
-from tasks.params import Params, check_inputs
-from tasks.stages import run_stage
+from tasks.run.params import Params, check_inputs
+from tasks.stages.table import run_stage
 
 # tiny_trained's shape as a user of the demo writes it in params.yaml: ffn_dim left to its default (null)
 SHAPE = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, qk_norm=True, ffn_dim=None)
@@ -107,7 +107,7 @@ def test_init_from_takes_the_tokenizer_and_refuses_a_second_one(project):
 
 
 def test_samples_start_from_the_users_held_out_text(chain):
-    from tasks.evaluate import DEMO_PROMPTS, sample_prompts
+    from tasks.stages.evaluate import DEMO_PROMPTS, sample_prompts
 
     project, params = chain
     held_out = [json.loads(line)["text"] for split in ("test", "validation")
@@ -144,7 +144,7 @@ def test_the_registered_version_and_its_export_carry_one_model_card(chain, tmp_p
     assert result.exit_code == 0, result.output
     assert (tmp_path / "hf" / "README.md").read_text() == card  # the same card, by the same function
     # A plain checkpoint's card says what it is and how to serve it; metrics with their intervals read as such.
-    from tasks.model_card import model_card
+    from tasks.registry.model_card import model_card
 
     result = CliRunner().invoke(app, ["export-hf", "data/sft", str(tmp_path / "hf_sft")])
     assert result.exit_code == 0, result.output

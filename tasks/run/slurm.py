@@ -32,7 +32,7 @@ from astrai_core.config import TrainConfig
 from astrai_core.distributed import ERROR_FILE, rank_error
 from astrai_core.errors import TrainingError
 from astrai_core.io import write_json
-from tasks.params import ClusterParams
+from tasks.run.params import ClusterParams
 
 POLL_SECONDS = 1.0
 # Job states after which nothing of the job runs any more (squeue/scontrol JobState).
@@ -91,7 +91,7 @@ def batch_script(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
         f"export OMP_NUM_THREADS={threads} PYTHONUNBUFFERED=1",
         "# each failing rank also appends its error line here, on the shared directory (astrai_core.distributed)",
         f"export {ERROR_FILE}=" + '"$SLURM_JOB_ID"'.join(map(shlex.quote, str(errors_path(log_path)).split("%j"))),
-        f"export PYTHONPATH={shlex.quote(str(Path(__file__).resolve().parents[1]))}${{PYTHONPATH:+:$PYTHONPATH}}",
+        f"export PYTHONPATH={shlex.quote(str(Path(__file__).resolve().parents[2]))}${{PYTHONPATH:+:$PYTHONPATH}}",
         # one task per node: SLURM_PROCID is the node's rank; the agent's arguments are expanded on its node
         f"srun --kill-on-bad-exit=1 bash -c {shlex.quote('; '.join(on_node))}",
         "",

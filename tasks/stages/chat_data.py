@@ -10,7 +10,7 @@ records tokenized with the chat template (build_chat, the stage):
 Each kind (`chat_data.sft`, `.dpo`, `.grpo` in params.yaml) is either "demo", derived from the plays without any
 download, or the path of the user's own JSONL file, read and validated here.
 
-Demo records are the tasks of tasks/demo_tasks.py (questions about a short passage whose answer follows from the
+Demo records are the tasks of tasks/chat/demo_tasks.py (questions about a short passage whose answer follows from the
 prompt: who speaks first, how many speeches, how many words a line has, whether it asks a question, its last
 word), the tasks taking turns. Train records come from the corpus's `train` plays, test records from its `test`
 plays (the `validation` plays are left alone), and a test prompt that also occurs in training (a line two plays
@@ -31,8 +31,8 @@ Demo records also carry "task" (the task's name: the evaluation reports each tas
 hold SFT records as {"prompt", "response"}: they become a user and an assistant message. Its records are split by
 `test_fraction` (chosen by seed). Everything is deterministic in the seed: two runs write the same bytes.
 
-The plays' parsing is tasks/plays.py, the tasks tasks/demo_tasks.py, the records' schema and validation
-tasks/chat_records.py; this module derives the demo records and writes the files. Run alone: `astrai stage
+The plays' parsing is tasks/chat/plays.py, the tasks tasks/chat/demo_tasks.py, the records' schema and validation
+tasks/chat/records.py; this module derives the demo records and writes the files. Run alone: `astrai stage
 chat_data`, or from Python:
     build_chat_data(ChatDataParams(), Path("data/corpus"), Path("data/chat"))
 """
@@ -52,10 +52,10 @@ from astrai_core.data import PackedTokens, PackedWriter
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file, write_json
 from astrai_core.progress import advance, expect
-from tasks.chat_records import KINDS, check_record, read_records
-from tasks.demo_tasks import items
-from tasks.params import DEMO, ChatDataParams, Params
-from tasks.plays import Speech, read_plays
+from tasks.chat.demo_tasks import items
+from tasks.chat.plays import Speech, read_plays
+from tasks.chat.records import KINDS, check_record, read_records
+from tasks.run.params import DEMO, ChatDataParams, Params
 
 
 SIZE_KEYS = {"sft": "sft_examples", "dpo": "dpo_pairs", "grpo": "grpo_prompts"}  # each train file's size key
@@ -156,7 +156,7 @@ def build_chat_data(params: ChatDataParams, corpus_dir: Path, out_dir: Path, ena
                     key = SIZE_KEYS[kind] if split == "train" else "test_examples"
                     print(f"WARNING: chat_data: {key}: {asked} asked, only {len(records[split][kind])} demo {kind} "
                           f"records could be derived from the {split} plays", flush=True)
-            stats["sources"][kind] = (f"demo: tasks/demo_tasks.py on the train/test plays of {corpus_dir} "
+            stats["sources"][kind] = (f"demo: tasks/chat/demo_tasks.py on the train/test plays of {corpus_dir} "
                                       f"({len(plays['train'])}/{len(plays['test'])} documents)")
             stats["skipped"][kind] = {"count": sum(n for r, n in skipped.items() if r.startswith(kind)),
                                       "reasons": {r: n for r, n in sorted(skipped.items()) if r.startswith(kind)}}

@@ -1,11 +1,11 @@
 """The training stages pretrain -> sft -> dpo -> grpo: each is the training core under torchrun, configured by the
-TrainConfig its params.yaml section became when the params were read (tasks/params.py train_config: the section's
+TrainConfig its params.yaml section became when the params were read (tasks/run/params.py train_config: the section's
 RunSettings and objective, the model, the paths). Alone: `astrai stage NAME`.
 
 Each post-training stage starts from the previous enabled stage's model, and trains its shape; a disabled one
 (`enabled: false`) writes only skipped.json and the next stage starts from the model before it. Pretraining starts
-from `pretrain.init_from` (any model reference: tasks/models.py) when it is set; with `pretrain.enabled: false` its
-output is that model as it is, so post-training fine-tunes it.
+from `pretrain.init_from` (any model reference: tasks/registry/models.py) when it is set; with `pretrain.enabled: false`
+its output is that model as it is, so post-training fine-tunes it.
 
 Resuming (`resume: auto`, the default): a run that crashed or was stopped continues from its newest checkpoint in
 data/<stage>.ckpts (written every `checkpoint_every` steps and on SIGTERM) when the stage is run again with the
@@ -24,8 +24,8 @@ from astrai_core.distributed import launch, resolve_nproc
 from astrai_core.train import check_train_inputs
 from astrai_core.errors import AstraiError
 from astrai_core.io import CHECKPOINT, atomic_path, write_json
-from tasks.layout import MODEL_STAGES, TOKENIZER, model_dir
-from tasks.params import Params, start_model
+from tasks.run.layout import MODEL_STAGES, TOKENIZER, model_dir
+from tasks.run.params import Params, start_model
 
 
 def previous_model(root: Path, stage: str) -> Path:
@@ -62,7 +62,7 @@ def train_stage(params: Params, stage: str, root: Path, *, run_id: str | None = 
         return _launch(params, stage, root, start_model(params, root, stage), run_id, on_line)
     if not section.init_from:
         return _launch(params, stage, root, None, run_id, on_line)
-    from tasks.models import local_model
+    from tasks.registry.models import local_model
 
     with local_model(section.init_from, root) as start:
         check_start_shape(params, start)
@@ -93,7 +93,7 @@ def _launch(params: Params, stage: str, root: Path, start: Path | None, run_id: 
             on_line: Callable[[str], None]) -> dict:
     """Launch `stage` under torchrun (or Slurm). A stage that starts from a model (`start`) trains that model's
     shape and tokenizer (the tokenizer stage copied pretrain.init_from's)."""
-    from tasks.tokenizer import check_vocab_size
+    from tasks.stages.tokenizer import check_vocab_size
 
     section = getattr(params, stage)
     cfg = params.train_config(stage)
@@ -103,8 +103,8 @@ def _launch(params: Params, stage: str, root: Path, start: Path | None, run_id: 
     check_vocab_size(root / TOKENIZER / "tokenizer.json", cfg.model.vocab_size)  # a copied tokenizer: only now
     check_train_inputs(cfg)  # a missing or corrupt input: one line, before torchrun or sbatch
     if params.cluster.launcher == "slurm":
-        from tasks.params import check_cluster
-        from tasks.slurm import launch_slurm
+        from tasks.run.params import check_cluster
+        from tasks.run.slurm import launch_slurm
 
         check_cluster(params, root)
         return launch_slurm(cfg, params.cluster, params.cluster.ranks_per_node(section.nproc), section.max_restarts,

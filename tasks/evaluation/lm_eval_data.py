@@ -8,7 +8,7 @@ read, written from the corpus stage's test split at run time (the plays' text is
     astrai_next_speaker  multiple_choice          2 speeches of a scene, then which of 4 of the play's speakers
                                                   speaks next ("ROMEO." ...), scored by the name's loglikelihood
     astrai_speech_ppl    loglikelihood_rolling    one speech ("NAME.\\nits lines"): word/byte perplexity, bits per byte
-    astrai_<family>      generate_until           a question of the demo's task family (tasks/demo_tasks.py:
+    astrai_<family>      generate_until           a question of the demo's task family (tasks/chat/demo_tasks.py:
                                                   first_speaker, speech_count, word_count, is_question, last_word)
                                                   about a held-out passage, as a chat prompt; exact_match of the
                                                   greedy reply (what evaluate's task_accuracy.<family> counts)
@@ -30,8 +30,8 @@ from typing import Iterable
 from astrai_core.chat import compile_template
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, check_output
-from tasks.demo_tasks import TASKS as FAMILIES, items as family_items, passage_text
-from tasks.plays import Speech, read_plays
+from tasks.chat.demo_tasks import TASKS as FAMILIES, items as family_items, passage_text
+from tasks.chat.plays import Speech, read_plays
 
 CONTEXT_SPEECHES = 2  # speeches before the one whose speaker is asked for
 CHOICES = 4

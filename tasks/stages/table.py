@@ -15,13 +15,13 @@ from typing import Callable
 import mlflow
 
 from astrai_core.progress import Progress
-from tasks.layout import CHAT, CORPUS, EVALUATE, MODEL_STAGES, PACKED, REGISTER, TOKENIZER, model_dir
-from tasks.params import Params
-from tasks.tracking import stage_run
+from tasks.run.layout import CHAT, CORPUS, EVALUATE, MODEL_STAGES, PACKED, REGISTER, TOKENIZER, model_dir
+from tasks.run.params import Params
+from tasks.run.tracking import stage_run
 
 
 def _corpus(params: Params, root: Path) -> None:
-    from tasks.corpus import build_corpus
+    from tasks.stages.corpus import build_corpus
 
     manifest = build_corpus(params.corpus, root / CORPUS)
     for split, info in manifest["splits"].items():
@@ -30,11 +30,11 @@ def _corpus(params: Params, root: Path) -> None:
 
 
 def _tokenizer(params: Params, root: Path) -> None:
-    from tasks.tokenizer import build_tokenizer, copy_tokenizer
+    from tasks.stages.tokenizer import build_tokenizer, copy_tokenizer
 
     if params.pretrain.init_from:  # the run's tokenizer is the model's it starts from
-        from tasks.models import local_model
-        from tasks.training import check_start_shape
+        from tasks.registry.models import local_model
+        from tasks.stages.training import check_start_shape
 
         with local_model(params.pretrain.init_from, root) as start:
             check_start_shape(params, start)  # before pack and pretrain run
@@ -45,7 +45,7 @@ def _tokenizer(params: Params, root: Path) -> None:
 
 
 def _pack(params: Params, root: Path) -> None:
-    from tasks.pack import pack
+    from tasks.stages.pack import pack
 
     stats = pack(params.pack, root / CORPUS, root / TOKENIZER / "tokenizer.json", root / PACKED)
     for split, info in stats.items():
@@ -53,7 +53,7 @@ def _pack(params: Params, root: Path) -> None:
 
 
 def _chat_data(params: Params, root: Path) -> None:
-    from tasks.chat_data import build_chat
+    from tasks.stages.chat_data import build_chat
 
     stats = build_chat(params, root / CORPUS, root / TOKENIZER / "tokenizer.json", root / CHAT,
                        replay_from=root / PACKED / "train.h5")
@@ -66,7 +66,7 @@ def _chat_data(params: Params, root: Path) -> None:
 
 def _train(stage: str) -> Callable[[Params, Path], None]:
     def run(params: Params, root: Path) -> None:
-        from tasks.training import train_stage
+        from tasks.stages.training import train_stage
 
         summary = train_stage(params, stage, root, run_id=mlflow.active_run().info.run_id)
         if summary is None:
@@ -81,7 +81,7 @@ def _train(stage: str) -> Callable[[Params, Path], None]:
 
 
 def _dpo_reference(params: Params, root: Path) -> None:
-    from tasks.dpo_reference import dpo_reference
+    from tasks.stages.dpo_reference import dpo_reference
 
     info = dpo_reference(params, root)
     if info is not None:
@@ -90,7 +90,7 @@ def _dpo_reference(params: Params, root: Path) -> None:
 
 
 def _evaluate(params: Params, root: Path) -> None:
-    from tasks.evaluate import evaluate, flag_tags
+    from tasks.stages.evaluate import evaluate, flag_tags
 
     metrics, checks = evaluate(params, root, root / EVALUATE)
     mlflow.log_metrics({k.replace("/", "."): v for k, v in metrics.items() if isinstance(v, (int, float))})
@@ -101,7 +101,7 @@ def _evaluate(params: Params, root: Path) -> None:
 
 
 def _register(params: Params, root: Path) -> None:
-    from tasks.register import register
+    from tasks.stages.register import register
 
     result = register(params, root / EVALUATE / "metrics.json", root / REGISTER, root)
     print(json.dumps(result, indent=2))

@@ -14,7 +14,7 @@ beyond the interval: the 95% interval of the paired difference of per-item corre
 astrai_core.scoring.paired_difference) lies above 0; and must not lower a metric it should keep beyond it (the
 interval lies below 0). The final model's test bits/char must be within 5% of the pretrained model's (no
 forgetting). A failed check is a flag, never hidden: a WARNING line in this stage's log (the flow's task log), a
-tag `astrai.flag.<stage>` on the evaluate stage's MLflow run (tasks/stages.py), and a mark in evaluation.md.
+tag `astrai.flag.<stage>` on the evaluate stage's MLflow run (tasks/stages/table.py), and a mark in evaluation.md.
 
 Outputs in data/evaluate: metrics.json (`<stage>/<metric>`, `<stage>/<metric>_low` and `_high` for the interval,
 `n/<metric>` items counted, and the final model's language-modeling metrics under their plain names), items.json
@@ -55,10 +55,10 @@ from astrai_core.generate import generate_text
 from astrai_core.io import atomic_path, sha256_file, write_json
 from astrai_core.progress import Progress, advance, expect
 from astrai_core.rewards import exact_answer, valid_option
-from tasks.layout import CHAT, CORPUS, PACKED
-from tasks.metrics import MAX_FORGETTING, METRICS
-from tasks.params import Params, dpo_pairs
-from tasks.training import MODEL_STAGES, final_model, model_dir
+from tasks.evaluation.metrics import MAX_FORGETTING, METRICS
+from tasks.run.layout import CHAT, CORPUS, PACKED
+from tasks.run.params import Params, dpo_pairs
+from tasks.stages.training import MODEL_STAGES, final_model, model_dir
 
 # What each post-training stage is for: the metric it must raise beyond the interval, and those it must not lower
 # beyond it, against its starting model.
@@ -130,8 +130,8 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> tuple[dict, list[Chec
     print(f"evaluate: {len(models)} models, {workers} at a time: {', '.join(models)}", flush=True)  # minutes of work
     with tempfile.TemporaryDirectory(prefix="astrai-lm-eval-") as tmp_name:
         lm_eval_data = None
-        if p.lm_eval_tasks:  # their items from the held-out plays (tasks/lm_eval_adapter.py), or none with a WARNING
-            from tasks.lm_eval_adapter import item_sets as lm_eval_item_sets, write_items
+        if p.lm_eval_tasks:  # their items from the held-out plays (tasks/evaluation/lm_eval_adapter.py), or none with a WARNING
+            from tasks.evaluation.lm_eval_adapter import item_sets as lm_eval_item_sets, write_items
 
             lm_eval_data = write_items(root / CORPUS, Path(tmp_name), p.lm_eval_tasks, p.task_examples, p.seed)
         score = partial(_score_model, params, root, tokens, n_chars, questions, train_questions, final, lm_eval_data)
@@ -175,7 +175,7 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> tuple[dict, list[Chec
     for check in checks:
         print(("evaluate: " if check.passed else "WARNING: evaluate: ") + check.describe(), flush=True)
 
-    from tasks.evaluation_plots import plot_chain, plot_curves
+    from tasks.evaluation.plots import plot_chain, plot_curves
 
     with atomic_path(out_dir, "stage evaluate") as tmp:
         tmp.mkdir()
@@ -263,7 +263,7 @@ def _score(params: Params, root: Path, tokens: np.ndarray, n_chars: int, questio
             m |= accuracy(name, results)
             items[name] = [int(bool(r)) for r in results]
     if lm_eval_data:  # the lm-eval tasks' items (evaluate.lm_eval_tasks), written by evaluate()
-        from tasks.lm_eval_adapter import run_tasks, scores
+        from tasks.evaluation.lm_eval_adapter import run_tasks, scores
 
         print(f"evaluate: {stage}: lm-eval tasks {', '.join(p.lm_eval_tasks)}", flush=True)
         lm_metrics, lm_items = scores(run_tasks(model, tok, p.lm_eval_tasks, lm_eval_data, p.batch_size))

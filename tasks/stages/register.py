@@ -1,17 +1,17 @@
 """Stage `register`: pick the chain's best model on one held-out metric, log it as an MLflow pyfunc model,
 register a version, move the aliases.
 
-The metric is `register.metric` in params (tasks/metrics.py says which way is better): the registered model is the
-best of the chain on it in the evaluation's metrics.json (a tie goes to the later stage), not blindly the last one.
-Every new version gets alias `candidate`, and its model card as description (tasks/model_card.py). Alias `champion`
-moves to it only if it learned some task (no_skill) and its value of the same metric beats the current champion's
-(or there is no champion, or the champion was registered without that metric); with a
-registry lock (ASTRAI_REGISTRY_LOCK_URI / tracking.registry_lock_uri, a PostgreSQL advisory lock: registry_lock)
-registrations of one name, on any machine, go one after the other, so that decision is a compare-and-set. Weights
-already registered (the same sha256 of model.safetensors under the same name) are not registered again: the stage
-reports that version and moves no alias. A flow run with a profile registers under "<model_name>-<profile>" (the
-quick profile's throwaway models never become `astrai@candidate`), and every version is tagged with its profile;
-`register.enabled: false` registers nothing. Each version
+The metric is `register.metric` in params (tasks/evaluation/metrics.py says which way is better): the registered model
+is the best of the chain on it in the evaluation's metrics.json (a tie goes to the later stage), not blindly the last
+one. Every new version gets alias `candidate`, and its model card as description (tasks/registry/model_card.py). Alias
+`champion` moves to it only if it learned some task (no_skill) and its value of the same metric beats the current
+champion's (or there is no champion, or the champion was registered without that metric); with a
+registry lock (ASTRAI_REGISTRY_LOCK_URI / tracking.registry_lock_uri, a PostgreSQL advisory lock:
+tasks/registry/lock.py) registrations of one name, on any machine, go one after the other, so that decision is a
+compare-and-set. Weights already registered (the same sha256 of model.safetensors under the same name) are not
+registered again: the stage reports that version and moves no alias. A flow run with a profile registers under
+"<model_name>-<profile>" (the quick profile's throwaway models never become `astrai@candidate`), and every version is
+tagged with its profile; `register.enabled: false` registers nothing. Each version
 is tagged with the metric it was chosen by, the stage that trained it and its held-out metrics. The model's
 artifacts are the checkpoint and its Hugging Face export (`hf`, see astrai_core/hf.py), so a version loads with
 transformers too; with `register.gguf: f32|q8_0` also one GGUF file for llama.cpp (`gguf`: artifacts/model.gguf). Alone: `astrai stage register`.
@@ -19,8 +19,6 @@ transformers too; with `register.gguf: f32|q8_0` also one GGUF file for llama.cp
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
 import random
@@ -29,7 +27,6 @@ import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
-from typing import Iterator
 
 import mlflow
 import yaml
@@ -42,19 +39,16 @@ from astrai_core.gguf_export import export_gguf
 from astrai_core.hf import export_hf
 from astrai_core.io import sha256_file, write_json
 from astrai_core.progress import advance, expect
-from astrai_core.scoring import paired_difference
-from tasks.evaluate import sample_prompts
-from tasks.layout import MODEL_STAGES, model_dir
-from tasks.model_card import model_card, shape_line
-from tasks.metrics import CHANCE, MAX_FORGETTING, METRICS, better
-from tasks.params import Params
-from tasks.tracking import FLOW_RUN_ENV
+from tasks.evaluation.metrics import METRICS, better
+from tasks.registry.gate import (GATE_ITEMS, PENDING, REGISTRATION, champion_record, gate, gate_record, no_skill,
+                                 version_by_alias, versions_with_weights)
+from tasks.registry.lock import registry_lock, registry_lock_uri
+from tasks.registry.model_card import model_card, shape_line
+from tasks.run.layout import MODEL_STAGES, model_dir
+from tasks.run.params import Params
+from tasks.run.tracking import FLOW_RUN_ENV
+from tasks.stages.evaluate import sample_prompts
 
-# A version's tag `registration`: "pending" from its creation until its aliases are decided, then "done". A version
-# left pending (the stage was killed in between) is finished by the next registration of the same weights.
-REGISTRATION, PENDING = "registration", "pending"
-REGISTRY_LOCK_ENV = "ASTRAI_REGISTRY_LOCK_URI"  # wins over tracking.registry_lock_uri, as MLFLOW_TRACKING_URI does
-REGISTRY_LOCK_CONNECT_TIMEOUT = 10  # s: how long the lock waits for its PostgreSQL to answer
 PREDICT_PARAMS = {"max_new_tokens": 64, "temperature": 0.0, "top_k": 0, "seed": 0}
 
 
@@ -92,19 +86,6 @@ def best_model(metrics: dict, metric: str) -> str:
     return best
 
 
-def version_by_alias(client: mlflow.MlflowClient, name: str, alias: str):
-    """The ModelVersion alias `alias` of model `name` points to; None when the model or the alias does not exist.
-    Only those two answers mean none (the store's RESOURCE_DOES_NOT_EXIST and INVALID_PARAMETER_VALUE, the same
-    through the server): a registry that failed or did not answer (its database down) raises, since "no champion"
-    would let the gate pass anything, and a registry back by the next call would take the copy or the alias."""
-    try:
-        return client.get_model_version_by_alias(name, alias)
-    except MlflowException as e:
-        if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
-            return None
-        raise
-
-
 def champion_value(client: mlflow.MlflowClient, name: str, metric: str) -> tuple[str | None, float | None]:
     """(version, its tag `metric` as a number) of the current champion; (None, None) without one, and a value of
     None when the champion was registered without that metric."""
@@ -113,112 +94,6 @@ def champion_value(client: mlflow.MlflowClient, name: str, metric: str) -> tuple
         return None, None
     value = champ.tags.get(metric)
     return str(champ.version), (float(value) if value is not None else None)
-
-
-# The champion gate. The register metric must beat the champion's beyond the interval, and the other headline
-# metrics (evaluate's HEADLINE: language modeling, the task, the preferences) must not regress beyond theirs: with
-# the per-item results of both on the same items, the paired 95% interval evaluate's stage checks use
-# (astrai_core.scoring.paired_difference); else, for accuracies, their own 95% intervals must not overlap; test
-# bits/char may regress by MAX_FORGETTING at most, evaluate's forgetting rule (it has no interval).
-GUARDED = ("test_bits_per_char", "task_accuracy", "preference_accuracy")
-GATE_ITEMS = "registration_items.json"  # the version's per-item results, logged with its registration run
-
-
-def gate_record(metrics: dict, items: dict, stage: str) -> dict:
-    """What the gate knows of one model: its held-out metrics with their intervals, its per-item results and which
-    items they are (evaluate's items.json)."""
-    values = {k.removeprefix(f"{stage}/"): v for k, v in metrics.items() if k.startswith(f"{stage}/")}
-    return {"values": values, "items": {m: r[stage] for m, r in items.items() if isinstance(r, dict) and stage in r
-                                         and m in METRICS},
-            "item_sets": items.get("item_sets", {})}
-
-
-def versions_with_weights(client: mlflow.MlflowClient, name: str, weights_sha256: str) -> list:
-    """The versions of registered model `name` tagged with these weights (tag weights_sha256; aliases left empty).
-    The filter names only the hash: MLflow's filter strings have no escape for a quote, which a model's name may
-    hold (a'b), so the name is compared here."""
-    return [v for v in client.search_model_versions(f"tags.weights_sha256 = '{weights_sha256}'") if v.name == name]
-
-
-def champion_record(client: mlflow.MlflowClient, name: str, alias: str = "champion") -> tuple[str | None, dict | None]:
-    """(version, version_record) of the version alias `alias` (the champion) points to; (None, None) without one."""
-    champ = version_by_alias(client, name, alias)
-    return (None, None) if champ is None else (str(champ.version), version_record(champ))
-
-
-def version_record(mv) -> dict:
-    """gate_record of a registered version, from its tags and its registration run's GATE_ITEMS (none when it was
-    registered without them: its own intervals only). A copy (`astrai promote`) keeps the tags, so the same."""
-    record = {"values": {k: float(v) for k, v in mv.tags.items() if k in METRICS or k.rsplit("_", 1)[0] in METRICS
-                         and k.endswith(("_low", "_high"))}, "items": {}, "item_sets": {}}
-    run_id = mv.tags.get("mlflow_run_id")
-    if run_id:
-        try:
-            record |= mlflow.artifacts.load_dict(f"runs:/{run_id}/{GATE_ITEMS}")
-        except (MlflowException, OSError):
-            pass  # registered before the gate kept per-item results: intervals of their own only
-    return record
-
-
-def _compare(metric: str, new: dict, old: dict) -> tuple[str, float, float | None, float | None] | None:
-    """How `new` compares with `old` on `metric`: (kind, difference new - old, low, high), kind "paired" (same
-    items), "intervals" (each one's 95% interval; low/high: the gap between them) or "values" (no interval); None
-    when either lacks the metric."""
-    a, b = new["values"].get(metric), old["values"].get(metric)
-    if a is None or b is None:
-        return None
-    same_items = (metric in new["items"] and metric in old["items"]
-                  and new["item_sets"].get(metric) is not None
-                  and new["item_sets"].get(metric) == old["item_sets"].get(metric))
-    if same_items:
-        return ("paired", *paired_difference(old["items"][metric], new["items"][metric]))
-    lows, highs = (new["values"].get(f"{metric}_low"), old["values"].get(f"{metric}_low")), \
-        (new["values"].get(f"{metric}_high"), old["values"].get(f"{metric}_high"))
-    if None not in lows + highs:  # new's interval against old's: apart, or overlapping
-        return "intervals", a - b, lows[0] - highs[1], highs[0] - lows[1]
-    return "values", a - b, None, None
-
-
-def gate(metric: str, new: dict, old: dict) -> tuple[bool, str]:
-    """(whether `new` takes alias champion from `old`, why, in words)."""
-    higher = METRICS[metric][1] == "higher"
-    kind, diff, low, high = _compare(metric, new, old) or ("values", 0.0, None, None)
-    if kind == "values":
-        beats = better(metric, new["values"][metric], old["values"][metric])
-        why = "no interval: compared by value"
-    else:
-        beats = (low > 0) if higher else (high < 0)
-        what = "paired 95% interval" if kind == "paired" else "95% intervals' gap"
-        why = f"{diff:+.4f}, {what} {low:+.4f} to {high:+.4f}: {'beyond' if beats else 'inside'} the interval"
-    reasons = [f"{metric}: {why}"]
-    regressed = []
-    for guard in GUARDED:
-        if guard == metric or (found := _compare(guard, new, old)) is None:
-            continue
-        kind, diff, low, high = found
-        if guard == "test_bits_per_char":
-            change = new["values"][guard] / old["values"][guard] - 1
-            if change > MAX_FORGETTING:
-                regressed.append(f"{guard} {change:+.1%} (more than {MAX_FORGETTING:.0%} worse)")
-        elif kind != "values" and (high < 0 if METRICS[guard][1] == "higher" else low > 0):
-            regressed.append(f"{guard} {diff:+.4f} (worse beyond the interval: {low:+.4f} to {high:+.4f})")
-    if regressed:
-        reasons.append("regresses " + ", ".join(regressed))
-    return beats and not regressed, "; ".join(reasons)
-
-
-def no_skill(metric: str, values: dict) -> str | None:
-    """Why a model chosen by a task metric (`metric` in metrics.CHANCE) with these held-out metrics must not be
-    champion: every task metric it has is no better than chance (its 95% interval reaches chance; without one, its
-    value), e.g. a quick run's 0.000 on every task. None when one task is beaten, or when `metric` is not a task's
-    (register.metric: test_bits_per_char crowns on language modeling alone)."""
-    tasks = [m for m in CHANCE if m in values]
-    if metric not in CHANCE or any(values.get(f"{m}_low", values[m]) > CHANCE[m] for m in tasks):
-        return None
-    scores = ", ".join(f"{m} {values[m]:.3f}" + (f" [{values[f'{m}_low']:.3f}, {values[f'{m}_high']:.3f}]"
-                                                  if f"{m}_low" in values and f"{m}_high" in values else "")
-                       for m in tasks)
-    return f"no task better than chance ({scores}): a champion must have learned a task"
 
 
 def claim_champion(client: mlflow.MlflowClient, name: str, version: str, metric: str, new: dict,
@@ -253,53 +128,6 @@ def claim_champion(client: mlflow.MlflowClient, name: str, version: str, metric:
             continue
         time.sleep(settle * (1 + random.random()))  # let a racing registration's move land, then look again
     raise AstraiError(f"model {name!r}: alias champion keeps moving; another registration is racing this one")
-
-
-def registry_lock_uri(params: Params) -> str | None:
-    """Where the registry lock is: ASTRAI_REGISTRY_LOCK_URI, else tracking.registry_lock_uri, else none."""
-    return os.environ.get(REGISTRY_LOCK_ENV) or params.tracking.registry_lock_uri
-
-
-@contextlib.contextmanager
-def registry_lock(uri: str | None, name: str) -> Iterator[bool]:
-    """While held, no other registration of model `name` holds it, on any machine: a PostgreSQL advisory lock on
-    `uri` (libpq form, postgresql://USER:PASS@HOST:PORT/DB; any database of a server every registration reaches).
-    Yields True while held, False at once without a `uri`.
-
-    MLflow's API has no compare-and-set for aliases, and a client reaches only that API; so the compare and the set
-    are made one step by a lock every registration takes. An advisory lock is the session's: when the holder's
-    connection ends (the stage finished, crashed or was killed), the server lets it go, so no stale lock remains
-    for anyone to break by hand, unlike a lock file or a create-if-absent marker in the registry. A server that does
-    not answer within REGISTRY_LOCK_CONNECT_TIMEOUT s, or refuses, is an AstraiError naming it: nothing waits unbounded.
-    """
-    if not uri:
-        yield False
-        return
-    import psycopg2  # the team extra (pyproject.toml)
-    from psycopg2.extensions import parse_dsn
-
-    key = int.from_bytes(hashlib.sha256(f"astrai.register:{name}".encode()).digest()[:8], "big", signed=True)
-    dsn = uri.replace("postgresql+psycopg2://", "postgresql://", 1)
-    try:
-        # libpq waits for a server that does not answer (down behind a firewall, stopped, a dead host) without end by
-        # default: bounded here, unless the URI or PGCONNECT_TIMEOUT sets a wait of its own.
-        bound = {} if "connect_timeout" in parse_dsn(dsn) or os.environ.get("PGCONNECT_TIMEOUT") \
-            else {"connect_timeout": REGISTRY_LOCK_CONNECT_TIMEOUT}
-        conn = psycopg2.connect(dsn, **bound)
-    except psycopg2.Error as e:  # libpq's first line names the server and what failed, never the password
-        raise AstraiError(f"registry lock ({REGISTRY_LOCK_ENV} or tracking.registry_lock_uri): "
-                          f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
-    conn.autocommit = True  # session-level lock, no transaction held open while it is
-    try:
-        with conn.cursor() as cur:
-            cur.execute("SELECT pg_try_advisory_lock(%s)", (key,))
-            if not cur.fetchone()[0]:
-                print(f"registry: waiting for another registration or promotion of {name!r} to finish (registry lock)",
-                      flush=True)
-                cur.execute("SELECT pg_advisory_lock(%s)", (key,))
-        yield True
-    finally:
-        conn.close()  # the session ends, and the lock with it
 
 
 def decision_line(version: str, metric: str, value: float, old_version: str | None, old_value: float | None,
@@ -380,7 +208,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
                     gguf_export = f"none: {e}"
             info = mlflow.pyfunc.log_model(
                 name="model",
-                python_model=str(Path(__file__).with_name("pyfunc_model.py")),
+                python_model=str(Path(__file__).parents[1] / "registry" / "pyfunc_model.py"),
                 artifacts=artifacts,
                 code_paths=[str(Path(astrai_core.__file__).parent)],
                 # An input example (and predict's type hints) give the signature, params included, and spare the log
@@ -403,7 +231,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
             "gguf_export": gguf_export,
             "weights_sha256": weights_sha256,  # a later registration of the same weights finds this version
             "profile": profile,
-            "corpus": params.corpus.source,  # what it learned from, for its card (tasks/model_card.py)
+            "corpus": params.corpus.source,  # what it learned from, for its card (tasks/registry/model_card.py)
             "model": shape_line(read_model_config(checkpoint_dir / "config.json")),
             "dvc_experiment": os.environ.get("DVC_EXP_NAME") or "none",  # `dvc exp show` / `dvc exp apply` name
             **dvc_hashes(project_dir),

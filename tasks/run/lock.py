@@ -1,6 +1,6 @@
 """One run per checkout: `astrai pipeline`, the flow and `astrai stage` hold .astrai/run.lock while they run.
 
-A run swaps params.yaml for its own params while it lasts (tasks/params.py run_params) and DVC writes dvc.lock
+A run swaps params.yaml for its own params while it lasts (tasks/run/params.py run_params) and DVC writes dvc.lock
 after each stage, so two runs in one checkout corrupt each other. The lock is an OS lock (fcntl.flock): a run
 that dies, even by SIGKILL, releases it. The file holds the holder's pid, start time and command, so a second run
 stops at once with one line naming it. The holder's token travels to its children in ASTRAI_RUN_TOKEN: the

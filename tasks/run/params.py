@@ -25,8 +25,8 @@ from astrai_core.config import (DPOConfig, DPOSettings, GRPOConfig, ModelConfig,
                                 TwoStageConfig)
 from astrai_core.errors import AstraiError
 from astrai_core.bpe import MIN_VOCAB_SIZE
-from tasks.layout import CHAT, DPO_REFERENCE, MODEL_STAGES, PACKED, TOKENIZER, model_dir
-from tasks.metrics import METRICS
+from tasks.evaluation.metrics import METRICS
+from tasks.run.layout import CHAT, DPO_REFERENCE, MODEL_STAGES, PACKED, TOKENIZER, model_dir
 
 
 class CorpusParams(Strict):
@@ -111,8 +111,8 @@ class StageParams(TrainingSection):
 class DPOParams(StageParams):
     objective: DPOSettings = DPOSettings()  # DPO's own settings (its label_smoothing is conservative DPO's)
     # on_policy: the dpo_reference stage makes each pair's rejected reply the starting model's own wrong answer
-    # (tasks/dpo_reference.py on_policy_pairs), for pairs whose chosen reply is the one right answer (the demo's);
-    # static: chat_data's pairs as they are (your own JSONL of preferences).
+    # (tasks/stages/dpo_reference.py on_policy_pairs), for pairs whose chosen reply is the one right answer (the
+    # demo's); static: chat_data's pairs as they are (your own JSONL of preferences).
     rejected: Literal["on_policy", "static"] = "on_policy"
 
 
@@ -125,7 +125,7 @@ class EvaluateParams(Strict):
     batch_size: PositiveInt = 16
     max_tokens: PositiveInt | None = None  # evaluate on at most this many test tokens (None: all)
     # The final model's text samples (samples.md) start from these; None: the demo's on Shakespeare's plays, else the
-    # openings of the held-out documents of your corpus (tasks/evaluate.py sample_prompts).
+    # openings of the held-out documents of your corpus (tasks/stages/evaluate.py sample_prompts).
     prompts: list[str] | None = None
     max_new_tokens: PositiveInt = 80
     temperature: float = Field(0.8, gt=0.0)
@@ -139,14 +139,15 @@ class EvaluateParams(Strict):
     pass_samples: PositiveInt = 8
     pass_temperature: float = Field(1.0, gt=0.0)
     pass_k: PositiveInt = 4
-    # lm-evaluation-harness tasks of evals/lm_eval_tasks/ run in process on every model (tasks/lm_eval_adapter.py),
-    # task_examples items each, from the held-out plays (tasks/lm_eval_data.py); [] runs none.
+    # lm-evaluation-harness tasks of evals/lm_eval_tasks/ run in process on every model
+    # (tasks/evaluation/lm_eval_adapter.py), task_examples items each, from the held-out plays
+    # (tasks/evaluation/lm_eval_data.py); [] runs none.
     lm_eval_tasks: list[str] = ["astrai_next_speaker", "astrai_speech_ppl"]
 
     @field_validator("lm_eval_tasks")
     @classmethod
     def _known_tasks(cls, names: list[str]) -> list[str]:
-        from tasks.lm_eval_data import FILES
+        from tasks.evaluation.lm_eval_data import FILES
 
         unknown = [n for n in names if n not in FILES]
         if unknown:
@@ -165,8 +166,8 @@ class RegisterParams(Strict):
     # A run with a profile (astrai pipeline --profile NAME) registers as "<model_name>-NAME", never moving the
     # aliases of model_name itself.
     model_name: str = "astrai"
-    # Which model of the chain is registered: the best on this held-out metric (tasks/metrics.py; ties go to the
-    # later stage), and the metric the new version must beat the champion's on to take alias `champion`.
+    # Which model of the chain is registered: the best on this held-out metric (tasks/evaluation/metrics.py; ties go to
+    # the later stage), and the metric the new version must beat the champion's on to take alias `champion`.
     metric: str = "task_accuracy"
     # The profile the run's params came from: `astrai pipeline --profile NAME` writes it into the run's params
     # (params_of_run), and the register stage reads it from there like any other setting.
@@ -187,14 +188,14 @@ class TrackingParams(Strict):
     uri: str | None = None
     experiment: str = "astrai"
     # A PostgreSQL every registration reaches (postgresql://USER:PASS@HOST:PORT/DB): the register stage takes an
-    # advisory lock there, so two registrations decide the champion one after the other (tasks/register.py
+    # advisory lock there, so two registrations decide the champion one after the other (tasks/registry/lock.py
     # registry_lock). None: no lock (ASTRAI_REGISTRY_LOCK_URI in the environment wins; `astrai services env` sets it)
     registry_lock_uri: str | None = None
 
 
 class ClusterParams(Strict):
     """Where the training stages run: `local` (torchrun on this machine) or `slurm` (one sbatch job per stage,
-    srun starting one torchrun agent per node; tasks/slurm.py). The slurm keys apply to launcher: slurm only."""
+    srun starting one torchrun agent per node; tasks/run/slurm.py). The slurm keys apply to launcher: slurm only."""
 
     launcher: Literal["local", "slurm"] = "local"
     nodes: PositiveInt = 1
@@ -229,7 +230,7 @@ class ClusterParams(Strict):
 
 
 def check_cluster(params: Params, root: Path, source: str = "params.yaml") -> None:
-    """What launcher: slurm needs of this machine (tasks/slurm.py runs the jobs): sbatch, a writable shared_dir
+    """What launcher: slurm needs of this machine (tasks/run/slurm.py runs the jobs): sbatch, a writable shared_dir
     (created here), an MLflow server (MLFLOW_TRACKING_URI wins over tracking.uri). Not part of parsing the params
     (that reads the settings only): checked where a command or stage that submits jobs starts, before any work;
     AstraiError naming `source` and the key."""
@@ -312,7 +313,7 @@ class Params(Strict):
                              "remove tokenizer.source (or pretrain.init_from)")
         if not self.pretrain.enabled and not self.pretrain.init_from:
             raise ValueError("pretrain.enabled: false needs pretrain.init_from: the model post-training starts from")
-        # A copied tokenizer's size is known only when the stage reads it: tasks.tokenizer.check_vocab_size.
+        # A copied tokenizer's size is known only when the stage reads it: tasks.stages.tokenizer.check_vocab_size.
         if (self.tokenizer.source == "train" and not self.pretrain.init_from
                 and self.model.vocab_size < self.tokenizer.vocab_size):
             raise ValueError(f"model.vocab_size ({self.model.vocab_size}) must be >= tokenizer.vocab_size "
@@ -358,7 +359,7 @@ class Params(Strict):
 
 # ---- a training section -> the training core's config ----------------------------------------------------------
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def start_model(params: Params, root: Path, stage: str) -> Path:
@@ -523,7 +524,7 @@ def params_of_run(root: Path, params_path: str, overrides: dict[str, Any] | None
 
 # ---- what a run will read, checked before its first stage ------------------------------------------------------
 
-# The chat data each held-out metric is scored on (tasks/evaluate.py); the others need none.
+# The chat data each held-out metric is scored on (tasks/stages/evaluate.py); the others need none.
 METRIC_DATA = {"sft_test_loss": "sft", "preference_accuracy": "dpo", "task_accuracy": "grpo", "pass_at_1": "grpo",
                "pass_at_k": "grpo", "valid_answer_rate": "grpo", "train_task_accuracy": "grpo"}
 CHAT_FILE_FIELDS = {"sft": '{"messages": [...]} or {"prompt", "response"}', "dpo": '{"prompt", "chosen", "rejected"}',
@@ -539,7 +540,7 @@ def chat_data_used(params: Params, kind: str) -> bool:
 def check_inputs(params: Params, root: Path, source: str = "params.yaml") -> None:
     """Every input the run will read exists, and no combination that cannot work is asked for; AstraiError naming
     the key and the fix. Paths are relative to `root` (the project, where the stages run). Run before the first
-    stage, by `astrai pipeline` and by the flow (tasks/params.py params_of_run)."""
+    stage, by `astrai pipeline` and by the flow (tasks/run/params.py params_of_run)."""
     def fail(key: str, what: str) -> None:
         raise AstraiError(f"{source}: {key}: {what}")
 

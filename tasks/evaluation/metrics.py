@@ -1,8 +1,8 @@
-"""The held-out metrics every model of the chain is scored on (tasks/evaluate.py): name -> (label, which way is
+"""The held-out metrics every model of the chain is scored on (tasks/stages/evaluate.py): name -> (label, which way is
 better). The register stage picks the model it registers by one of them (`register.metric` in params.yaml), so
 they live here, apart from the evaluation code: reading params must not import torch."""
 
-from tasks.demo_tasks import TASKS as FAMILIES
+from tasks.chat.demo_tasks import TASKS as FAMILIES
 
 METRICS: dict[str, tuple[str, str]] = {
     "test_bits_per_char": ("test bits/char", "lower"),
@@ -22,7 +22,8 @@ METRICS: dict[str, tuple[str, str]] = {
 
 
 # The task metrics (held out) and what guessing scores on each: a model no better than this on every one it has
-# learned no task (tasks/register.py no_skill). An exact answer is never guessed; a preference pair is a coin flip.
+# learned no task (tasks/stages/register.py no_skill). An exact answer is never guessed; a preference pair is a
+# coin flip.
 CHANCE: dict[str, float] = {"task_accuracy": 0.0, "pass_at_1": 0.0, "pass_at_k": 0.0, "preference_accuracy": 0.5}
 
 

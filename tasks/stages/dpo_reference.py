@@ -22,10 +22,10 @@ from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file, write_json
 from astrai_core.rewards import exact_answer
 from astrai_core.scoring import answer_questions
-from tasks.chat_data import SPLITS, numbered_records, pack_dpo, packed_attrs
-from tasks.layout import CHAT, DPO_REFERENCE
-from tasks.params import Params, dpo_pairs, start_model
-from tasks.training import write_skipped
+from tasks.run.layout import CHAT, DPO_REFERENCE
+from tasks.run.params import Params, dpo_pairs, start_model
+from tasks.stages.chat_data import SPLITS, numbered_records, pack_dpo, packed_attrs
+from tasks.stages.training import write_skipped
 
 
 def on_policy_pairs(model, chat: ChatFormat, records: list[dict], max_new_tokens: int, seed: int,

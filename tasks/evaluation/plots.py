@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from tasks.metrics import MAX_FORGETTING, METRICS
+from tasks.evaluation.metrics import MAX_FORGETTING, METRICS
 
 # Training-log keys drawn per stage: its losses, and what it was optimizing or how it did on held-out prompts.
 LOSS_CURVES = {"train/loss": "train loss", "val/loss": "validation loss"}

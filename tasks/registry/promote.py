@@ -5,7 +5,7 @@ astrai-prod) with MlflowClient.copy_model_version, and the target's alias (champ
 The copy keeps every tag of the source version (its lineage: stage, params_hash, git_commit, mlflow_run_id, the
 DVC hashes, its held-out metrics) and gets five more: promoted_by (user@host), promoted_at (UTC), promoted_from
 (models:/NAME/VERSION), promoted_from_uri (SOURCE as given) and promotion (the decision, in words). The decision
-is the register stage's gate (tasks/register.py gate), against the version the target's alias points to, on the source's register_metric: the
+is the register stage's gate (tasks/registry/gate.py gate), against the version the target's alias points to, on the source's register_metric: the
 copy keeps mlflow_run_id, whose registration run holds the per-item results, so the paired interval applies as it
 does at registration. The gate's absolute rule (register's no_skill: a task better than chance) needs no champion,
 so it holds for a target without one too. A version that does not pass is refused (AstraiError, nothing copied)
@@ -28,9 +28,10 @@ import mlflow
 from mlflow.exceptions import MlflowException
 
 from astrai_core.errors import AstraiError
-from tasks.metrics import CHANCE
-from tasks.register import (PENDING, REGISTRATION, champion_record, gate, no_skill, registry_lock, version_record,
-                            versions_with_weights)
+from tasks.evaluation.metrics import CHANCE
+from tasks.registry.gate import (PENDING, REGISTRATION, champion_record, gate, no_skill, version_record,
+                                 versions_with_weights)
+from tasks.registry.lock import registry_lock
 
 
 def check_names(target: str, alias: str) -> None:
@@ -63,7 +64,7 @@ def promote(client: mlflow.MlflowClient, source: str, target: str, alias: str = 
             lock_uri: str | None = None) -> str:
     """Copy the version `source` names (models:/NAME@ALIAS or models:/NAME/VERSION) to registered model `target`
     and point the target's `alias` at it (see the module's docstring); returns what it did, in one line."""
-    from tasks.models import registry_version
+    from tasks.registry.models import registry_version
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the gate reads the runs' items
     check_names(target, alias)

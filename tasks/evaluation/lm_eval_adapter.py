@@ -8,7 +8,7 @@ truncation to the model's context, the same rolling windows for perplexity after
 token lm-eval's remote tokenizer picks: the document boundary the model was trained with).
 
 Local files only: the task definitions are read from evals/lm_eval_tasks/ and their data from the JSONL that
-tasks/lm_eval_data.py writes from the held-out plays; HF_DATASETS_OFFLINE and HF_HUB_OFFLINE are set before
+tasks/evaluation/lm_eval_data.py writes from the held-out plays; HF_DATASETS_OFFLINE and HF_HUB_OFFLINE are set before
 lm-eval loads them, so nothing is fetched.
 
     metric                               per item                  in evaluate's metrics.json
@@ -33,9 +33,9 @@ from astrai_core.errors import AstraiError
 from astrai_core.generate import generate_batch
 from astrai_core.io import sha256_file
 from astrai_core.scoring import target_logprobs, wilson_interval
-from tasks.lm_eval_data import FILES, write_lm_eval_data
+from tasks.evaluation.lm_eval_data import FILES, write_lm_eval_data
 
-TASKS_DIR = Path(__file__).resolve().parents[1] / "evals" / "lm_eval_tasks"
+TASKS_DIR = Path(__file__).resolve().parents[2] / "evals" / "lm_eval_tasks"
 REPORTED = ("acc", "acc_norm", "exact_match", "bits_per_byte", "byte_perplexity", "word_perplexity")
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read when `datasets` is imported: local files only
@@ -131,7 +131,7 @@ class AstraiLM(TemplateLM):
 
 def task_configs(names: Sequence[str], data_dir: Path) -> list[dict]:
     """The task definitions of evals/lm_eval_tasks/ named, each reading its JSONL from data_dir
-    (tasks/lm_eval_data.py's FILES) instead of the path relative to the project's root the YAML names."""
+    (tasks/evaluation/lm_eval_data.py's FILES) instead of the path relative to the project's root the YAML names."""
     configs = []
     for name in names:
         config = yaml.safe_load((TASKS_DIR / f"{name}.yaml").read_text())

@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from tasks.plays import Speech
+from tasks.chat.plays import Speech
 
 PASSAGE_SPEECHES = (2, 4)  # speeches per passage, inclusive
 MAX_LINES = 1  # lines kept of each speech in a passage: short prompts, cheap to train and score
@@ -45,7 +45,7 @@ class Item:
     wrong: str  # a plausible wrong answer: the rejected reply of a DPO pair
 
     def record(self, kind: str) -> dict:
-        """The item as a chat_data record of `kind` (tasks/chat_records.py), with its task's name."""
+        """The item as a chat_data record of `kind` (tasks/chat/records.py), with its task's name."""
         if kind == "sft":
             return {"messages": [{"role": "user", "content": self.prompt},
                                  {"role": "assistant", "content": self.answer}], "task": self.task}

@@ -1,13 +1,13 @@
 """A model's card: what it is, the data it was trained on, its params hash, its held-out metrics with their 95%
 intervals, and how to serve it. One text (model_card) for the registered version's description in MLflow
-(tasks/register.py) and for the README.md `astrai export-hf` writes beside the weights (card_of)."""
+(tasks/stages/register.py) and for the README.md `astrai export-hf` writes beside the weights (card_of)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from astrai_core.config import ModelConfig
-from tasks.metrics import METRICS
+from tasks.evaluation.metrics import METRICS
 
 
 def shape_line(cfg: ModelConfig) -> str:
@@ -18,7 +18,7 @@ def shape_line(cfg: ModelConfig) -> str:
 
 def model_card(title: str, reference: str, tags: dict[str, str]) -> str:
     """The card (markdown) of model `reference` (models:/NAME/VERSION, or a checkpoint directory) from its registry
-    tags (tasks/register.py writes them; a checkpoint has only `model`)."""
+    tags (tasks/stages/register.py writes them; a checkpoint has only `model`)."""
     lines = [f"# {title}", "",
              "A small GPT-style language model trained by the AstrAI pipeline (corpus -> tokenizer -> pretrain -> "
              "sft -> dpo -> grpo)" + (f": the {tags['stage']} stage's model, the chain's best on "
@@ -44,15 +44,15 @@ def model_card(title: str, reference: str, tags: dict[str, str]) -> str:
 
 
 def card_of(reference: str, checkpoint: Path) -> str:
-    """The card of a model reference as tasks/models.py resolved it to `checkpoint`: a registered version's from its
-    tags (the text of its description), a checkpoint directory's from its config alone."""
+    """The card of a model reference as tasks/registry/models.py resolved it to `checkpoint`: a registered version's
+    from its tags (the text of its description), a checkpoint directory's from its config alone."""
     from astrai_core.checkpoint import read_model_config
 
     tags = {"model": shape_line(read_model_config(checkpoint / "config.json"))}
     if reference.startswith("models:/"):
         import mlflow
 
-        from tasks.models import registry_version
+        from tasks.registry.models import registry_version
 
         # resolve_model pointed MLflow at the pipeline's store
         mv = registry_version(mlflow.MlflowClient(), reference)
