@@ -253,6 +253,7 @@ def test_pipeline_trained_model_registered_with_hf_export_generates_the_same_tex
         assert result["tags"]["hf_export"] == "Qwen3ForCausalLM"
         local = mlflow.artifacts.download_artifacts("models:/hf_test@champion", dst_path=str(tmp_path / "dl"))
         description = mlflow.MlflowClient().get_model_version("hf_test", "1").description
+        model_description = mlflow.MlflowClient().get_registered_model("hf_test").description
         pyfunc_text = mlflow.pyfunc.load_model("models:/hf_test@champion").predict(
             ["the king"], params={"max_new_tokens": 12, "temperature": 0.0})[0]
     finally:
@@ -262,6 +263,11 @@ def test_pipeline_trained_model_registered_with_hf_export_generates_the_same_tex
     readme = open(f"{hf_dir}/README.md").read()
     assert readme.startswith("# hf_test version 1\n") and readme == description
     assert "astrai serve --model models:/hf_test/1" in readme
+    # Issue 43, item 16: the registered model has a description too, and the card's "Use it" block reads without
+    # scrolling in MLflow's description box (no line over 80 characters there).
+    assert model_description.startswith("Small GPT-style language models trained by the AstrAI pipeline")
+    use_it = readme.split("## Use it", 1)[1]
+    assert max(len(line) for line in use_it.splitlines()) <= 80, use_it
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     hf_model.generation_config.eos_token_id = None

@@ -38,9 +38,18 @@ def model_card(title: str, reference: str, tags: dict[str, str]) -> str:
             for k, (label, _) in METRICS.items() if k in tags]
     lines += ["| metric | value | 95% interval |", "| --- | --- | --- |", *rows] if rows else \
         ["None recorded (the evaluate stage scores a registered version)."]
-    lines += ["", "## Use it", "", "```bash", f"astrai serve --model {reference}   # OpenAI- and Anthropic-compatible "
-              "HTTP on 127.0.0.1:8000", f"astrai generate --model {reference} --chat --prompt 'Hello'", "```", ""]
+    # Each line short enough for MLflow's description box without scrolling: the comments on lines of their own.
+    lines += ["", "## Use it", "", "```bash", "# OpenAI- and Anthropic-compatible HTTP on 127.0.0.1:8000",
+              f"astrai serve --model {reference}", "# a reply in the chat format the post-training stages learned",
+              f"astrai generate --model {reference} --chat --prompt 'Hello'", "```", ""]
     return "\n".join(lines)
+
+
+REGISTERED_MODEL = ("Small GPT-style language models trained by the AstrAI pipeline (corpus -> tokenizer -> pretrain "
+                    "-> sft -> dpo -> grpo -> evaluate -> register), one version per registration. Alias `candidate`: "
+                    "the newest version; `champion`: the version that passed the register gate (better than chance "
+                    "on a task, and beyond the interval against the champion before it). Each version's description "
+                    "is its card: data, lineage, held-out metrics with 95% intervals, and how to serve it.")
 
 
 def card_of(reference: str, checkpoint: Path) -> str:

@@ -43,7 +43,7 @@ from tasks.evaluation.metrics import METRICS, better
 from tasks.registry.gate import (GATE_ITEMS, PENDING, REGISTRATION, champion_record, gate, gate_record, no_skill,
                                  version_by_alias, versions_with_weights)
 from tasks.registry.lock import registry_lock, registry_lock_uri
-from tasks.registry.model_card import model_card, shape_line
+from tasks.registry.model_card import REGISTERED_MODEL, model_card, shape_line
 from tasks.run.layout import MODEL_STAGES, model_dir
 from tasks.run.params import Params
 from tasks.run.tracking import FLOW_RUN_ENV
@@ -239,6 +239,8 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
         mlflow.log_dict(record, GATE_ITEMS)  # in the version's run before the version exists: a later gate reads it
         # The version and all its tags in one step (one transaction in the store): never a version without them.
         mv = mlflow.register_model(info.model_uri, name, tags={**tags, REGISTRATION: PENDING}).version
+        if not client.get_registered_model(name).description:  # the model's own page says what its versions are
+            client.update_registered_model(name, description=REGISTERED_MODEL)
         return _decide(client, name, str(mv), metric, record, base, tags, out_dir, locked)
 
 
