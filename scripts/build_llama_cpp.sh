@@ -41,13 +41,16 @@ if [ ! -d src/vendor/llama.cpp ]; then
 fi
 
 start=$(date +%s)
+# Everything cmake says goes to build.log (its configure step prints notes such as "CMAKE_BUILD_TYPE=Release" on
+# stderr); a step that fails shows the log's end.
+trap 'status=$?; [ $status -eq 0 ] || { tail -n 40 "$ROOT/build.log" >&2; echo "llama.cpp build failed: $ROOT/build.log" >&2; }' EXIT
 # GGML_NATIVE: the machine's own vector units (AVX-512 on one machine kind, AVX2 on the other); a cache built on one
 # kind is not moved to another (the cache is per machine). Tests and examples are not needed.
 nice -n "$NICE" cmake -S src/vendor/llama.cpp -B build -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON \
-  -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DBUILD_SHARED_LIBS=OFF >build.log
+  -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DBUILD_SHARED_LIBS=OFF >build.log 2>&1
 for tool in "${TOOLS[@]}"; do  # one at a time, in this order: the tests' tools are ready first (server: half the build)
-  nice -n "$NICE" cmake --build build -j "$JOBS" --target "$tool" >>build.log
+  nice -n "$NICE" cmake --build build -j "$JOBS" --target "$tool" >>build.log 2>&1
 done
 mkdir -p bin
 for tool in "${TOOLS[@]}"; do cp build/bin/"$tool" bin/"$tool.tmp" && mv bin/"$tool.tmp" bin/"$tool"; done
