@@ -173,3 +173,9 @@ def system_metrics(local_rank: int) -> Iterator[None]:
         yield
     finally:
         monitor.finish()
+        # MLflow's loop drops the sample it is taking when it is stopped: a run shorter than the interval (a quick
+        # profile's stage lasts seconds) logged none. One more sample at the end, as the next step.
+        with contextlib.suppress(Exception):  # a tracking server gone by now: the run's own end says so
+            monitor.collect_metrics()
+            monitor.publish_metrics(monitor.aggregate_metrics())
+            monitor.mlflow_logger.flush()

@@ -152,3 +152,26 @@ def test_the_printed_link_opens_the_experiment_on_its_runs(store, tmp_path, brow
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_a_run_shorter_than_the_sampling_interval_has_system_metrics(tmp_path, monkeypatch):
+    """Issue 43, item 14: a quick run's training runs showed no system metrics (MLflow samples every 10 s and drops
+    the sample it is taking when stopped). A run of a fraction of a second has one, at its end."""
+    import time
+
+    import mlflow
+
+    from astrai_core.metric_log import system_metrics
+
+    uri, previous = f"sqlite:///{tmp_path / 'mlflow.db'}", mlflow.get_tracking_uri()
+    client = mlflow.MlflowClient(uri)
+    run = client.create_run(client.create_experiment("short", artifact_location=(tmp_path / "a").as_uri()))
+    monkeypatch.setenv("MLFLOW_RUN_ID", run.info.run_id)
+    monkeypatch.delenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", raising=False)
+    mlflow.set_tracking_uri(uri)  # where the monitor logs, as a stage's rank 0 has it
+    try:
+        with system_metrics(local_rank=0):
+            time.sleep(0.3)
+    finally:
+        mlflow.set_tracking_uri(previous)
+    assert "system/cpu_utilization_percentage" in client.get_run(run.info.run_id).data.metrics
