@@ -480,6 +480,15 @@ def import_hf(hf_dir: Path = typer.Argument(..., help="A Hugging Face model dire
           f"{vocab['astrai']} (rows of added tokens: the mean of the known vocabulary's rows)")
 
 
+@app.command("profile-args")
+def profile_args(name: str = typer.Argument(..., help="A profile: the name of a file in profiles/ (quick, gpu).")) -> None:
+    """Print profiles/NAME.yaml as DVC's -S options, for an experiment with a profile:
+    `dvc exp run $(astrai profile-args quick) -n quick-try` (params.yaml itself is left as it is)."""
+    from tasks.run.params import profile_overrides
+
+    print(" ".join(f"-S {override}" for override in profile_overrides(Path(), name)))
+
+
 @app.command("lm-eval-data")
 def lm_eval_data(corpus: Path = typer.Option(Path("data/corpus"), help="The corpus stage's output (its test.jsonl "
                                              "holds the held-out plays)."),

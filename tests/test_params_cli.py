@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -191,3 +192,25 @@ def test_every_profile_merges_into_a_valid_params(profile):
     text = run_params_text(ROOT / "params.yaml", {}, load_profile(ROOT, profile))
     params = parse_params(yaml.safe_load(text))
     assert params.model.vocab_size >= params.tokenizer.vocab_size
+
+
+@pytest.mark.parametrize("profile", sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml")))
+def test_profile_args_give_dvc_the_profiles_params(profile, tmp_path):
+    """Issue 43, item 15: `dvc exp run` had no way to use a profile. `astrai profile-args NAME` prints it as -S
+    options; applied by DVC's own override code (what `dvc exp run -S` calls), params.yaml becomes exactly the
+    params `astrai pipeline --profile NAME` runs with."""
+    from dvc.utils.hydra import apply_overrides
+
+    from tasks.run.params import load_profile, parse_params, run_params_text
+
+    out = subprocess.run([sys.executable, "-m", "astrai.cli", "profile-args", profile], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    words = out.stdout.split()  # as the shell splits $(astrai profile-args NAME)
+    assert words[::2] == ["-S"] * (len(words) // 2) and len(words) % 2 == 0
+    params = tmp_path / "params.yaml"
+    shutil.copy(ROOT / "params.yaml", params)
+    apply_overrides(params, words[1::2])
+    by_dvc = parse_params(yaml.safe_load(params.read_text()))
+    by_profile = parse_params(yaml.safe_load(run_params_text(ROOT / "params.yaml", {}, load_profile(ROOT, profile))))
+    assert by_dvc == by_profile

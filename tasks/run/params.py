@@ -467,6 +467,38 @@ def load_profile(root: Path, name: str) -> dict[str, Any]:
     return load_raw(root / PROFILES_DIR / f"{name}.yaml")
 
 
+def profile_overrides(root: Path, name: str) -> list[str]:
+    """profiles/NAME.yaml as DVC's -S overrides (`dvc exp run $(astrai profile-args NAME)`): KEY=VALUE for each leaf
+    where params.yaml has a section, the whole value where it has none (a null lora), as _merge applies it;
+    +KEY=VALUE where params.yaml leaves the key out."""
+    out: list[str] = []
+
+    def walk(changes: dict, tree: dict, prefix: str) -> None:
+        for key, value in changes.items():
+            if isinstance(value, dict) and isinstance(tree.get(key), dict):
+                walk(value, tree[key], f"{prefix}{key}.")
+            else:  # "+": a key params.yaml leaves out (to its default) is added, as Hydra's grammar wants
+                add = "" if key in tree else "+"
+                out.append(f"{add}{prefix}{key}={_override_value(value, f'profiles/{name}.yaml: {prefix}{key}')}")
+
+    walk(load_profile(root, name), load_raw(root / "params.yaml"), "")
+    return out
+
+
+def _override_value(value: Any, where: str) -> str:
+    """`value` in Hydra's override grammar (what DVC's -S reads), without spaces: the shell splits $(...) there."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_override_value(v, where)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(_override_value(v, where) for v in value) + "]"
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    text = str(value)
+    if not text or any(ch.isspace() or ch in "'\"=,[]{}:" for ch in text):
+        raise AstraiError(f"{where}: {text!r} cannot be passed as one -S word; set it with -S by hand")
+    return text
+
+
 def _merge(tree: dict, changes: dict) -> None:
     """Set every leaf of `changes` in `tree`, keeping the keys (and comments) of `tree` that it does not name."""
     for key, value in changes.items():
