@@ -47,7 +47,7 @@ from astrai_core.chat import load_chat
 from astrai_core.checkpoint import load_model
 from astrai_core.config import ModelConfig
 from astrai_core.data import PackedTokens
-from astrai_core.distributed import resolve_device
+from astrai_core.distributed import model_device, resolve_device
 from astrai_core.errors import AstraiError
 from astrai_core.scoring import (answer_questions, masked_token_loss, paired_difference, pass_at_k, preference_margins,
                                   sequence_nll, summarize, unigram_nll, wilson_interval)
@@ -508,7 +508,7 @@ def _samples(params: Params, root: Path, model, tok) -> str:
     lines = ["# Samples of the final model", ""]
     for prompt in sample_prompts(params, root):
         for mode, temperature in (("greedy", 0.0), ("sampled", p.temperature)):
-            gen = torch.Generator().manual_seed(p.seed)
+            gen = torch.Generator(model_device(model)).manual_seed(p.seed)  # on a GPU: its generator
             text = generate_text(model, tok, prompt, max_new_tokens=p.max_new_tokens, temperature=temperature,
                                  top_k=p.top_k, generator=gen)
             lines += [f"## {mode} (temperature {temperature}): {prompt!r}", "", "```", prompt + text, "```", ""]
