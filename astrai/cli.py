@@ -79,6 +79,8 @@ def pipeline(
             result = flow(params_path=str(params), overrides=overrides or None, profile=profile, resolved=resolved)
     except AstraiError as e:
         _fail(str(e))
+    except typer.Exit:
+        raise
     except Exception as e:  # noqa: BLE001 - a Prefect server that stopped answering, else a bug (main's crash line)
         if not (outage := prefect_outage(e)):
             raise
@@ -90,9 +92,10 @@ def prefect_outage(e: Exception) -> str | None:
     """The one line for a Prefect server that does not answer or fails its requests (its database went down under
     a run: PrefectHTTPStatusError; unreachable: "Failed to reach API"), or None for any other exception."""
     import httpx
-    from prefect.exceptions import PrefectHTTPStatusError
 
-    if not (isinstance(e, (PrefectHTTPStatusError, httpx.HTTPError))
+    prefect_errors = sys.modules.get("prefect.exceptions")  # loaded once the flow ran (an import here prints warnings)
+    http_status = (prefect_errors.PrefectHTTPStatusError,) if prefect_errors else ()
+    if not (isinstance(e, (*http_status, httpx.HTTPError))
             or (isinstance(e, RuntimeError) and str(e).startswith("Failed to reach API"))):
         return None
     url = os.environ.get("PREFECT_API_URL", "the temporary one")

@@ -140,7 +140,7 @@ CASES = {  # id: (args, cwd under the work folder, the one line's text after "as
     "--set bad YAML": (["pipeline", "--set", "pretrain.max_steps=[1"], "project",
                        "--set 'pretrain.max_steps=[1': the value is not valid YAML"),
     "--profile a path": (["pipeline", "--profile", "../params"], "project",
-                         "--profile ../params: no such profile; profiles: gpu, quick"),
+                         "--profile ../params: no such profile; profiles: quick"),
     # a JSONL corpus with half a UTF-16 pair
     "lone surrogate": (["stage", "corpus", "--params", "surrogate.yaml"], "project",
                        "docs.jsonl:2: a lone surrogate \\ud800 at character 13"),
