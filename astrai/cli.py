@@ -54,7 +54,7 @@ def pipeline(
     params: Path = typer.Option(Path("params.yaml"), help="Params file for this run (params.yaml itself is left as it is)."),
     set_: list[str] = typer.Option([], "--set", help="Override a param for this run: KEY=VALUE with a dotted key. Repeatable."),
     profile: Optional[str] = typer.Option(None, help="profiles/NAME.yaml merged over the params for this run "
-                                          "(quick: the whole chain in 2-3 minutes); --set wins over it."),
+                                          "(quick: the whole chain in about 2 minutes); --set wins over it."),
 ) -> None:
     """Run the whole pipeline as a Prefect flow in this process (a temporary Prefect server starts when
     PREFECT_API_URL is unset), then print where the results are."""

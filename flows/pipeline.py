@@ -192,7 +192,7 @@ def pipeline(params_path: str = "params.yaml", overrides: dict[str, Any] | None 
 
     `overrides` maps dotted keys to values, e.g. {"pretrain.max_steps": 50}; they apply to this run only
     (see `run_params`): params.yaml is the user's file again when the run ends. `profile` names a file in
-    profiles/ merged over the params first (e.g. "quick": the whole chain in 2-3 minutes). `resolved`: the
+    profiles/ merged over the params first (e.g. "quick": the whole chain in about 2 minutes). `resolved`: the
     params of these arguments, already parsed by the caller (`astrai pipeline` checks them before Prefect starts).
     """
     root = Path(project_dir or os.getcwd()).resolve()
