@@ -24,7 +24,8 @@ DDP and FSDP average gradients over those ranks (a TP group computes one loss an
 the split into micro-steps and ranks therefore never change the gradient.
 
 One step: the strategy's micro-batches -> forward and backward over the accumulation window -> the gradient norm
-(stop if it or the loss is not finite) -> clipping -> optimizer and schedule -> validation and early stopping ->
+(whether it and the loss are finite stays on the device; the run stops at the next step that logs, validates or
+checkpoints, naming the first bad step) -> clipping -> optimizer and schedule -> validation and early stopping ->
 metrics -> a resumable checkpoint when due. Callbacks (astrai_core/callbacks.py) observe each point; the run's
 counters live in RunState, which a checkpoint keeps with the model, optimizer, schedule, data position and RNGs.
 What the loop trains is built for its parallel layout by astrai_core/parallel.py (build), the strategy behind its
@@ -142,9 +143,9 @@ class StepResult:
 def train_step(t: Trainee, run: RunState, callbacks: list[Callback], cfg: TrainConfig,
                finite: FiniteCheck) -> StepResult:
     """One optimizer step: the strategy's preparation (GRPO's rollouts) and this rank's micro-batches, forward and
-    backward over the accumulation window, the gradient norm (stop if it or the loss is not finite), clipping,
-    the update. The step's strategy metrics go to run.metrics. Nothing here waits for the device in a one-rank step
-    (the finite check is read by the loop), so on a GPU the host reads the next batch while this one runs."""
+    backward over the accumulation window, the gradient norm (with the loss, into `finite`), clipping, the update.
+    The step's strategy metrics go to run.metrics. Nothing here waits for the device in a one-rank step (the finite
+    check is read by the loop), so on a GPU the host reads the next batch while this one runs."""
     stats = t.strategy.prepare(run.step, t.model, t.dp)
     batches = t.strategy.micro_batches(run.step)
     units, tokens = sum(b.count for b in batches), sum(b.n_tokens for b in batches)
@@ -234,8 +235,7 @@ def stop_requested(stop: StopFlag, d: Dist) -> bool:
     if d.world_size == 1:
         return stop.requested
     flag = torch.tensor(float(stop.requested), device=d.device)
-    if d.world_size > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+    dist.all_reduce(flag, op=dist.ReduceOp.SUM)
     return flag.item() > 0
 
 
