@@ -1,7 +1,7 @@
 """The GPU path measured in one run on one GPU: writes bench/gpu_report.json (issue 44).
 
     python bench/gpu.py            # on a GPU machine, no arguments, about 5 minutes
-    python bench/gpu.py --smoke    # tiny shapes on whatever device there is: checks this script (tests/test_gpu_bench.py)
+    python bench/gpu.py --smoke    # tiny shapes on whatever device is here: checks the script (tests/test_gpu_bench.py)
 
 It imports only torch, transformers, numpy, h5py, safetensors, tokenizers, jinja2 and pydantic (through astrai_core):
 a lent GPU machine has torch and no Prefect, MLflow or package index. Each section is written to the report as
@@ -186,7 +186,8 @@ def _torchrun(config: Path, nproc: int) -> subprocess.Popen:
     rdzv = tempfile.mkdtemp(prefix="astrai-rdzv-")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv}/store", "--rdzv-conf=store_type=file",
-           f"--rdzv-id={uuid.uuid4().hex}", "--local-addr=127.0.0.1", "-m", "astrai_core.train", "--config", str(config)]
+           f"--rdzv-id={uuid.uuid4().hex}", "--local-addr=127.0.0.1", "-m", "astrai_core.train",
+           "--config", str(config)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
 
