@@ -58,8 +58,9 @@ def pipeline(
 ) -> None:
     """Run the whole pipeline as a Prefect flow in this process (a temporary Prefect server starts when
     PREFECT_API_URL is unset), then print where the results are."""
+    from tasks.run.checks import check_cluster
     from tasks.run.lock import checkout_lock
-    from tasks.run.params import check_cluster, params_of_run, restore_user_params
+    from tasks.run.params import params_of_run, restore_user_params
 
     overrides = dict(_parse_override(s) for s in set_)
     try:
@@ -142,10 +143,10 @@ def stage(name: str = typer.Argument(..., help="corpus | tokenizer | pack | pret
     """Run one stage in the current directory (this is what dvc.yaml calls)."""
     from tasks.run.lock import checkout_lock
     from tasks.run.params import load_params
-    from tasks.stages.table import STAGES, run_stage
+    from tasks.stages.runner import RUNNERS, run_stage
 
-    if name not in STAGES:
-        _fail(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+    if name not in RUNNERS:
+        _fail(f"unknown stage {name!r}; stages: {', '.join(RUNNERS)}")
     try:
         loaded = load_params(params)
     except AstraiError as e:
@@ -481,6 +482,27 @@ def import_hf(hf_dir: Path = typer.Argument(..., help="A Hugging Face model dire
     vocab = report["vocab_size"]
     print(f"wrote {path}\nspecial tokens added: {added}; reused: {reused}\nvocab_size {vocab['hf']} -> "
           f"{vocab['astrai']} (rows of added tokens: the mean of the known vocabulary's rows)")
+
+
+@app.command("dvc-yaml")
+def dvc_yaml(check: bool = typer.Option(False, "--check", help="Only say whether dvc.yaml is the table's (exit 2 "
+                                        "when not).")) -> None:
+    """Write dvc.yaml in this directory from the stage table (tasks/run/table.py): after adding or changing a stage
+    there. `astrai pipeline` stops while dvc.yaml differs from the table's."""
+    from tasks.run.table import STAGES, check_dvc_yaml, dvc_yaml as text
+
+    path = Path("dvc.yaml")
+    try:
+        check_dvc_yaml(Path())
+        typer.echo(f"{path}: the stage table's ({len(STAGES)} stages), unchanged")
+        return
+    except AstraiError as e:
+        if check:
+            _fail(str(e))
+    tmp = path.with_name(f".dvc.yaml.{os.getpid()}")  # whole or not at all
+    tmp.write_text(text())
+    os.replace(tmp, path)
+    typer.echo(f"{path}: written from the stage table, tasks/run/table.py ({len(STAGES)} stages)")
 
 
 @app.command("profile-args")

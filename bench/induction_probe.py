@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from astrai_core.model import Transformer  # noqa: E402
 from astrai_core.optim import build_optimizer  # noqa: E402
+from tasks.run.configs import train_config  # noqa: E402
 from tasks.run.params import load_params  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16)
     args = ap.parse_args()
     params = load_params(ROOT / "params.yaml")
-    cfg, optim = params.model, params.train_config("pretrain").optim
+    cfg, optim = params.model, train_config(params, "pretrain", ROOT).optim
     train = h5py.File(args.packed / "train.h5")["tokens"][:].astype(np.int64)
     val = h5py.File(args.packed / "validation.h5")["tokens"][:].astype(np.int64)
     T, rng = cfg.max_seq_len, np.random.default_rng(0)

@@ -37,11 +37,11 @@ from pathlib import Path
 stage, src, work, pack_params = sys.argv[1], sys.argv[2], Path(sys.argv[3]), json.loads(sys.argv[4])
 t = time.time()
 if stage == "corpus":
-    from tasks.run.params import CorpusParams
+    from tasks.run.schema import CorpusParams
     from tasks.stages.corpus import build_corpus
     build_corpus(CorpusParams(source=src), work / "corpus")
 else:
-    from tasks.run.params import PackParams
+    from tasks.run.schema import PackParams
     from tasks.stages.pack import pack
     pack(PackParams(**pack_params), work / "corpus", work / "tokenizer.json", work / "packed")
 print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

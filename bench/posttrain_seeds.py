@@ -31,11 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.engine import cpu_name  # noqa: E402
-from tasks.run.layout import CHAT, CORPUS, EVALUATE, PACKED, PRETRAIN, TOKENIZER  # noqa: E402
+from tasks.run.table import CHAT, CORPUS, EVALUATE, PACKED, TOKENIZER, TRAINING  # noqa: E402
 from astrai_core.errors import AstraiError  # noqa: E402
 from tasks.run.params import load_params  # noqa: E402
 
-SHARED = (CORPUS, TOKENIZER, PACKED, PRETRAIN, CHAT)  # what every seed starts from, linked, never written
+SHARED = (CORPUS, TOKENIZER, PACKED, TRAINING["pretrain"].out, CHAT)  # what every seed starts from, linked, never written
 STAGES = ("sft", "dpo_reference", "dpo", "grpo", "evaluate")
 SEEDED = ("sft", "dpo", "grpo")
 MODELS = ("pretrain", "sft", "dpo", "grpo")

@@ -35,7 +35,8 @@ from astrai_core.data import PackedTokens  # noqa: E402
 from astrai_core.distributed import resolve_nproc, run_torchrun  # noqa: E402
 from astrai_core.io import sha256_file, write_json  # noqa: E402
 from astrai_core.scoring import sequence_nll, summarize, unigram_nll  # noqa: E402
-from tasks.run.params import load_params, train_config  # noqa: E402
+from tasks.run.configs import train_config  # noqa: E402
+from tasks.run.params import load_params  # noqa: E402
 from tasks.stages.pack import pack  # noqa: E402
 from tasks.stages.tokenizer import build_tokenizer  # noqa: E402
 

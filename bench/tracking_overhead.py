@@ -43,6 +43,7 @@ from astrai import env  # noqa: E402
 env.apply()  # telemetry off, the MLflow client's retries: as every astrai command has them
 
 from astrai_core.metric_log import flatten  # noqa: E402
+from tasks.run.configs import train_config  # noqa: E402
 from tasks.run.params import load_params, load_profile  # noqa: E402
 from throughput import machine, synthetic_data  # noqa: E402
 
@@ -59,7 +60,7 @@ def free_port() -> int:
 def run_config(profile: str | None):
     """pretrain's TrainConfig from params.yaml (with profiles/PROFILE.yaml over it)."""
     overrides = flatten(load_profile(ROOT, profile)) if profile else {}
-    return load_params(ROOT / "params.yaml", overrides).train_config("pretrain")
+    return train_config(load_params(ROOT / "params.yaml", overrides), "pretrain", ROOT)
 
 
 def cpu_seconds(pid: int | None) -> float:

@@ -38,14 +38,16 @@ from astrai_core.callbacks import duration
 from astrai_core.errors import AstraiError
 from astrai_core.io import write_json
 from astrai_core.proc import record, stream_process
+from tasks.registry.gate import versions_with_weights
+from tasks.run.checks import check_cluster
 from tasks.run.lock import checkout_lock, note_prefect_server
 from tasks.run.log import RUN_LOG_ENV, ConsoleFilter, crash_line, log_file, shown
-from tasks.run.params import Params, RunParams, check_cluster, run_params
-from tasks.registry.gate import versions_with_weights
+from tasks.run.params import RunParams, run_params
+from tasks.run.schema import Params
+from tasks.run.table import EVALUATE, REGISTER, STAGES, check_dvc_yaml
 from tasks.run.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, flatten, setup, ui_link
-from tasks.stages import table as S
 
-STAGE_ORDER = list(S.STAGES)
+STAGE_ORDER = [s.name for s in STAGES]
 # Each stage's wall-clock seconds the last time it ran, per params profile: what the flow's eta is made of.
 STAGE_TIMES = Path(".astrai") / "stage_times.json"
 
@@ -205,6 +207,7 @@ def pipeline(params_path: str = "params.yaml", overrides: dict[str, Any] | None 
             note_prefect_server()
             with run_params(root, params_path, overrides, get_run_logger().info, profile, resolved) as params:
                 check_cluster(params, root)  # before any stage: what launcher slurm needs of this machine
+                check_dvc_yaml(root)  # and dvc.yaml runs the stages of the table
                 return _run_stages(root, params, log)
     except AstraiError as e:  # the one line (astrai pipeline prints it), no traceback in Prefect's log
         return Failed(message=str(e), data=e)
@@ -277,9 +280,9 @@ def _run_stages(root: Path, params: Params, log: Path) -> dict[str, Any]:
                              None if up_to_date else parent.info.run_id),
         "up_to_date": up_to_date,
         "stages": status,
-        "metrics": json.loads((root / S.EVALUATE / "metrics.json").read_text()),
-        "registration": json.loads((root / S.REGISTER / "registration.json").read_text()),
-        "samples": str(root / S.EVALUATE / "samples.md"),
+        "metrics": json.loads((root / EVALUATE / "metrics.json").read_text()),
+        "registration": json.loads((root / REGISTER / "registration.json").read_text()),
+        "samples": str(root / EVALUATE / "samples.md"),
     }
     logger.info("pipeline done: %s", json.dumps({k: result[k] for k in ("stages", "registration")}, default=str))
     return result
@@ -307,7 +310,7 @@ def close_left_runs(client: mlflow.MlflowClient, experiment, checkout: str) -> l
 def registered_elsewhere(root: Path) -> str | None:
     """Why the register stage runs again though DVC finds it up to date: the version its output records is not in
     the registry this run points at (a checkout that ran locally, then as a team's deployment run); None: it is."""
-    report = json.loads((root / S.REGISTER / "registration.json").read_text())
+    report = json.loads((root / REGISTER / "registration.json").read_text())
     if not report.get("registered"):
         return None
     name = report["model_uri"].removeprefix("models:/").rsplit("/", 1)[0]
@@ -320,13 +323,13 @@ def log_headline(root: Path) -> None:
     """The evaluation's headline (headline.json: what `dvc metrics show` prints) as metrics of the active run, the
     pipeline's, under the names its evaluate run gives them (`grpo.task_accuracy`): pipeline runs then compare side
     by side in MLflow's runs table."""
-    headline = json.loads((root / S.EVALUATE / "headline.json").read_text())
+    headline = json.loads((root / EVALUATE / "headline.json").read_text())
     mlflow.log_metrics({k.replace("/", "."): float(v) for k, v in headline.items()
                         if isinstance(v, (int, float)) and not isinstance(v, bool)})
 
 
 def _publish_evaluation(root: Path) -> None:
-    folder = root / S.EVALUATE
+    folder = root / EVALUATE
     table = embed_images((folder / "evaluation.md").read_text(), folder)
     samples = (folder / "samples.md").read_text()
     create_markdown_artifact(key="evaluation", markdown=f"{table}\n{samples}",

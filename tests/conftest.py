@@ -51,7 +51,7 @@ def make_project(repo: _Path, remote: _Path, model_name: str, post_training: boo
     post_training=False disables sft, dpo and grpo (for tests of an entry point, not of the stages: a minute less)."""
     import yaml
 
-    from tasks.run.layout import MODEL_STAGES
+    from tasks.run.table import MODEL_STAGES
 
     repo.mkdir(parents=True, exist_ok=True)
     for name in ("dvc.yaml", ".gitignore", "prefect.yaml"):

@@ -17,7 +17,7 @@ from astrai_core.rewards import valid_option as reward_in_options
 from tasks.chat.demo_tasks import TASKS
 from tasks.chat.plays import parse_play, read_plays
 from tasks.chat.records import KINDS, check_record, read_records, rendered_chars
-from tasks.run.params import ChatDataParams
+from tasks.run.schema import ChatDataParams
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 FILES = [f"{kind}_{split}.jsonl" for kind in KINDS for split in ("train", "test")]

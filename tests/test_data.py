@@ -26,7 +26,7 @@ from astrai_core.errors import AstraiError
 from astrai_core.io import OUTPUT_MARK, sha256_file
 from astrai_core.bpe import SPECIAL_TOKENS, load_tokenizer, piece_bounds, special_id, train_tokenizer
 from conftest import PROJECT_ROOT
-from tasks.run.params import CorpusParams, PackParams, TokenizerParams
+from tasks.run.schema import CorpusParams, PackParams, TokenizerParams
 from tasks.stages.corpus import assign_splits, build_corpus
 from tasks.stages.pack import pack
 from tasks.stages.tokenizer import build_tokenizer
@@ -609,7 +609,7 @@ def test_pack_bounds_memory_by_characters_not_documents(tmp_path, data_tokenizer
 PACK_PEAK = """
 import json, resource, sys
 from pathlib import Path
-from tasks.run.params import PackParams
+from tasks.run.schema import PackParams
 from tasks.stages.pack import pack
 root = Path(sys.argv[1])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

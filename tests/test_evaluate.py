@@ -199,7 +199,7 @@ def tiny_chain(chat_setup, core_write_packed, tmp_path):
     from tokenizers import Tokenizer
 
     from astrai_core.io import sha256_file
-    from tasks.run.layout import CHAT, PACKED, model_dir
+    from tasks.run.table import CHAT, PACKED, model_dir
 
     root = tmp_path / "project"
     shutil.copytree(chat_setup["chat"], root / CHAT)
@@ -234,7 +234,7 @@ def test_evaluate_stage_reports_intervals_and_flags_a_stage_that_did_not_improve
                                                                                 capsys):
     import mlflow
 
-    from tasks.stages.table import run_stage
+    from tasks.stages.runner import run_stage
 
     root, params = tiny_chain
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)

@@ -19,7 +19,7 @@ METRICS = {"pretrain": (0.10, 2.0, 0.50), "sft": (0.20, 2.2, 0.55), "dpo": (0.30
 
 
 def test_tracking_uri_of_a_dvc_temporary_workspace_is_the_projects(tmp_path, monkeypatch):
-    from tasks.run.params import Params
+    from tasks.run.schema import Params
     from tasks.run.tracking import tracking_uri
 
     workspace = tmp_path / ".dvc/tmp/exps/tmpabc123"

@@ -363,7 +363,7 @@ def test_register_attaches_the_gguf_file(tmp_path, trained, monkeypatch):
     import gguf
     import mlflow
 
-    from tasks.run.params import Params
+    from tasks.run.schema import Params
     from tasks.stages.register import register
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)

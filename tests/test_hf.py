@@ -237,7 +237,7 @@ def test_pipeline_trained_model_registered_with_hf_export_generates_the_same_tex
 
     import shutil
 
-    from tasks.run.params import Params
+    from tasks.run.schema import Params
     from tasks.stages.register import register
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)

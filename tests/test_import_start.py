@@ -149,8 +149,8 @@ def pack(tok, path, sha: str) -> str:
 def test_imported_checkpoint_starts_pretraining_and_exports_back(tmp_path, monkeypatch):
     from astrai_core.config import ModelConfig
     from astrai_core.train import train
-    from tasks.run.params import Params
-    from tasks.run.params import train_config
+    from tasks.run.configs import train_config
+    from tasks.run.schema import Params
     from tasks.stages.tokenizer import copy_tokenizer
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
@@ -158,7 +158,7 @@ def test_imported_checkpoint_starts_pretraining_and_exports_back(tmp_path, monke
     ckpt = import_hf(hf_dir, tmp_path / "ckpt")
     model_cfg = json.loads((ckpt / "config.json").read_text())
     # The pipeline's wiring: with pretrain.init_from the tokenizer stage copies the checkpoint's tokenizer
-    # (tasks/stages/table.py), pretrain starts from it.
+    # (tasks/stages/runner.py), pretrain starts from it.
     params = Params(model=model_cfg,
                     pretrain={"init_from": str(ckpt), "seq_len": 32, "batch_size": 2, "max_steps": 1, "device": "cpu",
                               "dtype": "fp32", "log_every": 1, "optim": {"lr": 1e-12, "min_lr": 0.0, "warmup_steps": 0,
@@ -195,7 +195,7 @@ def test_imported_checkpoint_starts_pretraining_and_exports_back(tmp_path, monke
 
 
 def test_tokenizer_source_copies_exactly_or_fails_naming_the_key(tmp_path):
-    from tasks.run.params import Params, TokenizerParams
+    from tasks.run.schema import Params, TokenizerParams
     from tasks.stages.tokenizer import build_tokenizer, check_vocab_size
 
     _, hf_dir, n_tok = save_hf(tmp_path, "llama")

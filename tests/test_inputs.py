@@ -14,7 +14,8 @@ import yaml
 
 from astrai_core.errors import AstraiError
 from tasks.chat.records import KINDS
-from tasks.run.params import ChatDataParams, Params, check_inputs
+from tasks.run.checks import check_inputs
+from tasks.run.schema import ChatDataParams, Params
 from tasks.stages.chat_data import build_chat_data
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +67,7 @@ def test_a_disabled_stage_needs_no_data(user_files):
 
 def test_chat_data_of_a_prose_corpus_with_a_user_sft_file_and_dpo_grpo_disabled(user_files):
     """The run the issue reports: chat_data used to derive DPO/GRPO demo data from plays that are not there."""
-    from tasks.run.params import CorpusParams
+    from tasks.run.schema import CorpusParams
     from tasks.stages.corpus import build_corpus
 
     corpus = user_files / "data" / "corpus"

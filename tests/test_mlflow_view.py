@@ -33,7 +33,7 @@ def test_the_experiment_opens_on_its_runs(store, tmp_path):
     it opens on the runs table. An experiment made before the tag existed gets it on the next stage's start."""
     import mlflow
 
-    from tasks.run.params import Params
+    from tasks.run.schema import Params
     from tasks.run.tracking import setup
 
     client = mlflow.MlflowClient(store)
@@ -80,7 +80,7 @@ def test_a_training_stage_run_shows_system_metrics_and_each_setting_once(store, 
     import yaml
 
     from astrai_core.config import TrainConfig
-    from tasks.run.params import Params
+    from tasks.run.schema import Params
     from tasks.run.tracking import stage_run
 
     params = Params(pretrain={"nproc": 2, "optim": {"lr": 0.01, "min_lr": 0.001, "warmup_steps": 2}},
@@ -123,7 +123,7 @@ def test_the_printed_link_opens_the_experiment_on_its_runs(store, tmp_path, brow
     import mlflow
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from tasks.run.params import Params
+    from tasks.run.schema import Params
     from tasks.run.tracking import setup, ui_link
 
     exp_id = setup(Params(), tmp_path)

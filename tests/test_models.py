@@ -25,8 +25,8 @@ def test_a_registered_model_works_with_export_hf_and_generate_chat(tmp_path, dat
     from astrai_core.checkpoint import save_checkpoint
     from astrai_core.config import ModelConfig
     from astrai_core.model import Transformer
-    from tasks.run.layout import model_dir
-    from tasks.run.params import Params
+    from tasks.run.schema import Params
+    from tasks.run.table import model_dir
     from tasks.stages.register import register
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)

@@ -99,7 +99,7 @@ def test_export_and_import_refuse_a_folder_they_did_not_write_and_their_own_inpu
 def test_every_writer_replaces_only_its_own_earlier_output(tmp_path, checkpoint):
     """The stages' and checkpoints' folders go through the same rule: a stage rewrites its own folder, and refuses
     one that holds something else (here: a checkpoint where the tokenizer stage writes, and hand-made files)."""
-    from tasks.run.params import TokenizerParams
+    from tasks.run.schema import TokenizerParams
     from tasks.stages.tokenizer import build_tokenizer
 
     out = tmp_path / "tokenizer"

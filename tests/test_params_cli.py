@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from astrai_core.errors import AstraiError
-from tasks.run.params import Params, load_params
+from tasks.run.params import load_params
+from tasks.run.schema import Params
 
 ROOT = Path(__file__).resolve().parents[1]
 ASTRAI = [sys.executable, "-m", "astrai.cli"]
@@ -77,7 +78,7 @@ def test_sections_resolve_into_the_core_configs():
     stage's TrainConfig, and what it leaves out takes the core's one default. model.vocab_size left out is the
     tokenizer's."""
     from astrai_core.config import RunSettings
-    from tasks.run.params import dpo_pairs, train_config
+    from tasks.run.configs import dpo_pairs, train_config
 
     p = load_params(ROOT / "params.yaml", {"sft.label_smoothing": 0.1, "dpo.objective.label_smoothing": 0.2,
                                            "grpo.objective.kl_coef": 0.5, "grpo.max_steps": 9,

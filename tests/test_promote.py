@@ -38,8 +38,8 @@ def registry(tmp_path_factory, core_tiny_data) -> dict:
     from astrai_core.config import ModelConfig
     from astrai_core.model import Transformer
     from astrai_core.scoring import wilson_interval
-    from tasks.run.layout import model_dir
-    from tasks.run.params import Params
+    from tasks.run.schema import Params
+    from tasks.run.table import model_dir
     from tasks.stages.register import register
 
     root = tmp_path_factory.mktemp("promote")

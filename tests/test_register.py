@@ -31,8 +31,8 @@ def test_register_picks_the_best_model_and_compares_the_champion_on_the_same_met
     from astrai_core.config import ModelConfig
     from astrai_core.io import sha256_file
     from astrai_core.model import Transformer
-    from tasks.run.layout import model_dir
-    from tasks.run.params import Params
+    from tasks.run.schema import Params
+    from tasks.run.table import model_dir
     from tasks.stages.register import register
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
@@ -121,8 +121,8 @@ def test_champion_moves_only_beyond_the_paired_interval_and_without_regressing_b
     from astrai_core.config import ModelConfig
     from astrai_core.model import Transformer
     from astrai_core.scoring import wilson_interval
-    from tasks.run.layout import model_dir
-    from tasks.run.params import Params
+    from tasks.run.schema import Params
+    from tasks.run.table import model_dir
     from tasks.stages.register import register
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
@@ -193,8 +193,8 @@ def test_a_model_no_better_than_chance_on_every_task_is_never_champion(tmp_path,
     from astrai_core.checkpoint import save_checkpoint
     from astrai_core.config import ModelConfig
     from astrai_core.model import Transformer
-    from tasks.run.layout import model_dir
-    from tasks.run.params import Params
+    from tasks.run.schema import Params
+    from tasks.run.table import model_dir
     from tasks.stages.register import no_skill, register
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)

@@ -533,7 +533,7 @@ def test_a_single_node_run_listens_on_loopback_only(core_tiny_data, tmp_path):
     ({"a.txt": "text\n", "b.txt": "more\n", "c.txt": "\x00" * 10_000}, "c.txt: contains NUL bytes"),
 ])
 def test_corpus_refuses_what_would_fail_later(tmp_path, files, message):
-    from tasks.run.params import CorpusParams
+    from tasks.run.schema import CorpusParams
     from tasks.stages.corpus import build_corpus
 
     src = tmp_path / "src"
@@ -546,7 +546,7 @@ def test_corpus_refuses_what_would_fail_later(tmp_path, files, message):
 
 
 def test_corpus_names_a_symlink_loop(tmp_path):
-    from tasks.run.params import CorpusParams
+    from tasks.run.schema import CorpusParams
     from tasks.stages.corpus import build_corpus
 
     src = tmp_path / "src"
@@ -568,7 +568,7 @@ def test_register_logs_the_model_without_warnings_or_progress_bars(tmp_path, tin
 
     import mlflow
 
-    from tasks.run.params import Params
+    from tasks.run.schema import Params
     from tasks.run.tracking import setup
     from tasks.stages.register import register
 
@@ -600,7 +600,7 @@ def test_register_logs_the_model_without_warnings_or_progress_bars(tmp_path, tin
 def test_a_stage_run_records_its_data_as_mlflow_datasets(tmp_path, monkeypatch):
     import mlflow
 
-    from tasks.run.params import Params
+    from tasks.run.schema import Params
     from tasks.run.tracking import stage_run
 
     shutil.copy(PROJECT_ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
@@ -628,7 +628,7 @@ def test_a_killed_stage_run_is_marked_failed_by_the_next_one(tmp_path, monkeypat
 
     import mlflow
 
-    from tasks.run.params import Params
+    from tasks.run.schema import Params
     from tasks.run.tracking import setup, stage_run
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")

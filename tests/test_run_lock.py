@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import VENV_BIN, make_quick_project, run_ok
-from tasks.run.layout import MODEL_STAGES
+from tasks.run.table import MODEL_STAGES
 
 pytestmark = pytest.mark.integration
 

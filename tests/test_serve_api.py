@@ -752,7 +752,7 @@ def test_a_killed_engine_process_ends_the_open_requests_and_the_server_exits_non
 def test_serve_from_mlflow_registry(served, tmp_path, monkeypatch):
     import mlflow
 
-    from tasks.run.params import Params
+    from tasks.run.schema import Params
     from tasks.stages.register import register
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
@@ -800,7 +800,7 @@ def test_a_server_started_by_alias_reports_when_the_alias_moves(served, tmp_path
     and the log says it once; a server started after the move serves (and names) the new version."""
     import mlflow
 
-    from tasks.run.params import Params
+    from tasks.run.schema import Params
     from tasks.stages.register import register
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)

@@ -212,7 +212,8 @@ def test_an_sbatch_rejection_shows_slurms_message(project):
 
 def _parse(raw: dict, tmp_path: Path):
     """Parse, then check what the settings need of this machine, as a command or stage does where it starts."""
-    from tasks.run.params import check_cluster, parse_params
+    from tasks.run.checks import check_cluster
+    from tasks.run.params import parse_params
 
     params = parse_params(raw, str(tmp_path / "params.yaml"))
     check_cluster(params, tmp_path)
@@ -253,7 +254,8 @@ def test_parsing_the_settings_touches_nothing(tmp_path, monkeypatch):
     """Reading params looks at no PATH and creates no directory (issue 31): launcher slurm without sbatch parses;
     check_cluster, where a run starts, is what refuses it, naming the key."""
     from astrai_core.errors import AstraiError
-    from tasks.run.params import check_cluster, parse_params
+    from tasks.run.checks import check_cluster
+    from tasks.run.params import parse_params
 
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     raw = {"cluster": {"launcher": "slurm", "shared_dir": str(tmp_path / "shared")},

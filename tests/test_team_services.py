@@ -227,7 +227,7 @@ def test_two_pipelines_at_once_register_once_each(services, deployment_runs):
 
     from astrai_core.io import sha256_file
     from tasks.registry.gate import gate, version_record
-    from tasks.run.layout import model_dir
+    from tasks.run.table import model_dir
 
     name, db = f"{MODEL}-quick", _db(services, "mlflow")
     reports = {who: json.loads((c["repo"] / "data" / "register" / "registration.json").read_text())
@@ -313,8 +313,8 @@ def test_registrations_race_into_one_registry(services, deployment_run, tmp_path
     once each, and B's is champion, whichever decided first; each decision says what the registry shows."""
     from astrai_core.io import sha256_file
     from tasks.evaluation.metrics import better
-    from tasks.run.layout import MODEL_STAGES, model_dir
     from tasks.run.params import load_params
+    from tasks.run.table import MODEL_STAGES, model_dir
     from tasks.stages.register import best_model
 
     repo, env = deployment_run["repo"], deployment_run["env"]

@@ -18,8 +18,9 @@ import pytest
 from astrai_core.checkpoint import read_model_config
 from astrai_core.errors import AstraiError
 from astrai_core.hf import export_hf, import_hf
-from tasks.run.params import Params, check_inputs
-from tasks.stages.table import run_stage
+from tasks.run.checks import check_inputs
+from tasks.run.schema import Params
+from tasks.stages.runner import run_stage
 
 # tiny_trained's shape as a user of the demo writes it in params.yaml: ffn_dim left to its default (null)
 SHAPE = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, qk_norm=True, ffn_dim=None)

@@ -9,7 +9,7 @@ import os
 from typing import Iterator
 
 from astrai_core.errors import AstraiError
-from tasks.run.params import Params
+from tasks.run.schema import Params
 
 REGISTRY_LOCK_ENV = "ASTRAI_REGISTRY_LOCK_URI"  # wins over tracking.registry_lock_uri, as MLFLOW_TRACKING_URI does
 REGISTRY_LOCK_CONNECT_TIMEOUT = 10  # s: how long the lock waits for its PostgreSQL to answer

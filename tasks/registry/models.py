@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterator, NamedTuple
 from astrai_core.errors import AstraiError
 
 if TYPE_CHECKING:
-    from tasks.run.params import Params
+    from tasks.run.schema import Params
 
 REFERENCE_HELP = ("models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/model (from the pipeline's MLflow store), "
                   "a checkpoint directory or a Hugging Face model directory")
@@ -34,7 +34,9 @@ def use_tracking_store() -> Params:
     mlflow/ in the current directory. Returns the params it read (defaults without a params.yaml)."""
     import mlflow
 
-    from tasks.run.params import Params, load_params
+    from tasks.run.params import load_params
+
+    from tasks.run.schema import Params
     from tasks.run.tracking import tracking_uri
 
     params = load_params("params.yaml") if Path("params.yaml").is_file() else Params()

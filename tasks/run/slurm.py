@@ -32,7 +32,7 @@ from astrai_core.config import TrainConfig
 from astrai_core.distributed import ERROR_FILE, rank_error
 from astrai_core.errors import TrainingError
 from astrai_core.io import write_json
-from tasks.run.params import ClusterParams
+from tasks.run.schema import ClusterParams
 
 POLL_SECONDS = 1.0
 # Job states after which nothing of the job runs any more (squeue/scontrol JobState).

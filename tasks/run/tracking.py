@@ -26,8 +26,8 @@ from mlflow.exceptions import MlflowException
 from astrai_core.config import TrainConfig
 from astrai_core.metric_log import mlflow_params as flatten  # the MLflow params of a config tree
 from astrai_core.proc import record
-from tasks.run.layout import MODEL_STAGES
-from tasks.run.params import Params
+from tasks.run.schema import Params
+from tasks.run.table import MODEL_STAGES
 
 PARENT_RUN_ENV = "ASTRAI_PARENT_RUN_ID"
 FLOW_RUN_ENV = "ASTRAI_FLOW_RUN_ID"

@@ -1,3 +1,4 @@
-"""The pipeline's stages, one module each: corpus, tokenizer, pack, chat_data, training (pretrain, sft, dpo, grpo:
-one training core), dpo_reference, evaluate, register. table lists them in order with their paths (what
-`astrai stage NAME` and dvc.yaml run); importing a stage's module does not import the table."""
+"""The pipeline's stages, one module each: corpus, tokenizer, pack, chat_data, training (every training stage: one
+training core), dpo_reference, evaluate, register; runner wires each to its MLflow run (what `astrai stage NAME`
+runs). Which stages there are, in which order, is the stage table's (tasks/run/table.py); importing a stage's module
+does not import the runner."""

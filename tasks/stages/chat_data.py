@@ -55,7 +55,7 @@ from astrai_core.progress import advance, expect
 from tasks.chat.demo_tasks import items
 from tasks.chat.plays import Speech, read_plays
 from tasks.chat.records import KINDS, check_record, read_records
-from tasks.run.params import DEMO, ChatDataParams, Params
+from tasks.run.schema import DEMO, ChatDataParams, Params
 
 
 SIZE_KEYS = {"sft": "sft_examples", "dpo": "dpo_pairs", "grpo": "grpo_prompts"}  # each train file's size key

@@ -11,7 +11,7 @@ Sources (`corpus.source` in params.yaml):
 Documents are split whole, never cut: each id is ranked by sha256("{seed}:{id}"), so the split depends only on the
 seed and the names, not on the order files are listed or on how many other documents exist.
 
-Run alone: `astrai stage corpus` (what dvc.yaml runs; paths in tasks/stages/table.py), or call the
+Run alone: `astrai stage corpus` (what dvc.yaml runs; paths in tasks/run/table.py), or call the
 function above from Python.
 """
 
@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Iterator
 
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file, write_json
-from tasks.run.params import CorpusParams
+from tasks.run.schema import CorpusParams
 
 SPLITS = ("train", "validation", "test")
 

@@ -22,8 +22,9 @@ from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file, write_json
 from astrai_core.rewards import exact_answer
 from astrai_core.scoring import answer_questions
-from tasks.run.layout import CHAT, DPO_REFERENCE
-from tasks.run.params import Params, dpo_pairs, start_model
+from tasks.run.configs import dpo_pairs, start_model
+from tasks.run.schema import Params
+from tasks.run.table import CHAT, DPO_REFERENCE
 from tasks.stages.chat_data import SPLITS, numbered_records, pack_dpo, packed_attrs
 from tasks.stages.training import write_skipped
 

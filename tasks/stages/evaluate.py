@@ -9,12 +9,13 @@ prompts (not held out) to tell "learned nothing" from "did not transfer". Every 
 interval and its item count, pass@k the Wilson interval of its mean over the questions (astrai_core/scoring.py).
 
 Checks: each post-training stage against its starting model, the model before it in the chain (a disabled stage
-passes its model on, so it is skipped here too), on the same items. A stage must raise its target metric (TARGETS)
+passes its model on, so it is skipped here too), on the same items. A stage must raise its target metric (`target`
+in the stage table, tasks/run/table.py)
 beyond the interval: the 95% interval of the paired difference of per-item correctness (Newcombe's, see
 astrai_core.scoring.paired_difference) lies above 0; and must not lower a metric it should keep beyond it (the
 interval lies below 0). The final model's test bits/char must be within 5% of the pretrained model's (no
 forgetting). A failed check is a flag, never hidden: a WARNING line in this stage's log (the flow's task log), a
-tag `astrai.flag.<stage>` on the evaluate stage's MLflow run (tasks/stages/table.py), and a mark in evaluation.md.
+tag `astrai.flag.<stage>` on the evaluate stage's MLflow run (tasks/stages/runner.py), and a mark in evaluation.md.
 
 Outputs in data/evaluate: metrics.json (`<stage>/<metric>`, `<stage>/<metric>_low` and `_high` for the interval,
 `n/<metric>` items counted, and the final model's language-modeling metrics under their plain names), items.json
@@ -56,17 +57,11 @@ from astrai_core.io import atomic_path, sha256_file, write_json
 from astrai_core.progress import Progress, advance, expect
 from astrai_core.rewards import exact_answer, valid_option
 from tasks.evaluation.metrics import MAX_FORGETTING, METRICS
-from tasks.run.layout import CHAT, CORPUS, PACKED
-from tasks.run.params import Params, dpo_pairs
-from tasks.stages.training import MODEL_STAGES, final_model, model_dir
+from tasks.run.configs import dpo_pairs
+from tasks.run.schema import Params
+from tasks.run.table import CHAT, CORPUS, MODEL_STAGES, PACKED, TRAINING, model_dir
+from tasks.stages.training import final_model
 
-# What each post-training stage is for: the metric it must raise beyond the interval, and those it must not lower
-# beyond it, against its starting model.
-TARGETS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "sft": ("task_accuracy", ()),
-    "dpo": ("preference_accuracy", ("task_accuracy",)),
-    "grpo": ("task_accuracy", ()),
-}
 MIN_ITEMS = 500  # fewer held-out items than this per metric is reported as a warning: intervals get wide
 
 
@@ -104,7 +99,8 @@ class Check:
 
 # The numbers `dvc metrics show`, `dvc metrics diff` and `dvc exp show` print (dvc.yaml's `metrics:`): each stage's
 # target and the final model's bits/char against the unigram baseline; metrics.json beside it has everything.
-HEADLINE = ("pretrain/test_bits_per_char", "sft/task_accuracy", "dpo/preference_accuracy", "grpo/task_accuracy",
+HEADLINE = ("pretrain/test_bits_per_char",
+            *(f"{name}/{stage.target}" for name, stage in TRAINING.items() if stage.target),
             "test_bits_per_char", "unigram_bits_per_char", "flags")
 
 
@@ -330,12 +326,12 @@ def item_sets(params: Params, root: Path, questions: list[dict], train_questions
 
 def stage_checks(models: list[str], items: dict[str, dict[str, list[int]]], metrics: dict,
                  curves: dict[str, list[dict]] | None = None, kept: tuple[str, ...] = ()) -> list[Check]:
-    """Each post-training model against the model before it in the chain (TARGETS; every stage must also keep
+    """Each post-training model against the model before it in the chain (the table's target and keep; every stage must also keep
     the metrics in `kept`: the lm-eval tasks' accuracies), and the final model's forgetting against the pretrained
     model. A failed GRPO check says why, from its training curve (grpo_why)."""
     checks = []
     for start, stage in zip(models, models[1:]):
-        target, stage_kept = TARGETS[stage]
+        target, stage_kept = TRAINING[stage].target, TRAINING[stage].keep
         for metric in (target, *stage_kept, *kept):
             if stage not in items.get(metric, {}):
                 continue
@@ -343,7 +339,7 @@ def stage_checks(models: list[str], items: dict[str, dict[str, list[int]]], metr
             raise_ = metric == target
             passed = low > 0 if raise_ else high >= 0
             why = grpo_why(metrics, start, (curves or {}).get(stage, [])) \
-                if stage == "grpo" and raise_ and not passed else ""
+                if TRAINING[stage].strategy == "grpo" and raise_ and not passed else ""
             checks.append(Check(stage, start, metric, "raise" if raise_ else "keep", difference, low, high, passed,
                                 why))
     final = metrics["final_model"]

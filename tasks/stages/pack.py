@@ -7,7 +7,7 @@ space, where the tokenizer splits anyway (astrai_core.bpe.piece_bounds), so its 
 and stream into the file one chunk at a time. Memory is then the budget's plus the longest document's text, not
 the tokenizer's working memory of the whole document (gigabytes for 50 MB of text).
 
-Run alone: `astrai stage pack` (what dvc.yaml runs; paths in tasks/stages/table.py), or call the
+Run alone: `astrai stage pack` (what dvc.yaml runs; paths in tasks/run/table.py), or call the
 function above from Python.
 """
 
@@ -21,7 +21,7 @@ from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file, write_json
 from astrai_core.progress import expect
 from astrai_core.bpe import load_tokenizer, piece_bounds, special_id
-from tasks.run.params import PackParams
+from tasks.run.schema import PackParams
 from tasks.stages.corpus import SPLITS
 from tasks.stages.tokenizer import corpus_documents, iter_texts
 

@@ -44,8 +44,8 @@ from tasks.registry.gate import (GATE_ITEMS, PENDING, REGISTRATION, champion_rec
                                  version_by_alias, versions_with_weights)
 from tasks.registry.lock import registry_lock, registry_lock_uri
 from tasks.registry.model_card import REGISTERED_MODEL, model_card, shape_line
-from tasks.run.layout import MODEL_STAGES, model_dir
-from tasks.run.params import Params
+from tasks.run.schema import Params
+from tasks.run.table import MODEL_STAGES, model_dir
 from tasks.run.tracking import FLOW_RUN_ENV
 from tasks.stages.evaluate import sample_prompts
 

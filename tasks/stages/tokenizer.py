@@ -8,7 +8,7 @@ single-line document held 2.16 GB; bench/tokenizer_memory.py). With
 `tokenizer.source: PATH` (a checkpoint directory, e.g. `astrai import-hf`'s, or a tokenizer.json) the stage
 copies that tokenizer byte for byte instead, so `pretrain.init_from` that checkpoint accepts the packed data.
 
-Run alone: `astrai stage tokenizer` (what dvc.yaml runs; paths in tasks/stages/table.py), or call the
+Run alone: `astrai stage tokenizer` (what dvc.yaml runs; paths in tasks/run/table.py), or call the
 function above from Python.
 """
 
@@ -24,7 +24,7 @@ from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path
 from astrai_core.progress import advance, expect
 from astrai_core.bpe import load_tokenizer, piece_bounds, train_tokenizer
-from tasks.run.params import TokenizerParams
+from tasks.run.schema import TokenizerParams
 
 
 def build_tokenizer(params: TokenizerParams, corpus_dir: Path, out_dir: Path) -> Path:

@@ -1,6 +1,6 @@
-"""The training stages pretrain -> sft -> dpo -> grpo: each is the training core under torchrun, configured by the
-TrainConfig its params.yaml section became when the params were read (tasks/run/params.py train_config: the section's
-RunSettings and objective, the model, the paths). Alone: `astrai stage NAME`.
+"""The training stages of the stage table (tasks/run/table.py: pretrain -> sft -> dpo -> grpo): each is the training
+core under torchrun, configured by the TrainConfig of its params.yaml section (tasks/run/configs.py train_config: the
+section's RunSettings and its strategy's settings, the model, the paths). Alone: `astrai stage NAME`.
 
 Each post-training stage starts from the previous enabled stage's model, and trains its shape; a disabled one
 (`enabled: false`) writes only skipped.json and the next stage starts from the model before it. Pretraining starts
@@ -24,23 +24,25 @@ from astrai_core.distributed import launch, resolve_nproc
 from astrai_core.train import check_train_inputs
 from astrai_core.errors import AstraiError
 from astrai_core.io import CHECKPOINT, atomic_path, write_json
-from tasks.run.layout import MODEL_STAGES, TOKENIZER, model_dir
-from tasks.run.params import Params, start_model
+from tasks.run.configs import start_model, train_config
+from tasks.run.schema import Params
+from tasks.run.table import MODEL_STAGES, TOKENIZER, TRAINING, model_dir
 
 
-def previous_model(root: Path, stage: str) -> Path:
-    """The newest trained model before `stage` in MODEL_STAGES (skipped stages pass their input on)."""
-    for name in reversed(MODEL_STAGES[: MODEL_STAGES.index(stage)]):
+def previous_model(root: Path, stage: str | None = None) -> Path:
+    """The newest trained model before training stage `stage` (None: of the whole chain) in the stage table's order;
+    skipped stages pass their input on."""
+    chain = MODEL_STAGES[: MODEL_STAGES.index(stage)] if stage else MODEL_STAGES
+    for name in reversed(chain):
         d = model_dir(root, name)
         if (d / "model.safetensors").is_file():
             return d
-    raise AstraiError(f"no trained model before stage {stage!r}; run the pretrain stage first")
+    raise AstraiError(f"no trained model before stage {stage or 'evaluate'!r}; run the pretrain stage first")
 
 
 def final_model(root: Path) -> Path:
     """The last trained model of the chain: what evaluation reports last and register registers."""
-    return previous_model(root, "grpo") if not (model_dir(root, "grpo") / "model.safetensors").is_file() \
-        else model_dir(root, "grpo")
+    return previous_model(root)
 
 
 def write_skipped(out_dir: Path, why: str, kind: str = CHECKPOINT) -> None:
@@ -54,7 +56,7 @@ def train_stage(params: Params, stage: str, root: Path, *, run_id: str | None = 
                 on_line: Callable[[str], None] = print) -> dict | None:
     """Run training stage `stage` (pretrain, sft, dpo or grpo); returns the run summary, None when disabled."""
     section = getattr(params, stage)
-    if stage != "pretrain":
+    if TRAINING[stage].post_training:
         if not section.enabled:
             write_skipped(model_dir(root, stage), f"{stage}.enabled is false")
             on_line(f"{stage}: disabled; the next stage starts from {previous_model(root, stage)}")
@@ -96,14 +98,14 @@ def _launch(params: Params, stage: str, root: Path, start: Path | None, run_id: 
     from tasks.stages.tokenizer import check_vocab_size
 
     section = getattr(params, stage)
-    cfg = params.train_config(stage)
+    cfg = train_config(params, stage, root)
     if start is not None and (start / "config.json").is_file():  # a missing start: check_train_inputs says so
         cfg = TrainConfig(**{**cfg.model_dump(), "model": read_model_config(start / "config.json"),
                              "init_from": str(start)})
     check_vocab_size(root / TOKENIZER / "tokenizer.json", cfg.model.vocab_size)  # a copied tokenizer: only now
     check_train_inputs(cfg)  # a missing or corrupt input: one line, before torchrun or sbatch
     if params.cluster.launcher == "slurm":
-        from tasks.run.params import check_cluster
+        from tasks.run.checks import check_cluster
         from tasks.run.slurm import launch_slurm
 
         check_cluster(params, root)

@@ -1,7 +1,6 @@
-"""The pipeline's stages in order, with their fixed paths: what `astrai stage NAME` (and so dvc.yaml) runs.
-
-Each entry wires one plain stage function to its inputs and outputs under data/ (the same paths dvc.yaml lists
-as deps and outs) and to its MLflow run. Paths are relative to the project directory.
+"""What `astrai stage NAME` (and so dvc.yaml) runs: each stage of the stage table (tasks/run/table.py) wired to its
+MLflow run. A stage's runner calls its plain stage function on its inputs and outputs under the project (the table's
+paths, which dvc.yaml lists as deps and outs) and logs what it made; every training stage has the same runner.
 """
 
 from __future__ import annotations
@@ -15,8 +14,8 @@ from typing import Callable
 import mlflow
 
 from astrai_core.progress import Progress
-from tasks.run.layout import CHAT, CORPUS, EVALUATE, MODEL_STAGES, PACKED, REGISTER, TOKENIZER, model_dir
-from tasks.run.params import Params
+from tasks.run.schema import Params
+from tasks.run.table import CHAT, CORPUS, EVALUATE, PACKED, REGISTER, STAGES, TOKENIZER, TRAINING, model_dir
 from tasks.run.tracking import stage_run
 
 
@@ -74,7 +73,7 @@ def _train(stage: str) -> Callable[[Params, Path], None]:
             return
         mlflow.log_metrics({k if k.startswith("final_") else f"final_{k}": float(v) for k, v in summary.items()
                             if isinstance(v, (int, float)) and v is not None})
-        if stage == "pretrain":
+        if not TRAINING[stage].post_training:
             mlflow.log_artifact(str(model_dir(root, stage) / "config.json"))
 
     return run
@@ -107,28 +106,20 @@ def _register(params: Params, root: Path) -> None:
     print(json.dumps(result, indent=2))
 
 
-STAGES: dict[str, Callable[[Params, Path], None]] = {
-    "corpus": _corpus,
-    "tokenizer": _tokenizer,
-    "pack": _pack,
-    "pretrain": _train("pretrain"),
-    "chat_data": _chat_data,
-    "sft": _train("sft"),
-    "dpo_reference": _dpo_reference,
-    "dpo": _train("dpo"),
-    "grpo": _train("grpo"),
-    "evaluate": _evaluate,
-    "register": _register,
-}
+# Every stage of the table, in its order: the training stages share one runner, each other stage has its own.
+OTHERS = {"corpus": _corpus, "tokenizer": _tokenizer, "pack": _pack, "chat_data": _chat_data,
+          "dpo_reference": _dpo_reference, "evaluate": _evaluate, "register": _register}
+RUNNERS: dict[str, Callable[[Params, Path], None]] = {
+    s.name: _train(s.name) if s.name in TRAINING else OTHERS[s.name] for s in STAGES}
 
 
 def run_stage(name: str, params: Params, project_dir: Path | None = None) -> None:
     """Run one stage in its own MLflow run (child of the pipeline's run when the flow started it). A stage other
     than training (whose step lines carry their eta) prints its progress at least every ASTRAI_PROGRESS_SECONDS
     (astrai_core/progress.py): what its loops count, how far they are, an eta."""
-    if name not in STAGES:
-        raise KeyError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
+    if name not in RUNNERS:
+        raise KeyError(f"unknown stage {name!r}; stages: {', '.join(RUNNERS)}")
     root = Path(project_dir or os.getcwd()).resolve()
-    talk = contextlib.nullcontext() if name in MODEL_STAGES else Progress(name)
+    talk = contextlib.nullcontext() if name in TRAINING else Progress(name)
     with stage_run(name, params, root), talk:
-        STAGES[name](params, root)
+        RUNNERS[name](params, root)

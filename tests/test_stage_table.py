@@ -1,0 +1,104 @@
+"""The stage table (tasks/run/table.py) is the one list of stages: dvc.yaml is written from it, and a new
+post-training stage added to it (and its params.yaml section) runs through DVC, the flow, evaluation and the
+registry with nothing else edited."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from astrai_core.errors import AstraiError
+from astrai_core.strategies import STRATEGIES
+from tasks.evaluation.metrics import METRICS
+from tasks.run.schema import SECTIONS, Params
+from tasks.run.table import STAGES, TRAINING, check_dvc_yaml, dvc_yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def astrai(*args) -> list[str]:
+    return [sys.executable, "-m", "astrai.cli", *args]
+
+
+def test_the_committed_dvc_yaml_is_the_tables():
+    assert (ROOT / "dvc.yaml").read_text() == dvc_yaml(), "run `astrai dvc-yaml` and commit dvc.yaml"
+
+
+def test_every_entry_names_what_exists():
+    """Each stage reads only stages before it and source files that exist; each training stage has a strategy of the
+    training core, a params section of its strategy, and targets that are metrics."""
+    seen: set[str] = set()
+    for stage in STAGES:
+        for read in stage.reads:
+            assert read.split("/")[0] in seen, f"{stage.name} reads {read}, which is not a stage before it"
+        for path in stage.code:
+            assert (ROOT / path).exists(), f"{stage.name}: {path} does not exist"
+        seen.add(stage.name)
+    for name, stage in TRAINING.items():
+        assert stage.strategy in STRATEGIES and stage.strategy in SECTIONS, name
+        assert isinstance(getattr(Params(), name), SECTIONS[stage.strategy])
+        assert all(m in METRICS for m in (*([stage.target] if stage.target else []), *stage.keep)), name
+
+
+def test_a_dvc_yaml_that_is_not_the_tables_is_refused_and_rewritten(tmp_path):
+    env_cwd = dict(cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    with pytest.raises(AstraiError, match="dvc.yaml: missing; it is written from the stage table"):
+        check_dvc_yaml(tmp_path)
+    (tmp_path / "dvc.yaml").write_text(dvc_yaml().replace("      - astrai_core/optim.py\n", "", 1))
+    with pytest.raises(AstraiError, match=r"dvc.yaml: differs from the stage table .* run `astrai dvc-yaml`"):
+        check_dvc_yaml(tmp_path)
+    out = subprocess.run(astrai("dvc-yaml", "--check"), **env_cwd)
+    assert out.returncode == 2 and "differs from the stage table" in out.stderr.splitlines()[-1], out.stderr
+    out = subprocess.run(astrai("dvc-yaml"), **env_cwd)
+    assert out.returncode == 0 and "written from the stage table" in out.stdout, out.stderr
+    check_dvc_yaml(tmp_path)
+    assert list(yaml.safe_load((tmp_path / "dvc.yaml").read_text())["stages"]) == [s.name for s in STAGES]
+
+
+# A stage no one wrote code for: a second SFT pass after grpo, trained from the last enabled model before it.
+NEW_STAGE = '''    TrainingStage("polish", strategy="sft", reads=("chat_data",), train_data="data/chat/sft_train.h5",
+                  val_data="data/chat/sft_test.h5", target="task_accuracy"),
+'''
+
+
+@pytest.mark.integration
+def test_a_new_post_training_stage_is_its_table_entry_and_params_section(tmp_path):
+    """The new stage in a temporary checkout, through the table and params.yaml (dvc.yaml written by `astrai
+    dvc-yaml`): the quick pipeline trains it from the model before it, evaluates it against that model on its
+    target, reports it in the headline, and takes it as the chain's final model."""
+    from conftest import make_quick_project, run_ok
+
+    repo, env = make_quick_project(tmp_path)
+    run_ok(["git", "add", "-A"], repo, env)
+    run_ok(["git", "commit", "-qm", "the quick profile"], repo, env)
+    table = repo / "tasks/run/table.py"
+    text = table.read_text()
+    anchor = '    # Every model of the chain side by side'
+    assert text.count(anchor) == 1
+    table.write_text(text.replace(anchor, NEW_STAGE + anchor))
+    with (repo / "params.yaml").open("a") as f:
+        f.write("polish:\n  batch_size: 4\n  max_steps: 4\n  log_every: 2\n  eval_every: 2\n  optim: {warmup_steps: 1}\n")
+    run_ok(astrai("dvc-yaml"), repo, env)
+    changed = run_ok(["git", "status", "--porcelain"], repo, env).split()
+    assert sorted(changed[1::2]) == ["dvc.yaml", "params.yaml", "tasks/run/table.py"], changed
+    run_ok(["git", "commit", "-qam", "a polish stage"], repo, env)
+
+    # dpo and grpo off: polish starts from sft's model (the last enabled stage before it)
+    out = subprocess.run(astrai("pipeline", "--profile", "quick", "--set", "dpo.enabled=false",
+                                "--set", "grpo.enabled=false"), cwd=repo, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    trained = json.loads((repo / "data/polish/train_config.json").read_text())
+    assert (trained["strategy"], Path(trained["init_from"]).name) == ("sft", "sft")
+    metrics = json.loads((repo / "data/evaluate/metrics.json").read_text())
+    assert metrics["final_model"] == "polish" and "polish/task_accuracy" in metrics
+    assert "polish/task_accuracy" in json.loads((repo / "data/evaluate/headline.json").read_text())
+    checks = json.loads((repo / "data/evaluate/checks.json").read_text())
+    assert any(c["stage"] == "polish" and c["start"] == "sft" and c["metric"] == "task_accuracy" for c in checks)
+    assert "polish" in (repo / "data/evaluate/evaluation.md").read_text()
+    status = run_ok([Path(sys.executable).parent / "dvc", "status", "polish"], repo, env)
+    assert "changed" not in status, status
