@@ -308,7 +308,7 @@ def test_the_quick_profile_runs_the_whole_chain(tmp_path):
 def test_make_clean_removes_every_output(tmp_path):
     import subprocess
 
-    for name in ("Makefile", "data/README.md"):
+    for name in ("Makefile", "astrai_core/env.defaults", "data/README.md"):  # the Makefile includes env.defaults
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(PROJECT_ROOT / name, tmp_path / name)
     for out in ("corpus", "chat", "sft", "dpo_reference", "dpo", "grpo", "pretrain.ckpts", "evaluate"):
@@ -322,7 +322,8 @@ def test_make_clean_removes_every_output(tmp_path):
 def test_make_pipeline_runs_the_pipeline_with_a_profile(tmp_path):
     import subprocess
 
-    for name in ("Makefile", "pyproject.toml", "requirements.lock"):
+    for name in ("Makefile", "astrai_core/env.defaults", "pyproject.toml", "requirements.lock"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(PROJECT_ROOT / name, tmp_path / name)
     (tmp_path / ".venv/bin").mkdir(parents=True)
     (tmp_path / ".venv/bin/astrai").touch()  # newer than its prerequisites: make prints only the pipeline's command
