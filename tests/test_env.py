@@ -68,11 +68,12 @@ def test_an_entry_point_sets_the_environment_before_prefect_mlflow_or_dvc(entry)
 def test_the_entry_points_are_those_checked():
     """A new process entry point (a module with a __main__ block, a [project.scripts] command, a Prefect deployment's
     entrypoint) fails here until it is in ENTRIES, and so checked above."""
-    mains = {".".join(p.relative_to(PROJECT_ROOT).with_suffix("").parts)
-             for pkg in ("astrai", "astrai_core", "tasks", "flows", "serving") for p in (PROJECT_ROOT / pkg).rglob("*.py")
+    sources = [p for pkg in ("astrai", "astrai_core", "tasks", "flows", "serving")
+               for p in (PROJECT_ROOT / pkg).rglob("*.py")]
+    mains = {".".join(p.relative_to(PROJECT_ROOT).with_suffix("").parts) for p in sources
              if re.search(r"^if __name__ == .__main__.:", p.read_text(), re.M)}
-    scripts_section = re.search(r"^\[project\.scripts\]\n(.*?)(?:^\[|\Z)", (PROJECT_ROOT / "pyproject.toml").read_text(),
-                                re.M | re.S)[1]
+    pyproject = (PROJECT_ROOT / "pyproject.toml").read_text()
+    scripts_section = re.search(r"^\[project\.scripts\]\n(.*?)(?:^\[|\Z)", pyproject, re.M | re.S)[1]
     scripts = set(re.findall(r'^[\w-]+ = "([\w.]+):\w+"', scripts_section, re.M))
     deployments = yaml.safe_load((PROJECT_ROOT / "prefect.yaml").read_text())["deployments"]
     flows = {d["entrypoint"].split(":")[0].removesuffix(".py").replace("/", ".") for d in deployments}
