@@ -7,10 +7,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export PREFECT_HOME ?= $(CURDIR)/.prefect
-export PREFECT_SERVER_ANALYTICS_ENABLED := false
-export MLFLOW_DISABLE_TELEMETRY := true
-export DVC_NO_ANALYTICS := 1
-export DO_NOT_TRACK := 1
+# What every entry point sets (telemetry off, MLflow's retries, ...), for the prefect, mlflow and dvc commands run
+# here too: the one file astrai_core/env.py reads; its `export KEY ?= VALUE` lines keep a value the caller has set.
+include astrai_core/env.defaults
 PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 POOL ?= astrai-local

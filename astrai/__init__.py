@@ -1,1 +1,1 @@
-"""The `astrai` command line (astrai/cli.py) and the environment every entry point sets first (astrai/env.py)."""
+"""The `astrai` command line (astrai/cli.py) and the team services it starts (astrai/services.py)."""

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Optional
 
 import typer
 
-from astrai import env
+from astrai_core import env
 
 env.apply()  # before Prefect, MLflow or DVC is imported
 
@@ -70,7 +71,7 @@ def pipeline(
                 typer.echo(f"{note} (left by an interrupted run)")
             resolved = params_of_run(Path(), str(params), overrides, profile)  # a bad key stops here, before Prefect
             check_cluster(resolved.params, Path.cwd(), str(params))  # and what launcher slurm needs of this machine
-            if not os.environ.get("PREFECT_API_URL") and (why := env.prefect_home_problem()):
+            if not os.environ.get("PREFECT_API_URL") and (why := prefect_home_problem()):
                 _fail(why)
             from flows.pipeline import pipeline as flow
 
@@ -102,6 +103,21 @@ def prefect_outage(e: Exception) -> str | None:
     url = os.environ.get("PREFECT_API_URL", "the temporary one")
     return (f"the Prefect server ({url}) did not answer ({(str(e).strip().splitlines() or [type(e).__name__])[0][:200]})"
             "; once it answers again, run the pipeline again (finished stages are not repeated)")
+
+
+def prefect_home_problem() -> str | None:
+    """Why a temporary Prefect server could not keep its database in PREFECT_HOME (default ~/.prefect), or None.
+    Checked just before `astrai pipeline` starts one, by making PREFECT_HOME (as Prefect would a moment later) and a
+    file in it: otherwise the run waits out the start-up timeout and ends on Prefect's "Timed out while attempting to
+    connect", which does not say where. (Permission bits alone do not tell: root may write anywhere but /proc.)"""
+    home = Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser().absolute()
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=home).close()
+    except OSError as e:
+        return (f"PREFECT_HOME={home}: the temporary Prefect server cannot keep its database there "
+                f"({e.strerror or e}); set PREFECT_HOME to a writable directory, or PREFECT_API_URL to a Prefect server")
+    return None
 
 
 def _note(msg: str) -> None:
@@ -550,8 +566,8 @@ def promote(source: str = typer.Argument(..., help="The version: models:/NAME@AL
     from tasks.registry.promote import promote as run
 
     # A tracking server that accepts and does not answer (its database down) held each request for MLflow's default
-    # 120 s, tried 7 times (env.py): promote's requests are small (versions, tags, the gate's items as one JSON), so
-    # 15 s each bounds the whole wait at about 3 minutes, the retries for a restarting server kept.
+    # 120 s, tried 7 times (astrai_core/env.defaults): promote's requests are small (versions, tags, the gate's items
+    # as one JSON), so 15 s each bounds the whole wait at about 3 minutes, the retries for a restarting server kept.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
     params = use_tracking_store()
     try:

@@ -28,6 +28,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from astrai_core import env as astrai_env
 from astrai_core.errors import AstraiError
 
 PG_BIN = Path(os.environ.get("ASTRAI_PG_BIN", "/usr/lib/postgresql/15/bin"))  # Debian's postgresql-15
@@ -227,8 +228,8 @@ def _alive(pid: int) -> bool:
 
 
 def base_env(d: Path) -> dict[str, str]:
-    return {**os.environ, "PREFECT_HOME": str(d / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1", "DVC_NO_ANALYTICS": "1"}
+    """The services' environment: the entry points' (telemetry off, ...), then this one's, the Prefect home in `d`."""
+    return {**astrai_env.DEFAULTS, **os.environ, "PREFECT_HOME": str(d / "prefect")}
 
 
 def client_env(state: dict) -> dict[str, str]:

@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from astrai_core import env
 from astrai_core.callbacks import Callback, ProgressBar, RunState
 from astrai_core.checkpoint import Checkpointer, load_train_state, resumable_checkpoint
 from astrai_core.config import TrainConfig
@@ -392,6 +393,9 @@ def teardown(t: Trainee, d: Dist) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # First: what torchrun starts on each rank, with no astrai command above it when started by hand or by Slurm.
+    # Rank 0's MLflow client (astrai_core/metric_log.py, imported there lazily) takes its retries from here.
+    env.apply()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="TrainConfig as JSON")
     parser.add_argument("--resume", choices=["auto", "never"], default=None,

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from astrai import env  # noqa: E402
+from astrai_core import env  # noqa: E402
 
 env.apply()  # telemetry off, the MLflow client's retries: as every astrai command has them
 

@@ -27,25 +27,31 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-import mlflow
-from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
-from prefect.exceptions import TerminationSignal
-from prefect.runtime import flow_run
-from prefect.states import Cancelled, Failed, State
+import astrai_core.env
 
-from astrai_core.callbacks import duration
-from astrai_core.errors import AstraiError
-from astrai_core.io import write_json
-from astrai_core.proc import record, stream_process
-from tasks.registry.gate import versions_with_weights
-from tasks.run.checks import check_cluster
-from tasks.run.lock import checkout_lock, note_prefect_server
-from tasks.run.log import RUN_LOG_ENV, ConsoleFilter, crash_line, log_file, shown
-from tasks.run.params import RunParams, run_params
-from tasks.run.schema import Params
-from tasks.run.table import EVALUATE, REGISTER, STAGES, check_dvc_yaml
-from tasks.run.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, flatten, setup, ui_link
+# Before MLflow and DVC are imported: a Prefect worker runs the deployment by importing this module, no astrai command
+# above it. (Prefect read its own settings before; the worker's environment has them: `make worker` exports them.)
+astrai_core.env.apply()
+
+import mlflow  # noqa: E402
+from prefect import flow, get_run_logger, task  # noqa: E402
+from prefect.artifacts import create_markdown_artifact  # noqa: E402
+from prefect.exceptions import TerminationSignal  # noqa: E402
+from prefect.runtime import flow_run  # noqa: E402
+from prefect.states import Cancelled, Failed, State  # noqa: E402
+
+from astrai_core.callbacks import duration  # noqa: E402
+from astrai_core.errors import AstraiError  # noqa: E402
+from astrai_core.io import write_json  # noqa: E402
+from astrai_core.proc import record, stream_process  # noqa: E402
+from tasks.registry.gate import versions_with_weights  # noqa: E402
+from tasks.run.checks import check_cluster  # noqa: E402
+from tasks.run.lock import checkout_lock, note_prefect_server  # noqa: E402
+from tasks.run.log import RUN_LOG_ENV, ConsoleFilter, crash_line, log_file, shown  # noqa: E402
+from tasks.run.params import RunParams, run_params  # noqa: E402
+from tasks.run.schema import Params  # noqa: E402
+from tasks.run.table import EVALUATE, REGISTER, STAGES, check_dvc_yaml  # noqa: E402
+from tasks.run.tracking import FLOW_RUN_ENV, PARENT_RUN_ENV, flatten, setup, ui_link  # noqa: E402
 
 STAGE_ORDER = [s.name for s in STAGES]
 # Each stage's wall-clock seconds the last time it ran, per params profile: what the flow's eta is made of.
@@ -223,7 +229,6 @@ def _run_stages(root: Path, params: Params, log: Path) -> dict[str, Any]:
     env = dict(os.environ)
     env[RUN_LOG_ENV] = str(log)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    env.setdefault("DVC_NO_ANALYTICS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")  # a stage's progress lines reach the task log as they are printed
     env[FLOW_RUN_ENV] = str(flow_run.get_id() or "none")
     checkout = f"{socket.gethostname()}:{root}"

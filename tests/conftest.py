@@ -9,7 +9,7 @@ import sys as _sys
 import threading as _threading
 from pathlib import Path as _Path
 
-from astrai import env as _env
+from astrai_core import env as _env
 
 if _os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs the modules on 2 workers (pytest-xdist, Makefile)
     # A Prefect home per worker: two workers' temporary Prefect servers never share one SQLite database.

@@ -227,7 +227,7 @@ def test_promote_stops_in_bounded_time_when_the_registry_lock_server_does_not_an
 
 def test_promote_stops_in_bounded_time_when_the_tracking_server_does_not_answer(registry):
     """Issue 43 (5), MLflow's side: a tracking server that accepts and never answers held each request for MLflow's
-    default 120 s (and retried it). promote bounds a request at 15 s; retries off here (env.py's six, about a
+    default 120 s (and retried it). promote bounds a request at 15 s; retries off here (env.defaults' six, about a
     minute, are for a server restarting), so one request's wait is what this measures, against a generous bound."""
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))

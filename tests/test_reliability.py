@@ -308,7 +308,7 @@ def test_the_quick_profile_runs_the_whole_chain(tmp_path):
 def test_make_clean_removes_every_output(tmp_path):
     import subprocess
 
-    for name in ("Makefile", "data/README.md"):
+    for name in ("Makefile", "astrai_core/env.defaults", "data/README.md"):  # the Makefile includes env.defaults
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(PROJECT_ROOT / name, tmp_path / name)
     for out in ("corpus", "chat", "sft", "dpo_reference", "dpo", "grpo", "pretrain.ckpts", "evaluate"):
@@ -322,7 +322,8 @@ def test_make_clean_removes_every_output(tmp_path):
 def test_make_pipeline_runs_the_pipeline_with_a_profile(tmp_path):
     import subprocess
 
-    for name in ("Makefile", "pyproject.toml", "requirements.lock"):
+    for name in ("Makefile", "astrai_core/env.defaults", "pyproject.toml", "requirements.lock"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(PROJECT_ROOT / name, tmp_path / name)
     (tmp_path / ".venv/bin").mkdir(parents=True)
     (tmp_path / ".venv/bin/astrai").touch()  # newer than its prerequisites: make prints only the pipeline's command
@@ -652,7 +653,7 @@ def test_a_killed_stage_run_is_marked_failed_by_the_next_one(tmp_path, monkeypat
 
 def test_a_prefect_home_in_a_missing_directory_is_made(tmp_path):
     """PREFECT_HOME two directories below one that exists (as `make test` gives each test worker): the temporary
-    Prefect server an entry point starts answers (Prefect makes only the last directory; without astrai/env.py
+    Prefect server an entry point starts answers (Prefect makes only the last directory; without astrai_core/env.py
     making the rest, its database cannot open and the client waits 120 s, then times out)."""
     import os
     import subprocess
@@ -661,7 +662,7 @@ def test_a_prefect_home_in_a_missing_directory_is_made(tmp_path):
     home = tmp_path / "a" / "b" / "prefect"
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(home), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="30")
-    code = ("from astrai import env; env.apply()\n"
+    code = ("from astrai_core import env; env.apply()\n"
             "from prefect.client.orchestration import get_client\n"
             "with get_client(sync_client=True) as client: print(client.api_healthcheck() is None)")
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=PROJECT_ROOT, capture_output=True, text=True,
