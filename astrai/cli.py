@@ -8,7 +8,6 @@ import math
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -319,16 +318,12 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
     import ipaddress
     import tempfile
 
-    import torch
-
-    from tasks.registry.models import resolve_model
-    from astrai_core.chat import load_chat
-    from astrai_core.checkpoint import load_model
-    from astrai_core.engine import Engine, EngineConfig, EngineProcess
-    from serving.app import create_app
-    from serving.auth import Hosts, check_hosts_option
+    from tasks.registry.models import alias_version, resolve_model
+    from astrai_core.distributed import resolve_device
+    from astrai_core.engine import EngineConfig
+    from serving.auth import check_hosts_option
+    from serving import launch
     from serving.model import AliasWatch
-    from serving.server import run
 
     api_key = api_key or None  # an empty ASTRAI_API_KEY means no key
     if api_key is not None and not all("!" <= ch <= "~" for ch in api_key):
@@ -344,14 +339,18 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
     if not (loopback or api_key or insecure):
         _fail(f"--host {host} is reachable from other machines: set --api-key (or ASTRAI_API_KEY), or pass --insecure "
               "to serve without a key")
-    _check_port_free(host, port)  # before the model loads: uvicorn would say it in lines of its own, exit 3
-    from astrai_core.distributed import resolve_device
-
+    try:
+        launch.check_port_free(host, port)  # before the model loads
+    except ValueError as e:
+        _fail(str(e))
     try:
         device = resolve_device(device).type
     except AstraiError as e:
         _fail(f"--{e}")
-    n_threads, why = _serve_threads(threads)
+    try:
+        n_threads, why = launch.torch_threads(threads)
+    except ValueError as e:
+        _fail(str(e))
     options = {"kv_blocks": kv_blocks, "kv_memory_mb": kv_memory_mb, "block_size": block_size,
                "max_batch_size": max_batch_size, "max_waiting": max_waiting}
     try:  # the engine's options, before the model loads (or downloads)
@@ -362,71 +361,17 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
     with tempfile.TemporaryDirectory(prefix="astrai-serve-") as tmp:  # a registry download, gone once loaded
         try:
             checkpoint, model_id, aliases = resolve_model(model, Path(tmp))
-            chat = load_chat(checkpoint / "tokenizer.json")
-            if engine_process:
-                engine = EngineProcess(checkpoint, config, device=device, threads=n_threads)
-            else:
-                torch.set_num_threads(n_threads)
-                engine = Engine(load_model(checkpoint, device=device)[0], config)
+            engine, chat = launch.load_engine(checkpoint, config, device, n_threads, engine_process)
         except (AstraiError, ValueError) as e:
             _fail(str(e))
     watch = None
     if model.startswith("models:/") and "@" in model and alias_poll > 0:  # model_id is NAME/VERSION
         watch = AliasWatch(*model.removeprefix("models:/").split("@", 1), version=model_id.rsplit("/", 1)[1])
-        threading.Thread(target=_watch_alias, args=(watch, alias_poll), name="alias-poll", daemon=True).start()
-    application = create_app(engine, chat, model_id, api_key=api_key, aliases=aliases,
-                             hosts=Hosts(host, tuple(allowed_host)), watch=watch)
-    c = engine.config
-    compiled = f"; steps compiled in {engine.stats()['compile_seconds']} s" if c.compile else ""
-    typer.echo(f"astrai: serving {', '.join([model_id, *aliases])} on http://{host}:{port}/v1 ({device}, {n_threads} torch thread(s): "
-               f"{why}; engine {'process' if engine_process else 'thread'}; batch cap {c.max_batch_size}, {engine.stats()['kv_blocks_total']} KV blocks of "
-               f"{c.block_size} tokens, queue {c.max_waiting}{compiled})", err=True)
-    engine.start()
-    try:
-        status = run(application, engine, host, port)
-    finally:
-        engine.stop()
+    status = launch.serve(engine, chat, model_id, aliases, host=host, port=port, api_key=api_key,
+                          allowed_hosts=allowed_host, device=device, threads=(n_threads, why), watch=watch,
+                          look_up=alias_version, alias_poll=alias_poll)
     if status:
         raise typer.Exit(status)
-
-
-def _watch_alias(watch: "AliasWatch", every: float) -> None:
-    """Look up where watch's alias points every `every` s, for as long as the server runs; a change is logged."""
-    from tasks.registry.models import alias_version
-
-    while True:
-        time.sleep(every)
-        try:
-            line = watch.update(alias_version(watch.name, watch.alias))
-        except Exception as e:  # noqa: BLE001 - a registry that cannot be read is reported, and looked at again
-            line = watch.update(None, str(e).splitlines()[0] if str(e) else type(e).__name__)
-        if line:
-            typer.echo(f"astrai: {line}", err=True)
-
-
-def _check_port_free(host: str, port: int) -> None:
-    import socket
-
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT port is free
-            s.bind((host, port))
-    except OSError as e:
-        _fail(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e}); is another server using it?")
-
-
-def _serve_threads(choice: str) -> tuple[int, str]:
-    """(torch threads, why). On 2 cores torch's default of 2 threads spin-waits on the core the event loop needs:
-    measured at 2 concurrent streams, 530 tokens/s with 2 threads against 1,511 with 1 (docs/design.md)."""
-    if choice != "auto":
-        if not choice.isdigit() or int(choice) < 1:
-            _fail(f"--threads {choice}: expected auto or a number >= 1")
-        return int(choice), "--threads"
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        return max(1, int(os.environ["OMP_NUM_THREADS"])), "OMP_NUM_THREADS"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1), f"{cores} core(s), one left for the event loop"
 
 
 @app.command("export-hf")

@@ -21,13 +21,15 @@ import os
 import platform
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memcap import commit, run_capped  # noqa: E402
+
 WORDS = ("the king queen lord my thy thee sweet love death night day hath doth what shall come go speak tell "
          "heaven earth heart blood crown sword honour fair good noble, villain! O? me; you. and to of in that is").split()
 
@@ -75,17 +77,6 @@ def make_sources(root: Path, mb: float) -> dict[str, Path]:
     return {"txt": txt, "jsonl": jsonl}
 
 
-def run_stage(code: Path, stage: str, src: Path, work: Path, pack_params: dict, limit_gb: float | None) -> dict:
-    cmd = [sys.executable, "-c", STAGE, stage, str(src), str(work), json.dumps(pack_params)]
-    if limit_gb:
-        cmd = ["prlimit", f"--as={int(limit_gb * 2**30)}", "--", *cmd]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(code)), cwd=code)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"failed": f"exit {proc.returncode}: {last}", "limit_gb": limit_gb}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=50.0, help="size of the huge document in MB (ASCII: characters)")
@@ -100,9 +91,6 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from astrai_core.bpe import train_tokenizer
 
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "tasks", "astrai_core"], capture_output=True,
-                           text=True, cwd=ROOT).stdout.strip()
     pack_params = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.pack)}
     codes = {"this checkout": ROOT, **({f"before ({args.before})": args.before} if args.before else {})}
     results = {label: {} for label in codes}
@@ -116,12 +104,13 @@ def main() -> None:
                 shutil.rmtree(work, ignore_errors=True)
                 work.mkdir()
                 tok.save(str(work / "tokenizer.json"))
-                res = results[label][kind] = {stage: run_stage(code, stage, src, work, pack_params, args.limit_gb or None)
-                                              for stage in ("corpus", "pack")}
+                res = results[label][kind] = {
+                    stage: run_capped(code, STAGE, [stage, str(src), str(work), json.dumps(pack_params)],
+                                      args.limit_gb or None) for stage in ("corpus", "pack")}
                 if "failed" not in res["pack"]:
                     res["packed_stats"] = json.loads((work / "packed" / "stats.json").read_text())
                 print(label, kind, json.dumps(res))
-    report = {"document_mb": args.mb, "pack_params": pack_params, "commit": git + (" (modified)" if dirty else ""), "machine": platform.node(),
+    report = {"document_mb": args.mb, "pack_params": pack_params, "commit": commit(ROOT), "machine": platform.node(),
               "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"), "results": results}
     if not args.no_report:
         Path(args.report).write_text(json.dumps(report, indent=2) + "\n")

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memcap import commit, run_capped  # noqa: E402
 from pack_memory import words  # noqa: E402 - the same words as the pack stage's benchmark
 
 STAGE = r"""
@@ -65,17 +65,6 @@ def in_lines(text: str, width: int = 80) -> str:
     return "\n".join(out)
 
 
-def run(code: Path, corpus: Path, out: Path, limit_gb: float | None) -> dict:
-    cmd = [sys.executable, "-c", STAGE, str(corpus), str(out), str(ROOT / "params.yaml")]
-    if limit_gb:
-        cmd = ["prlimit", f"--as={int(limit_gb * 2**30)}", "--", *cmd]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(code)), cwd=code)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"failed": f"exit {proc.returncode}: {last}", "limit_gb": limit_gb}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=20.0, help="size of the huge document in MB (ASCII: characters)")
@@ -90,9 +79,6 @@ def main() -> None:
     from tasks.run.params import load_params
     from tasks.stages.corpus import build_corpus
 
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "tasks", "astrai_core"], capture_output=True,
-                           text=True, cwd=ROOT).stdout.strip()
     codes = {"this checkout": ROOT, **({"before": args.before} if args.before else {})}
     results: dict[str, dict] = {label: {} for label in codes}
     with tempfile.TemporaryDirectory(prefix="tokenizer_memory.") as tmp:
@@ -105,10 +91,11 @@ def main() -> None:
             corpora["demo"] = root / "demo"
         for name, corpus in corpora.items():
             for label, code in codes.items():
-                res = results[label][name] = run(code, corpus, root / "out" / label / name, args.limit_gb or None)
+                res = results[label][name] = run_capped(code, STAGE, [str(corpus), str(root / "out" / label / name),
+                                                                      str(ROOT / "params.yaml")], args.limit_gb or None)
                 print(label, name, json.dumps(res), flush=True)
     same = {name: len({results[label][name].get("tokenizer_sha256") for label in codes}) == 1 for name in corpora}
-    report = {"document_mb": args.mb, "commit": git + (" (modified)" if dirty else ""), "before": str(args.before),
+    report = {"document_mb": args.mb, "commit": commit(ROOT), "before": str(args.before),
               "machine": platform.node(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"),
               "same_tokenizer_as_before": same if args.before else None, "results": results}
     print(json.dumps(report["same_tokenizer_as_before"]))

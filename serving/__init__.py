@@ -1,7 +1,8 @@
 """The HTTP layer of `astrai serve`: OpenAI- and Anthropic-compatible routes over astrai_core's engine.
 
     app = create_app(engine, chat, model_id="astrai/3", api_key=None)    # serving.app; engine: an EngineClient
-    status = run(app, engine, "127.0.0.1", 8000)                          # serving.server; `astrai serve`
+    status = run(app, engine, "127.0.0.1", 8000)                          # serving.server
+    # `astrai serve` (astrai/cli.py) checks its options, resolves the model, then: serving.launch
 
     protocol/       the request bodies (pydantic): base.py (fields and validators both protocols share),
                     openai.py, anthropic.py; validate.py (a parsed body to its model: Unicode, then pydantic,
@@ -22,6 +23,9 @@
                     /metrics, /v1/models
     server.py       run: the app on uvicorn while the engine lives; an engine that died ends the server with
                     status 1, for a supervisor to restart it
+    launch.py       what `astrai serve` runs once its options are checked and its model resolved: the engine
+                    (load_engine: in a process of its own or a thread), then the app, the start-up line, the
+                    registry alias's polling and run (serve)
 
 A request's way through: its Host, Origin, key and Content-Type are checked (auth.py), the JSON body is read
 (413 past the size limit), parsed and validated by the pydantic models of its protocol (400 naming the field;

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from astrai_core.errors import AstraiError
 from astrai_core.io import OUTPUT_MARK
-from tasks.stages.chat_data import build_chat_data
+from tasks.stages.chat_data import write_records
 from astrai_core.rewards import exact_answer as reward_exact
 from astrai_core.rewards import valid_option as reward_in_options
 from tasks.chat.demo_tasks import TASKS
@@ -112,7 +112,7 @@ def test_parse_play_reads_speakers_bodies_and_scenes():
 
 
 def test_asking_for_more_demo_records_than_the_plays_give_is_said(corpus, tmp_path, capsys):
-    stats = build_chat_data(ChatDataParams(**(SMALL | {"sft_examples": 100_000})), corpus, tmp_path / "chat")
+    stats = write_records(ChatDataParams(**(SMALL | {"sft_examples": 100_000})), corpus, tmp_path / "chat")
     n = stats["files"]["sft_train.jsonl"]
     assert 0 < n < 100_000
     assert f"WARNING: chat_data: sft_examples: 100000 asked, only {n} demo sft records" in capsys.readouterr().out
@@ -120,7 +120,7 @@ def test_asking_for_more_demo_records_than_the_plays_give_is_said(corpus, tmp_pa
 
 def test_demo_build_from_synthetic_corpus(corpus, tmp_path):
     out = tmp_path / "chat"
-    stats = build_chat_data(ChatDataParams(**SMALL), corpus, out)
+    stats = write_records(ChatDataParams(**SMALL), corpus, out)
     assert sorted(p.name for p in out.iterdir()) == sorted(FILES + ["stats.json", OUTPUT_MARK])
     assert json.loads((out / "stats.json").read_text()) == stats
     assert stats["files"] == {"sft_train.jsonl": 30, "sft_test.jsonl": 10, "dpo_train.jsonl": 20,
@@ -157,7 +157,7 @@ def test_held_out_prompts_never_appear_in_training(corpus, tmp_path):
     (corpus / "test.jsonl").write_text(json.dumps({"id": "delta", "text": shared}) + "\n"
                                        + json.dumps({"id": "omega", "text": train[1]["text"]}) + "\n")
     out = tmp_path / "chat"
-    build_chat_data(ChatDataParams(**SMALL), corpus, out)
+    write_records(ChatDataParams(**SMALL), corpus, out)
     train_prompts = {p for kind in KINDS for p in prompts_of(out / f"{kind}_train.jsonl")}
     test_prompts = [p for kind in KINDS for p in prompts_of(out / f"{kind}_test.jsonl")]
     assert test_prompts and not train_prompts & set(test_prompts)
@@ -166,16 +166,16 @@ def test_held_out_prompts_never_appear_in_training(corpus, tmp_path):
 
 def test_demo_build_is_deterministic(corpus, tmp_path):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    build_chat_data(ChatDataParams(**SMALL), corpus, a)
-    build_chat_data(ChatDataParams(**SMALL), corpus, b)
-    build_chat_data(ChatDataParams(**SMALL, seed=1), corpus, c)
+    write_records(ChatDataParams(**SMALL), corpus, a)
+    write_records(ChatDataParams(**SMALL), corpus, b)
+    write_records(ChatDataParams(**SMALL, seed=1), corpus, c)
     for name in FILES + ["stats.json"]:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     assert (a / "sft_train.jsonl").read_bytes() != (c / "sft_train.jsonl").read_bytes()
 
 
 def test_max_chars_is_enforced(corpus, tmp_path):
-    stats = build_chat_data(ChatDataParams(**SMALL, max_chars=220), corpus, tmp_path / "chat")
+    stats = write_records(ChatDataParams(**SMALL, max_chars=220), corpus, tmp_path / "chat")
     for kind in KINDS:
         for split in ("train", "test"):
             for r in load(tmp_path / "chat" / f"{kind}_{split}.jsonl"):
@@ -186,7 +186,7 @@ def test_max_chars_is_enforced(corpus, tmp_path):
 def test_no_speeches_in_a_split_is_an_error(corpus, tmp_path):
     (corpus / "test.jsonl").write_text(json.dumps({"id": "sonnets", "text": POEM}) + "\n")
     with pytest.raises(AstraiError, match="no play with speeches in the corpus's test split"):
-        build_chat_data(ChatDataParams(**SMALL), corpus, tmp_path / "chat")
+        write_records(ChatDataParams(**SMALL), corpus, tmp_path / "chat")
     assert not (tmp_path / "chat").exists()
 
 
@@ -206,7 +206,7 @@ def test_demo_build_on_the_real_corpus(tmp_path, real_corpus):
     corpus = real_corpus
     params = ChatDataParams()
     start = time.perf_counter()
-    stats = build_chat_data(params, corpus, tmp_path / "chat")
+    stats = write_records(params, corpus, tmp_path / "chat")
     assert time.perf_counter() - start < 30
     n = params.test_examples
     assert stats["files"] == {"sft_train.jsonl": params.sft_examples, "sft_test.jsonl": n,
@@ -304,7 +304,7 @@ def test_user_files_are_split_and_counted(corpus, tmp_path):
     sft = write_jsonl(tmp_path / "sft.jsonl", [json.dumps({"prompt": f"q{i}", "response": f"a{i}"}) for i in range(20)]
                       + ["{broken"])
     params = ChatDataParams(**SMALL, sft=str(sft), test_fraction=0.25)
-    stats = build_chat_data(params, corpus, tmp_path / "chat")
+    stats = write_records(params, corpus, tmp_path / "chat")
     train, test = load(tmp_path / "chat" / "sft_train.jsonl"), load(tmp_path / "chat" / "sft_test.jsonl")
     assert (len(train), len(test)) == (15, 5)
     prompts = [r["messages"][0]["content"] for r in train + test]
@@ -312,20 +312,20 @@ def test_user_files_are_split_and_counted(corpus, tmp_path):
     assert stats["sources"]["sft"] == str(sft) and stats["sources"]["dpo"].startswith("demo")
     assert stats["skipped"]["sft"] == {"count": 1, "problems": [f"{sft}:21: invalid JSON (Expecting property name "
                                                                 "enclosed in double quotes at column 2)"]}
-    build_chat_data(params, corpus, tmp_path / "again")  # the same split by seed
+    write_records(params, corpus, tmp_path / "again")  # the same split by seed
     assert (tmp_path / "chat" / "sft_test.jsonl").read_bytes() == (tmp_path / "again" / "sft_test.jsonl").read_bytes()
 
 
 def test_failures_write_nothing(corpus, tmp_path):
     out = tmp_path / "chat"
     with pytest.raises(AstraiError, match=r"chat_data\.grpo: .*missing\.jsonl: file not found"):
-        build_chat_data(ChatDataParams(**SMALL, grpo=str(tmp_path / "missing.jsonl")), corpus, out)
+        write_records(ChatDataParams(**SMALL, grpo=str(tmp_path / "missing.jsonl")), corpus, out)
     assert not out.exists()
-    build_chat_data(ChatDataParams(**SMALL), corpus, out)
+    write_records(ChatDataParams(**SMALL), corpus, out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     bad = write_jsonl(tmp_path / "dpo.jsonl", [json.dumps(GOOD["dpo"]), '{"prompt": "p", "chosen": "c"}'])
     with pytest.raises(AstraiError, match=r"dpo\.jsonl:2: missing field 'rejected'"):
-        build_chat_data(ChatDataParams(**SMALL, dpo=str(bad), on_bad_record="stop"), corpus, out)
+        write_records(ChatDataParams(**SMALL, dpo=str(bad), on_bad_record="stop"), corpus, out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the previous output is untouched
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".chat")] == []
 

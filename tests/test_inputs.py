@@ -16,7 +16,7 @@ from astrai_core.errors import AstraiError
 from tasks.chat.records import KINDS
 from tasks.run.checks import check_inputs
 from tasks.run.schema import ChatDataParams, Params
-from tasks.stages.chat_data import build_chat_data
+from tasks.stages.chat_data import write_records
 
 ROOT = Path(__file__).resolve().parents[1]
 ASTRAI = [str(Path(os.sys.executable).parent / "astrai")]
@@ -73,13 +73,13 @@ def test_chat_data_of_a_prose_corpus_with_a_user_sft_file_and_dpo_grpo_disabled(
     corpus = user_files / "data" / "corpus"
     build_corpus(CorpusParams(source=str(user_files / "prose"), validation_fraction=0.2, test_fraction=0.2), corpus)
     params = ChatDataParams(sft=str(user_files / "sft.jsonl"))
-    stats = build_chat_data(params, corpus, user_files / "chat", enabled=("sft",))
+    stats = write_records(params, corpus, user_files / "chat", enabled=("sft",))
     assert stats["files"]["sft_train.jsonl"] + stats["files"]["sft_test.jsonl"] == 20
     assert {k: v for k, v in stats["files"].items() if not k.startswith("sft")} == \
         {f"{k}_{s}.jsonl": 0 for k in KINDS[1:] for s in ("train", "test")}
     assert stats["sources"]["dpo"] == "none: dpo.enabled is false"
     with pytest.raises(AstraiError, match="no play with speeches"):  # enabled, demo data is still an error
-        build_chat_data(params, corpus, user_files / "chat2", enabled=("sft", "dpo"))
+        write_records(params, corpus, user_files / "chat2", enabled=("sft", "dpo"))
 
 
 def test_astrai_pipeline_refuses_a_missing_corpus_before_prefect_starts(tmp_path):

@@ -106,8 +106,10 @@ def test_no_import_circle():
 
 
 def test_serving_uses_the_engine_through_its_interface_only():
-    """serving/ is typed with EngineClient (what Engine and EngineProcess both implement), never with one of them."""
+    """serving/ is typed with EngineClient (what Engine and EngineProcess both implement), never with one of them;
+    only serving/launch.py, which builds the engine `astrai serve` asked for, names them."""
     allowed = {"EngineClient", "SamplingParams", "TokenLogprob", "QueueFull"}
-    found = sorted((module_name(p), m) for p in (ROOT / "serving").rglob("*.py") for m in imports_of(p)
+    layer = [p for p in (ROOT / "serving").rglob("*.py") if p != ROOT / "serving" / "launch.py"]
+    found = sorted((module_name(p), m) for p in layer for m in imports_of(p)
                    if m.startswith("astrai_core.engine") and m.rsplit(".", 1)[-1] not in allowed | {"engine"})
     assert not found, f"serving may import only {sorted(allowed)} from astrai_core.engine: {found}"

@@ -1,5 +1,5 @@
 """Stage `chat_data`: data/corpus -> data/chat/records/{sft,dpo,grpo}_{train,test}.jsonl + stats.json, and those
-records tokenized with the chat template (build_chat, the stage):
+records tokenized with the chat template (chat_data, the stage: write_records, then pack_chat):
 
 * sft_{train,test}.h5: conversations + loss mask; sft_train.h5 ends with pretraining text (replay): windows of the
   packed train split, whole rows with every token a target, `chat_data.sft_replay` of the SFT loss tokens, so
@@ -34,7 +34,9 @@ hold SFT records as {"prompt", "response"}: they become a user and an assistant 
 The plays' parsing is tasks/chat/plays.py, the tasks tasks/chat/demo_tasks.py, the records' schema and validation
 tasks/chat/records.py; this module derives the demo records and writes the files. Run alone: `astrai stage
 chat_data`, or from Python:
-    build_chat_data(ChatDataParams(), Path("data/corpus"), Path("data/chat"))
+    chat_data(Params(), Path("data/corpus"), Path("data/tokenizer/tokenizer.json"), Path("data/chat"),
+              replay_from=Path("data/packed/train.h5"))                                    # the stage
+    write_records(ChatDataParams(), Path("data/corpus"), Path("data/chat/records"))         # the records alone
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ def split_records(records: list[dict], test_fraction: float, seed: int, kind: st
     return [r for i, r in enumerate(records) if i not in test], [r for i, r in enumerate(records) if i in test]
 
 
-def build_chat_data(params: ChatDataParams, corpus_dir: Path, out_dir: Path, enabled: tuple[str, ...] = KINDS) -> dict:
+def write_records(params: ChatDataParams, corpus_dir: Path, out_dir: Path, enabled: tuple[str, ...] = KINDS) -> dict:
     """Write out_dir/{sft,dpo,grpo}_{train,test}.jsonl and stats.json (all or nothing); return the stats.
 
     A kind whose stage is not in `enabled` needs no data: its user file is not read, and its demo records are
@@ -177,7 +179,7 @@ def build_chat_data(params: ChatDataParams, corpus_dir: Path, out_dir: Path, ena
     return stats
 
 
-# The stage's second half: the records tokenized with the chat template (build_chat is the stage).
+# The stage's second half: the records tokenized with the chat template (chat_data is the stage).
 
 SPLITS = ("train", "test")
 
@@ -300,13 +302,13 @@ def pack_dpo(chat: ChatFormat, path: Path, writer: PackedWriter, limit: int, on_
     return n, targets
 
 
-def build_chat(params: Params, corpus_dir: Path, tokenizer_path: Path, out_dir: Path, replay_from: Path | None = None
-               ) -> dict:
+def chat_data(params: Params, corpus_dir: Path, tokenizer_path: Path, out_dir: Path, replay_from: Path | None = None
+              ) -> dict:
     """The chat_data stage: records/ (JSONL + stats.json) and the tokenized files, all or nothing."""
     with atomic_path(out_dir, "stage chat_data") as tmp:
         tmp.mkdir()
-        records = build_chat_data(params.chat_data, corpus_dir, tmp / "records",
-                                  tuple(kind for kind in KINDS if getattr(params, kind).enabled))
+        records = write_records(params.chat_data, corpus_dir, tmp / "records",
+                                tuple(kind for kind in KINDS if getattr(params, kind).enabled))
         stats = pack_chat(params, tmp / "records", tokenizer_path, tmp, replay_from)
     return {"records": records, "packed": stats}
 

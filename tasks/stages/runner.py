@@ -52,10 +52,10 @@ def _pack(params: Params, root: Path) -> None:
 
 
 def _chat_data(params: Params, root: Path) -> None:
-    from tasks.stages.chat_data import build_chat
+    from tasks.stages.chat_data import chat_data
 
-    stats = build_chat(params, root / CORPUS, root / TOKENIZER / "tokenizer.json", root / CHAT,
-                       replay_from=root / PACKED / "train.h5")
+    stats = chat_data(params, root / CORPUS, root / TOKENIZER / "tokenizer.json", root / CHAT,
+                      replay_from=root / PACKED / "train.h5")
     mlflow.log_metrics({k: v for k, v in stats["packed"].items() if isinstance(v, int)})
     skipped = sum(v["count"] for v in stats["records"]["skipped"].values()) + len(stats["packed"]["problems"])
     mlflow.log_metric("skipped_records", skipped)

@@ -1,0 +1,109 @@
+"""What `astrai serve` runs once its options are checked and its model reference is resolved to a checkpoint
+(astrai/cli.py does both: resolving a registry reference is the pipeline's, and serving never imports it).
+
+    n_threads, why = torch_threads("auto")                      # torch's threads, and why that many
+    engine, chat = load_engine(checkpoint, EngineConfig(), "cpu", n_threads, engine_process=True)
+    status = serve(engine, chat, "astrai/3", (), host="127.0.0.1", port=8000, api_key=None, allowed_hosts=(),
+                   device="cpu", threads=(n_threads, why))      # 0: stopped; 1: the engine died (server.py)
+
+Loading and serving are two calls so that a registry download can be deleted once the engine has loaded it,
+before the server runs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from astrai_core.chat import ChatFormat, load_chat
+from astrai_core.checkpoint import load_model
+from astrai_core.engine import Engine, EngineClient, EngineConfig, EngineProcess
+from serving.app import create_app
+from serving.auth import Hosts
+from serving.model import AliasWatch
+from serving.server import run
+
+
+def check_port_free(host: str, port: int) -> None:
+    """ValueError naming --port when nothing can listen on host:port: said before the model loads, in one line
+    (uvicorn would say it after, in lines of its own, and exit 3)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT port is free
+            s.bind((host, port))
+    except OSError as e:
+        raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e}); is another server "
+                         "using it?") from None
+
+
+def torch_threads(choice: str) -> tuple[int, str]:
+    """(torch threads, why) for --threads `choice` (auto or a number; ValueError otherwise). On 2 cores torch's
+    default of 2 threads spin-waits on the core the event loop needs: measured at 2 concurrent streams, 530
+    tokens/s with 2 threads against 1,511 with 1 (docs/design.md)."""
+    if choice != "auto":
+        if not choice.isdigit() or int(choice) < 1:
+            raise ValueError(f"--threads {choice}: expected auto or a number >= 1")
+        return int(choice), "--threads"
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"])), "OMP_NUM_THREADS"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1), f"{cores} core(s), one left for the event loop"
+
+
+def load_engine(checkpoint: Path, config: EngineConfig, device: str, threads: int,
+                engine_process: bool) -> tuple[EngineClient, ChatFormat]:
+    """The engine over `checkpoint`'s model, not started, in a process of its own (EngineProcess) or in this one
+    (Engine: torch then uses `threads` threads here), and the chat format of its tokenizer. Once this returns the
+    checkpoint directory is no longer read. AstraiError or ValueError when the checkpoint cannot be served."""
+    chat = load_chat(checkpoint / "tokenizer.json")
+    if engine_process:
+        return EngineProcess(checkpoint, config, device=device, threads=threads), chat
+    torch.set_num_threads(threads)
+    return Engine(load_model(checkpoint, device=device)[0], config), chat
+
+
+def serve(engine: EngineClient, chat: ChatFormat, model_id: str, aliases: Sequence[str], *, host: str, port: int,
+          api_key: str | None, allowed_hosts: Sequence[str], device: str, threads: tuple[int, str],
+          watch: AliasWatch | None = None, look_up: Callable[[str, str], str] | None = None,
+          alias_poll: float = 60.0) -> int:
+    """Serve `engine` (from load_engine) as `model_id` and `aliases` on host:port until stopped (-> 0) or until
+    the engine dies (-> 1, server.py), after one start-up line on stderr that says what the engine's options came
+    to; the engine is started here and stopped on the way out. `threads`: (count, why) as torch_threads gave them,
+    for that line. `watch`: the registry alias the model was named by; `look_up(name, alias)` then gives the
+    version it points to now (or raises), every `alias_poll` s."""
+    if watch is not None:
+        threading.Thread(target=follow_alias, args=(watch, look_up, alias_poll), name="alias-poll",
+                         daemon=True).start()
+    application = create_app(engine, chat, model_id, api_key=api_key, aliases=aliases,
+                             hosts=Hosts(host, tuple(allowed_hosts)), watch=watch)
+    c, (n_threads, why) = engine.config, threads
+    where = "process" if isinstance(engine, EngineProcess) else "thread"
+    compiled = f"; steps compiled in {engine.stats()['compile_seconds']} s" if c.compile else ""
+    print(f"astrai: serving {', '.join([model_id, *aliases])} on http://{host}:{port}/v1 ({device}, {n_threads} "
+          f"torch thread(s): {why}; engine {where}; batch cap {c.max_batch_size}, {engine.stats()['kv_blocks_total']} "
+          f"KV blocks of {c.block_size} tokens, queue {c.max_waiting}{compiled})", file=sys.stderr, flush=True)
+    engine.start()
+    try:
+        return run(application, engine, host, port)
+    finally:
+        engine.stop()
+
+
+def follow_alias(watch: AliasWatch, look_up: Callable[[str, str], str], every: float) -> None:
+    """Look up where watch's alias points every `every` s, for as long as the server runs; a change is logged."""
+    while True:
+        time.sleep(every)
+        try:
+            line = watch.update(look_up(watch.name, watch.alias))
+        except Exception as e:  # noqa: BLE001 - a registry that cannot be read is reported, and looked at again
+            line = watch.update(None, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        if line:
+            print(f"astrai: {line}", file=sys.stderr, flush=True)
