@@ -245,9 +245,9 @@ def generate(model: str = typer.Option(..., help=f"The model: {REFERENCE_HELP}."
 
     from tasks.registry.models import resolve_model
     from astrai_core.chat import load_chat
-    from astrai_core.checkpoint import load_model
     from astrai_core.distributed import resolve_device
     from astrai_core.generate import generate, generate_text
+    from astrai_core.model_dir import load_model
 
     with tempfile.TemporaryDirectory(prefix="astrai-generate-") as tmp:  # a registry download, gone once loaded
         try:

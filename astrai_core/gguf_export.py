@@ -165,9 +165,9 @@ def export_gguf(ckpt_dir: str | os.PathLike, out: str | os.PathLike, out_type: s
 
     from astrai_core.bpe import SPECIAL_TOKENS
     from astrai_core.chat import DEFAULT_TEMPLATE, TEMPLATE_FILE
-    from astrai_core.checkpoint import load_model
     from astrai_core.hf import _rope_parameters  # how NTK folds into the base: the same numbers as model.py
     from astrai_core.io import atomic_path, check_output
+    from astrai_core.model_dir import load_model
 
     if out_type not in TYPES:
         raise AstraiError(f"--type {out_type!r}: expected one of {', '.join(TYPES)}")

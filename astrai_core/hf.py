@@ -393,7 +393,7 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, force: bo
     """Write the HF model directory `out_dir` (atomically) from the astrai checkpoint `ckpt_dir`, with `readme` as
     its README.md (the model card) when given. An existing `out_dir` is replaced only if it holds an earlier export,
     or with `force`; never the checkpoint itself."""
-    from astrai_core.checkpoint import load_model
+    from astrai_core.model_dir import load_model
 
     ckpt_dir = Path(ckpt_dir)
     check_output(out_dir, EXPORT, force=force, inputs=[ckpt_dir], force_option="--force", folder=True)  # before work
@@ -422,10 +422,8 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, force: bo
 def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False) -> Path:
     """Write an astrai checkpoint directory `out_dir` from the HF model directory `hf_dir`. An existing `out_dir`
     is replaced only if it holds an earlier import, or with `force`; never the HF directory itself."""
-    from astrai_core.checkpoint import save_checkpoint
     from astrai_core.model import Transformer
-
-    from astrai_core.checkpoint import check_fits_in_memory
+    from astrai_core.model_dir import check_fits_in_memory, save_checkpoint
 
     hf_dir = Path(hf_dir)
     check_output(out_dir, IMPORT, force=force, inputs=[hf_dir], force_option="--force", folder=True)  # before work

@@ -11,7 +11,7 @@ Use:
 
 LoRALinear subclasses nn.Linear so the frozen weight keeps its name (`layers.0.self_attn.q_proj.weight`): a plain
 checkpoint loads into a wrapped model under the same keys, and the adapter adds only `...q_proj.lora_A/lora_B`.
-All functions expect the bare Transformer (not DDP- or compile-wrapped), as checkpoint.save_checkpoint does.
+All functions expect the bare Transformer (not DDP- or compile-wrapped), as model_dir.save_checkpoint does.
 """
 
 from __future__ import annotations

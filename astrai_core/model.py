@@ -424,7 +424,7 @@ class Transformer(nn.Module):
 def estimated_params(cfg: ModelConfig) -> int:
     """Parameters of Transformer(cfg), from the config alone: its matrices and embeddings, exactly (norm gains,
     biases and scalars, a few per layer, are left out). What a loader checks against the machine's memory before
-    it allocates anything (checkpoint.check_fits_in_memory)."""
+    it allocates anything (model_dir.check_fits_in_memory)."""
     D, H, hd = cfg.dim, cfg.n_heads, cfg.head_dim
     if cfg.attention == "mla":
         r, rank = cfg.mla_rope_dim, cfg.mla_kv_rank

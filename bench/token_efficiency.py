@@ -30,10 +30,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from astrai_core.checkpoint import load_model  # noqa: E402
 from astrai_core.data import PackedTokens  # noqa: E402
 from astrai_core.distributed import resolve_nproc, run_torchrun  # noqa: E402
 from astrai_core.io import sha256_file, write_json  # noqa: E402
+from astrai_core.model_dir import load_model  # noqa: E402
 from astrai_core.scoring import sequence_nll, summarize, unigram_nll  # noqa: E402
 from tasks.run.configs import train_config  # noqa: E402
 from tasks.run.params import load_params  # noqa: E402

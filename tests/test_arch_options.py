@@ -142,7 +142,7 @@ def test_training_loop_with_every_option_and_muon_learns_and_its_checkpoint_load
                                                                                      monkeypatch):
     """The real training core (train(), as the pretrain stage runs it) with every option on and Muon: it learns,
     the final checkpoint loads (strictly: every tensor the options add is in it) and its learnt scalars moved."""
-    from astrai_core.checkpoint import load_model
+    from astrai_core.model_dir import load_model
     from astrai_core.train import train
     from test_resume import MODEL, make_cfg
 

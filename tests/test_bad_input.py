@@ -43,10 +43,11 @@ def broken_copy(src: Path, dst: Path, name: str, content: bytes | None = None, *
 def work(tmp_path_factory, core_tiny_data):
     """A tiny checkpoint, its Hugging Face export, a train config on packed files, a project with params.yaml; and
     copies of each broken one way."""
-    from astrai_core.checkpoint import save_checkpoint, save_resumable
+    from astrai_core.checkpoint import save_resumable
     from astrai_core.config import ModelConfig, TrainConfig
     from astrai_core.hf import export_hf
     from astrai_core.model import Transformer
+    from astrai_core.model_dir import save_checkpoint
 
     root = tmp_path_factory.mktemp("bad_input")
     cfg = ModelConfig(**MODEL)

@@ -24,12 +24,12 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from astrai_core.checkpoint import load_model, save_checkpoint
 from astrai_core.config import ModelConfig
 from astrai_core.errors import AstraiError
 from astrai_core.generate import generate
 from astrai_core.gguf_export import export_gguf, rope_adjacent_pairs
 from astrai_core.model import apply_rope, rope_tables
+from astrai_core.model_dir import load_model, save_checkpoint
 from conftest import PROJECT_ROOT, _core_text, sharp_random_model
 
 BUILD_SCRIPT = PROJECT_ROOT / "scripts" / "build_llama_cpp.sh"

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 
 from astrai_core.bpe import special_id, train_tokenizer
 from astrai_core.chat import ChatFormat
-from astrai_core.checkpoint import load_model, save_checkpoint
 from astrai_core.config import ModelConfig
 from astrai_core.generate import generate_batch
 from astrai_core.model import Transformer
+from astrai_core.model_dir import load_model, save_checkpoint
 from astrai_core.scoring import continuation_logprobs, sequence_nll
 from tasks.chat.demo_tasks import items as family_items
 from tasks.evaluation.lm_eval_data import FILES

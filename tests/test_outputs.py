@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from astrai_core.checkpoint import save_checkpoint, verify_checkpoint
 from astrai_core.errors import AstraiError
 from astrai_core.hf import export_hf, import_hf
 from astrai_core.io import OUTPUT_MARK, atomic_path, written_by
+from astrai_core.model_dir import save_checkpoint, verify_checkpoint
 from conftest import PROJECT_ROOT
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from astrai_core.chat import DEFAULT_TEMPLATE, load_chat
-from astrai_core.checkpoint import load_model, save_checkpoint
 from astrai_core.config import ModelConfig, TrainConfig
 from astrai_core.errors import AstraiError
+from astrai_core.model_dir import load_model, save_checkpoint
 from astrai_core.scoring import answer_questions, masked_token_loss
 from astrai_core.io import sha256_file
 from astrai_core.losses import IGNORE_INDEX, token_logps

@@ -79,8 +79,9 @@ def test_resumable_checkpoints_keep_k_and_skip_corrupt(tmp_path, core_tiny_data)
 
 
 def test_sharded_checkpoints_hash_every_shard_file_and_skip_corrupt(tmp_path, core_tiny_data):
-    from astrai_core.checkpoint import load_model, load_sharded, save_sharded, verify_checkpoint
+    from astrai_core.checkpoint import load_sharded, save_sharded
     from astrai_core.errors import AstraiError
+    from astrai_core.model_dir import load_model, verify_checkpoint
 
     cfg = ModelConfig(**MODEL)
     model = Transformer(cfg)

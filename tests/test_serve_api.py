@@ -35,11 +35,11 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from astrai_core.chat import load_chat
-from astrai_core.checkpoint import load_model, save_checkpoint
 from astrai_core.config import ModelConfig
 from astrai_core.generate import generate
 from astrai_core.model import Transformer
 from astrai_core.bpe import special_id, train_tokenizer
+from astrai_core.model_dir import load_model, save_checkpoint
 from astrai.cli import app
 from conftest import free_port
 

@@ -29,10 +29,11 @@ from test_posttrain import _reference, chat_setup  # noqa: F401 - chat_setup is 
 from test_posttrain import make_cfg as post_cfg
 from test_resume import kill_run, make_cfg, read_until, torchrun, wait_ok, weights_sha
 
-from astrai_core.checkpoint import find_resumable, verify_checkpoint
+from astrai_core.checkpoint import find_resumable
 from astrai_core.io import OUTPUT_MARK
 from astrai_core.config import TrainConfig
 from astrai_core.errors import AstraiError
+from astrai_core.model_dir import verify_checkpoint
 from astrai_core.train import train
 from tasks.run.params import parse_params
 

@@ -55,7 +55,7 @@ REGISTERED_MODEL = ("Small GPT-style language models trained by the AstrAI pipel
 def card_of(reference: str, checkpoint: Path) -> str:
     """The card of a model reference as tasks/registry/models.py resolved it to `checkpoint`: a registered version's
     from its tags (the text of its description), a checkpoint directory's from its config alone."""
-    from astrai_core.checkpoint import read_model_config
+    from astrai_core.model_dir import read_model_config
 
     tags = {"model": shape_line(read_model_config(checkpoint / "config.json"))}
     if reference.startswith("models:/"):

@@ -70,7 +70,7 @@ TRAINING_CODE = (
     "astrai_core/strategies/base.py", "astrai_core/strategies/seq.py", "astrai_core/strategies/sft.py",
     "astrai_core/strategies/dpo.py", "astrai_core/strategies/grpo.py", "astrai_core/data.py", "astrai_core/scoring.py",
     "astrai_core/dpo_reference.py", "astrai_core/losses.py", "astrai_core/callbacks.py", "astrai_core/optim.py",
-    "astrai_core/checkpoint.py")
+    "astrai_core/model_dir.py", "astrai_core/checkpoint.py")
 # Post-training also adapters (LoRA), sampling and rewards (GRPO's, and the held-out answers' during training).
 POST_TRAINING_CODE = TRAINING_CODE + ("astrai_core/lora.py", "astrai_core/generate.py", "astrai_core/rewards.py")
 

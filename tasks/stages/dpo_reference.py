@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Callable
 
 from astrai_core.chat import ChatFormat, load_chat
-from astrai_core.checkpoint import load_model
 from astrai_core.data import PackedWriter
 from astrai_core.distributed import resolve_device
 from astrai_core.dpo_reference import reference_logps, save_reference_logps
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file, write_json
+from astrai_core.model_dir import load_model
 from astrai_core.rewards import exact_answer
 from astrai_core.scoring import answer_questions
 from tasks.run.configs import dpo_pairs, start_model

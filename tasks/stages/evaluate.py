@@ -45,11 +45,11 @@ import torch
 from tokenizers import Tokenizer
 
 from astrai_core.chat import load_chat
-from astrai_core.checkpoint import load_model
 from astrai_core.config import ModelConfig
 from astrai_core.data import PackedTokens
 from astrai_core.distributed import model_device, resolve_device
 from astrai_core.errors import AstraiError
+from astrai_core.model_dir import load_model
 from astrai_core.scoring import (answer_questions, masked_token_loss, paired_difference, pass_at_k, preference_margins,
                                   sequence_nll, summarize, unigram_nll, wilson_interval)
 from astrai_core.generate import generate_text

@@ -33,11 +33,11 @@ import yaml
 from mlflow.exceptions import MlflowException
 
 import astrai_core
-from astrai_core.checkpoint import read_model_config
 from astrai_core.errors import AstraiError
 from astrai_core.gguf_export import export_gguf
 from astrai_core.hf import export_hf
 from astrai_core.io import sha256_file, write_json
+from astrai_core.model_dir import read_model_config
 from astrai_core.progress import advance, expect
 from tasks.evaluation.metrics import METRICS, better
 from tasks.registry.gate import (GATE_ITEMS, PENDING, REGISTRATION, champion_record, gate, gate_record, no_skill,

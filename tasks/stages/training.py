@@ -18,9 +18,9 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from astrai_core.checkpoint import read_model_config
 from astrai_core.config import ModelConfig, TrainConfig
 from astrai_core.distributed import launch, resolve_nproc
+from astrai_core.model_dir import read_model_config
 from astrai_core.train import check_train_inputs
 from astrai_core.errors import AstraiError
 from astrai_core.io import CHECKPOINT, atomic_path, write_json
