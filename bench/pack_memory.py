@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=50.0, help="size of the huge document in MB (ASCII: characters)")
     ap.add_argument("--limit-gb", type=float, default=14.0, help="address-space cap per stage (0: none)")
     ap.add_argument("--pack", action="append", default=[], metavar="KEY=VALUE",
-                    help="a pack param, e.g. --pack batch_characters=100000 (default: those of tasks/run/params.py)")
+                    help="a pack param, e.g. --pack batch_characters=100000 (default: those of tasks/run/schema.py)")
     ap.add_argument("--before", type=Path, help="also run the stages with the code of this directory")
     ap.add_argument("--report", default=str(ROOT / "bench" / "pack_memory_report.json"))
     ap.add_argument("--no-report", action="store_true")

@@ -41,7 +41,7 @@ def test_a_failed_stage_in_astrai_pipeline_is_one_line_naming_the_log(tmp_path):
     (corpus / "good.txt").write_text("ROMEO.\nBut soft, what light through yonder window breaks?\n" * 20)
     (corpus / "bad.txt").write_bytes(b"caf\xe9 au lait\n")
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path}/mlflow.db")
-    # A corpus without plays: no stage that needs demo chat data (tasks/run/params.py check_inputs refuses it up front).
+    # A corpus without plays: no stage that needs demo chat data (tasks/run/checks.py check_inputs refuses it up front).
     no_chat = [a for kind in ("sft", "dpo", "grpo") for a in ("--set", f"{kind}.enabled=false")]
     out = _run([VENV_BIN / "astrai", "pipeline", "--set", f"corpus.source={corpus}", *no_chat,
                 "--set", "register.metric=test_bits_per_char"], repo, env)

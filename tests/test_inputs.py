@@ -1,4 +1,4 @@
-"""What a run will read is checked before its first stage (tasks/run/params.py check_inputs): every input path, and
+"""What a run will read is checked before its first stage (tasks/run/checks.py check_inputs): every input path, and
 the combinations that cannot work (demo post-training data from a corpus without plays); a disabled stage needs no
 data."""
 

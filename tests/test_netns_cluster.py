@@ -31,7 +31,7 @@ from test_slurm import assert_bitwise_equal, set_params, stage, weights
 pytestmark = pytest.mark.integration
 
 STEPS = 60  # the tiny model; a node is lost at step 20, after two checkpoints
-# A lost node ends the job within peer_timeout + 2 x kill_wait seconds (tasks/run/params.py ClusterParams).
+# A lost node ends the job within peer_timeout + 2 x kill_wait seconds (tasks/run/schema.py ClusterParams).
 TWO_NODES = {"launcher": "slurm", "nodes": 2, "cpus_per_task": 1, "peer_timeout": 20, "kill_wait": 10}
 
 
