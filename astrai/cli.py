@@ -21,6 +21,7 @@ env.apply()  # before Prefect, MLflow or DVC is imported
 from tasks.registry.models import REFERENCE_HELP  # noqa: E402
 from astrai_core.errors import AstraiError  # noqa: E402
 from tasks.run.log import command_log, crash_line, log_file, shown  # noqa: E402
+from tasks.run.table import STAGES  # noqa: E402
 
 app = typer.Typer(help="AstrAI pipeline: corpus -> tokenizer -> HDF5 -> torchrun pretraining -> SFT -> DPO -> GRPO -> "
                        "evaluation -> MLflow registry.",
@@ -152,8 +153,7 @@ def _print_summary(result: dict) -> None:
 
 
 @app.command()
-def stage(name: str = typer.Argument(..., help="corpus | tokenizer | pack | pretrain | chat_data | sft | dpo_reference | "
-                                                "dpo | grpo | evaluate | register"),
+def stage(name: str = typer.Argument(..., help=" | ".join(s.name for s in STAGES) + " (tasks/run/table.py)"),
           params: Path = typer.Option(Path("params.yaml"), help="Params file.")) -> None:
     """Run one stage in the current directory (this is what dvc.yaml calls)."""
     from tasks.run.lock import checkout_lock
@@ -450,7 +450,7 @@ def dvc_yaml(check: bool = typer.Option(False, "--check", help="Only say whether
                                         "when not).")) -> None:
     """Write dvc.yaml in this directory from the stage table (tasks/run/table.py): after adding or changing a stage
     there. `astrai pipeline` stops while dvc.yaml differs from the table's."""
-    from tasks.run.table import STAGES, check_dvc_yaml, dvc_yaml as text
+    from tasks.run.table import check_dvc_yaml, dvc_yaml as text
 
     path = Path("dvc.yaml")
     try:

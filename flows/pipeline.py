@@ -195,8 +195,9 @@ def restore_last_good_outputs(stage: str, project_dir: str, env: dict[str, str])
 def pipeline(params_path: str = "params.yaml", overrides: dict[str, Any] | None = None,
              project_dir: str | None = None, profile: str | None = None,
              resolved: RunParams | None = None) -> dict[str, Any]:
-    """Corpus -> tokenizer -> pack -> pretrain -> chat_data -> sft -> dpo_reference -> dpo -> grpo -> evaluate ->
-    register, one Prefect task per stage (a post-training stage disabled in params passes its input on).
+    """The stages of the stage table in order (tasks/run/table.py: corpus -> tokenizer -> pack -> pretrain -> chat_data
+    -> sft -> dpo_reference -> dpo -> grpo -> evaluate -> register), one Prefect task per stage (a post-training stage
+    disabled in params passes its input on).
 
     `overrides` maps dotted keys to values, e.g. {"pretrain.max_steps": 50}; they apply to this run only
     (see `run_params`): params.yaml is the user's file again when the run ends. `profile` names a file in

@@ -8,7 +8,10 @@ from pathlib import Path
 
 from astrai_core.config import ModelConfig
 from tasks.evaluation.metrics import METRICS
+from tasks.run.table import MODEL_STAGES
 
+# The chain a model comes from, as the stage table has it: corpus -> tokenizer -> pretrain -> sft -> dpo -> grpo
+CHAIN = " -> ".join(("corpus", "tokenizer", *MODEL_STAGES))
 
 def shape_line(cfg: ModelConfig) -> str:
     """The model's shape in one line (a version's tag `model`)."""
@@ -20,8 +23,8 @@ def model_card(title: str, reference: str, tags: dict[str, str]) -> str:
     """The card (markdown) of model `reference` (models:/NAME/VERSION, or a checkpoint directory) from its registry
     tags (tasks/stages/register.py writes them; a checkpoint has only `model`)."""
     lines = [f"# {title}", "",
-             "A small GPT-style language model trained by the AstrAI pipeline (corpus -> tokenizer -> pretrain -> "
-             "sft -> dpo -> grpo)" + (f": the {tags['stage']} stage's model, the chain's best on "
+             f"A small GPT-style language model trained by the AstrAI pipeline ({CHAIN})"
+             + (f": the {tags['stage']} stage's model, the chain's best on "
                                        f"{tags.get('register_metric', '?')}." if "stage" in tags else ".")]
     if "model" in tags:
         lines += ["", f"Shape: {tags['model']}."]
@@ -45,8 +48,8 @@ def model_card(title: str, reference: str, tags: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-REGISTERED_MODEL = ("Small GPT-style language models trained by the AstrAI pipeline (corpus -> tokenizer -> pretrain "
-                    "-> sft -> dpo -> grpo -> evaluate -> register), one version per registration. Alias `candidate`: "
+REGISTERED_MODEL = (f"Small GPT-style language models trained by the AstrAI pipeline ({CHAIN} -> evaluate -> "
+                    "register), one version per registration. Alias `candidate`: "
                     "the newest version; `champion`: the version that passed the register gate (better than chance "
                     "on a task, and beyond the interval against the champion before it). Each version's description "
                     "is its card: data, lineage, held-out metrics with 95% intervals, and how to serve it.")
