@@ -450,7 +450,10 @@ def dvc_yaml(check: bool = typer.Option(False, "--check", help="Only say whether
                                         "when not).")) -> None:
     """Write dvc.yaml in this directory from the stage table (tasks/run/table.py): after adding or changing a stage
     there. `astrai pipeline` stops while dvc.yaml differs from the table's."""
-    from tasks.run.table import check_dvc_yaml, dvc_yaml as text
+    from tasks.run.schema import SECTIONS
+    from tasks.run.table import check_dvc_yaml, check_table, dvc_yaml as text
+
+    check_table(SECTIONS)  # an entry an edit left wrong: one line naming it, before anything is written
 
     path = Path("dvc.yaml")
     try:

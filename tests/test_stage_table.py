@@ -5,6 +5,7 @@ registry with nothing else edited."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,8 @@ from astrai_core.errors import AstraiError
 from astrai_core.strategies import STRATEGIES
 from tasks.evaluation.metrics import METRICS
 from tasks.run.schema import SECTIONS, Params
-from tasks.run.table import STAGES, TRAINING, check_dvc_yaml, dvc_yaml
+from tasks.run import table
+from tasks.run.table import STAGES, TRAINING, Stage, TrainingStage, check_dvc_yaml, check_table, dvc_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,6 +45,20 @@ def test_every_entry_names_what_exists():
         assert stage.strategy in STRATEGIES and stage.strategy in SECTIONS, name
         assert isinstance(getattr(Params(), name), SECTIONS[stage.strategy])
         assert all(m in METRICS for m in (*([stage.target] if stage.target else []), *stage.keep)), name
+
+
+@pytest.mark.parametrize("entry,says", [
+    (TrainingStage("polish", strategy="sfft", reads=("chat_data",)), "stage 'polish': strategy 'sfft'; one of seq, "),
+    (TrainingStage("polish", reads=("chat_dat",)), "stage 'polish': reads 'chat_dat', which is not a stage before it"),
+    (Stage("polish", reads=("register",)), "stage 'polish': reads 'register', which is not a stage before it"),
+    (Stage("sft"), "stage 'sft': a second stage of that name"),
+    (Stage("polish", models="after"), "stage 'polish': models 'after'"),
+])
+def test_a_table_entry_an_edit_left_wrong_is_one_line_naming_it(monkeypatch, entry, says):
+    """What `astrai dvc-yaml` and every command that reads params say (schema.py checks the table on import)."""
+    monkeypatch.setattr(table, "STAGES", (*STAGES[:-2], entry, *STAGES[-2:]))
+    with pytest.raises(AstraiError, match="^tasks/run/table.py: " + re.escape(says)):
+        check_table(SECTIONS)
 
 
 def test_a_dvc_yaml_that_is_not_the_tables_is_refused_and_rewritten(tmp_path):

@@ -18,7 +18,7 @@ from pydantic import Field, PositiveInt, create_model, field_validator, model_va
 from astrai_core.bpe import MIN_VOCAB_SIZE
 from astrai_core.config import DPOSettings, GRPOConfig, ModelConfig, RunSettings, Strict, TwoStageConfig
 from tasks.evaluation.metrics import METRICS
-from tasks.run.table import MODEL_STAGES, TRAINING
+from tasks.run.table import MODEL_STAGES, TRAINING, check_table
 
 
 class CorpusParams(Strict):
@@ -244,6 +244,7 @@ warnings.filterwarnings("ignore", message='Field name "register" in "Params" sha
 SECTIONS: dict[str, type[TrainingSection]] = {"seq": PretrainParams, "sft": StageParams, "dpo": DPOParams,
                                               "grpo": GRPOParams}
 # One section per training stage of the table (tasks/run/table.py), named after it: Params's first fields.
+check_table(SECTIONS)
 TrainingSections = create_model("TrainingSections", __base__=Strict, __module__=__name__,
                                 **{name: (SECTIONS[s.strategy], SECTIONS[s.strategy]()) for name, s in TRAINING.items()})
 

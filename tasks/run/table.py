@@ -16,12 +16,25 @@ stage"); nothing else names the stages. Paths are relative to the project direct
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from astrai_core.errors import AstraiError
 
 DATA = Path("data")
+
+
+# The training core: every training stage runs it, so a change to any of these reruns them.
+TRAINING_CODE = (
+    "tasks/stages/training.py", "tasks/registry/models.py", "astrai_core/config.py", "astrai_core/model.py",
+    "astrai_core/train.py", "astrai_core/parallel.py", "astrai_core/strategies/__init__.py",
+    "astrai_core/strategies/base.py", "astrai_core/strategies/seq.py", "astrai_core/strategies/sft.py",
+    "astrai_core/strategies/dpo.py", "astrai_core/strategies/grpo.py", "astrai_core/data.py", "astrai_core/scoring.py",
+    "astrai_core/dpo_reference.py", "astrai_core/losses.py", "astrai_core/callbacks.py", "astrai_core/optim.py",
+    "astrai_core/model_dir.py", "astrai_core/checkpoint.py")
+# Post-training also adapters (LoRA), sampling and rewards (GRPO's, and the held-out answers' during training).
+POST_TRAINING_CODE = TRAINING_CODE + ("astrai_core/lora.py", "astrai_core/generate.py", "astrai_core/rewards.py")
 
 
 @dataclass(frozen=True)
@@ -55,24 +68,13 @@ class TrainingStage(Stage):
     target: str | None = None  # the held-out metric (tasks/evaluation/metrics.py) it must raise over its start
     keep: tuple[str, ...] = ()  # the metrics it must not lower against its start
     models: str = "before"
-    code: tuple[str, ...] = field(default_factory=lambda: POST_TRAINING_CODE)
+    code: tuple[str, ...] = POST_TRAINING_CODE
     params: tuple[str, ...] = ()  # its own section is always read; these are more keys
 
     @property
     def post_training(self) -> bool:
         return self.strategy != "seq"
 
-
-# The training core: every training stage runs it, so a change to any of these reruns them.
-TRAINING_CODE = (
-    "tasks/stages/training.py", "tasks/registry/models.py", "astrai_core/config.py", "astrai_core/model.py",
-    "astrai_core/train.py", "astrai_core/parallel.py", "astrai_core/strategies/__init__.py",
-    "astrai_core/strategies/base.py", "astrai_core/strategies/seq.py", "astrai_core/strategies/sft.py",
-    "astrai_core/strategies/dpo.py", "astrai_core/strategies/grpo.py", "astrai_core/data.py", "astrai_core/scoring.py",
-    "astrai_core/dpo_reference.py", "astrai_core/losses.py", "astrai_core/callbacks.py", "astrai_core/optim.py",
-    "astrai_core/model_dir.py", "astrai_core/checkpoint.py")
-# Post-training also adapters (LoRA), sampling and rewards (GRPO's, and the held-out answers' during training).
-POST_TRAINING_CODE = TRAINING_CODE + ("astrai_core/lora.py", "astrai_core/generate.py", "astrai_core/rewards.py")
 
 CHAT = DATA / "chat"
 
@@ -136,6 +138,25 @@ MODEL_STAGES = tuple(TRAINING)  # in chain order: each one's model starts the ne
 # The layout: where the stages that others read write.
 CORPUS, TOKENIZER, PACKED, DPO_REFERENCE, EVALUATE, REGISTER = (
     BY_NAME[n].out for n in ("corpus", "tokenizer", "pack", "dpo_reference", "evaluate", "register"))
+
+
+def check_table(strategies: Iterable[str]) -> None:
+    """The table as an edit may leave it: each stage named once, reading only stages before it, each training stage
+    of a known strategy (`strategies`: those with a params schema, tasks/run/schema.py SECTIONS); AstraiError naming
+    the entry."""
+    seen: list[str] = []
+    for stage in STAGES:
+        where = f"tasks/run/table.py: stage {stage.name!r}"
+        if stage.name in seen:
+            raise AstraiError(f"{where}: a second stage of that name")
+        for read in stage.reads:
+            if read.partition("/")[0] not in seen:
+                raise AstraiError(f"{where}: reads {read!r}, which is not a stage before it ({', '.join(seen)})")
+        if stage.models not in ("", "before", "all"):
+            raise AstraiError(f"{where}: models {stage.models!r}; expected \"before\", \"all\" or \"\"")
+        if isinstance(stage, TrainingStage) and stage.strategy not in strategies:
+            raise AstraiError(f"{where}: strategy {stage.strategy!r}; one of {', '.join(strategies)}")
+        seen.append(stage.name)
 
 
 def model_dir(root: Path, stage: str) -> Path:
