@@ -454,7 +454,6 @@ def dvc_yaml(check: bool = typer.Option(False, "--check", help="Only say whether
     from tasks.run.table import check_dvc_yaml, check_table, dvc_yaml as text
 
     check_table(SECTIONS)  # an entry an edit left wrong: one line naming it, before anything is written
-
     path = Path("dvc.yaml")
     try:
         check_dvc_yaml(Path())

@@ -35,7 +35,8 @@ from tasks.run.table import CHAT, CORPUS, EVALUATE, PACKED, TOKENIZER, TRAINING 
 from astrai_core.errors import AstraiError  # noqa: E402
 from tasks.run.params import load_params  # noqa: E402
 
-SHARED = (CORPUS, TOKENIZER, PACKED, TRAINING["pretrain"].out, CHAT)  # what every seed starts from, linked, never written
+# what every seed starts from, linked, never written
+SHARED = (CORPUS, TOKENIZER, PACKED, TRAINING["pretrain"].out, CHAT)
 STAGES = ("sft", "dpo_reference", "dpo", "grpo", "evaluate")
 SEEDED = ("sft", "dpo", "grpo")
 MODELS = ("pretrain", "sft", "dpo", "grpo")

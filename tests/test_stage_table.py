@@ -98,7 +98,8 @@ def test_a_new_post_training_stage_is_its_table_entry_and_params_section(tmp_pat
     assert text.count(anchor) == 1
     table.write_text(text.replace(anchor, NEW_STAGE + anchor))
     with (repo / "params.yaml").open("a") as f:
-        f.write("polish:\n  batch_size: 4\n  max_steps: 4\n  log_every: 2\n  eval_every: 2\n  optim: {warmup_steps: 1}\n")
+        f.write("polish:\n  batch_size: 4\n  max_steps: 4\n  log_every: 2\n  eval_every: 2\n"
+                "  optim: {warmup_steps: 1}\n")
     run_ok(astrai("dvc-yaml"), repo, env)
     changed = run_ok(["git", "status", "--porcelain"], repo, env).split()
     assert sorted(changed[1::2]) == ["dvc.yaml", "params.yaml", "tasks/run/table.py"], changed

@@ -245,8 +245,9 @@ SECTIONS: dict[str, type[TrainingSection]] = {"seq": PretrainParams, "sft": Stag
                                               "grpo": GRPOParams}
 # One section per training stage of the table (tasks/run/table.py), named after it: Params's first fields.
 check_table(SECTIONS)
-TrainingSections = create_model("TrainingSections", __base__=Strict, __module__=__name__,
-                                **{name: (SECTIONS[s.strategy], SECTIONS[s.strategy]()) for name, s in TRAINING.items()})
+TrainingSections = create_model(
+    "TrainingSections", __base__=Strict, __module__=__name__,
+    **{name: (SECTIONS[s.strategy], SECTIONS[s.strategy]()) for name, s in TRAINING.items()})
 
 
 class Params(TrainingSections):

@@ -211,7 +211,8 @@ def dvc_yaml() -> str:
         if params:
             lines += ["    params:"] + [f"      - {key}" for key in params]
         outs = [str(stage.out / name) for name in stage.files] or [str(stage.out)]
-        lines += ["    outs:"] + [f"      - {out}" + (":\n          persist: true" if stage.persist else "") for out in outs]
+        persist = ":\n          persist: true" if stage.persist else ""
+        lines += ["    outs:"] + [f"      - {out}{persist}" for out in outs]
         if stage.metrics:
             lines += ["    metrics:"] + [f"      - {stage.out / name}" for name in stage.metrics]
     return "\n".join(lines) + "\n" + DVC_FOOTER

@@ -9,13 +9,13 @@ prompts (not held out) to tell "learned nothing" from "did not transfer". Every 
 interval and its item count, pass@k the Wilson interval of its mean over the questions (astrai_core/scoring.py).
 
 Checks: each post-training stage against its starting model, the model before it in the chain (a disabled stage
-passes its model on, so it is skipped here too), on the same items. A stage must raise its target metric (`target`
-in the stage table, tasks/run/table.py)
-beyond the interval: the 95% interval of the paired difference of per-item correctness (Newcombe's, see
-astrai_core.scoring.paired_difference) lies above 0; and must not lower a metric it should keep beyond it (the
-interval lies below 0). The final model's test bits/char must be within 5% of the pretrained model's (no
-forgetting). A failed check is a flag, never hidden: a WARNING line in this stage's log (the flow's task log), a
-tag `astrai.flag.<stage>` on the evaluate stage's MLflow run (tasks/stages/runner.py), and a mark in evaluation.md.
+passes its model on, so it is skipped here too), on the same items. A stage must raise its target metric (its
+`target` in the stage table, tasks/run/table.py) beyond the interval: the 95% interval of the paired difference of
+per-item correctness (Newcombe's, see astrai_core.scoring.paired_difference) lies above 0; and must not lower a
+metric it should keep beyond it (the interval lies below 0). The final model's test bits/char must be within 5% of
+the pretrained model's (no forgetting). A failed check is a flag, never hidden: a WARNING line in this stage's log
+(the flow's task log), a tag `astrai.flag.<stage>` on the evaluate stage's MLflow run (tasks/stages/runner.py), and a
+mark in evaluation.md.
 
 Outputs in data/evaluate: metrics.json (`<stage>/<metric>`, `<stage>/<metric>_low` and `_high` for the interval,
 `n/<metric>` items counted, and the final model's language-modeling metrics under their plain names), items.json
@@ -326,9 +326,9 @@ def item_sets(params: Params, root: Path, questions: list[dict], train_questions
 
 def stage_checks(models: list[str], items: dict[str, dict[str, list[int]]], metrics: dict,
                  curves: dict[str, list[dict]] | None = None, kept: tuple[str, ...] = ()) -> list[Check]:
-    """Each post-training model against the model before it in the chain (the table's target and keep; every stage must also keep
-    the metrics in `kept`: the lm-eval tasks' accuracies), and the final model's forgetting against the pretrained
-    model. A failed GRPO check says why, from its training curve (grpo_why)."""
+    """Each post-training model against the model before it in the chain (the stage table's target and keep; every
+    stage must also keep the metrics in `kept`: the lm-eval tasks' accuracies), and the final model's forgetting
+    against the pretrained model. A failed GRPO check says why, from its training curve (grpo_why)."""
     checks = []
     for start, stage in zip(models, models[1:]):
         target, stage_kept = TRAINING[stage].target, TRAINING[stage].keep
