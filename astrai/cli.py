@@ -463,8 +463,12 @@ def dvc_yaml(check: bool = typer.Option(False, "--check", help="Only say whether
         if check:
             _fail(str(e))
     tmp = path.with_name(f".dvc.yaml.{os.getpid()}")  # whole or not at all
-    tmp.write_text(text())
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        _fail(f"{path.resolve()}: cannot write it ({e.strerror or e})")
     typer.echo(f"{path}: written from the stage table, tasks/run/table.py ({len(STAGES)} stages)")
 
 
