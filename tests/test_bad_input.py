@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,8 +29,6 @@ def rehash(ckpt: Path) -> None:
 
 def broken_copy(src: Path, dst: Path, name: str, content: bytes | None = None, **json_changes) -> Path:
     """A copy of directory `src` whose file `name` holds `content` (or its JSON with `json_changes` applied)."""
-    import shutil
-
     shutil.copytree(src, dst)
     if json_changes:
         content = json.dumps({**json.loads((src / name).read_text()), **json_changes}).encode()
@@ -89,6 +88,8 @@ def work(tmp_path_factory, core_tiny_data):
     (project / "corpus").mkdir()
     (project / "corpus" / "docs.jsonl").write_text('{"text": "fine"}\n{"text": "half a pair: \\ud800 here"}\n')
     (project / "surrogate.yaml").write_text(f"corpus: {{source: {project / 'corpus'}}}\n")
+    # pretrain's model of a 64-token context (as a quick-profile run leaves it), for sft's 256-token sequences
+    shutil.copytree(root / "ckpt", project / "data" / "pretrain")
     return root
 
 
@@ -142,6 +143,9 @@ CASES = {  # id: (args, cwd under the work folder, the one line's text after "as
                        "--set 'pretrain.max_steps=[1': the value is not valid YAML"),
     "--profile a path": (["pipeline", "--profile", "../params"], "project",
                          "--profile ../params: no such profile; profiles: quick"),
+    # a stage whose settings the model it starts from cannot take
+    "seq_len beyond the start model's": (["stage", "sft"], "project", "params.yaml: sft: seq_len (256) exceeds "
+                                         "model.max_seq_len (64), the shape of the model it starts from"),
     # a JSONL corpus with half a UTF-16 pair
     "lone surrogate": (["stage", "corpus", "--params", "surrogate.yaml"], "project",
                        "docs.jsonl:2: a lone surrogate \\ud800 at character 13"),

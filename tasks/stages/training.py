@@ -18,6 +18,8 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from pydantic import ValidationError
+
 from astrai_core.config import ModelConfig, TrainConfig
 from astrai_core.distributed import launch, resolve_nproc
 from astrai_core.model_dir import read_model_config
@@ -25,6 +27,7 @@ from astrai_core.train import check_train_inputs
 from astrai_core.errors import AstraiError
 from astrai_core.io import CHECKPOINT, atomic_path, write_json
 from tasks.run.configs import start_model, train_config
+from tasks.run.params import validation_message
 from tasks.run.schema import Params
 from tasks.run.table import MODEL_STAGES, TOKENIZER, TRAINING, model_dir
 
@@ -100,8 +103,12 @@ def _launch(params: Params, stage: str, root: Path, start: Path | None, run_id: 
     section = getattr(params, stage)
     cfg = train_config(params, stage, root)
     if start is not None and (start / "config.json").is_file():  # a missing start: check_train_inputs says so
-        cfg = TrainConfig(**{**cfg.model_dump(), "model": read_model_config(start / "config.json"),
-                             "init_from": str(start)})
+        try:
+            cfg = TrainConfig(**{**cfg.model_dump(), "model": read_model_config(start / "config.json"),
+                                 "init_from": str(start)})
+        except ValidationError as e:  # e.g. this stage's seq_len beyond the start model's context
+            raise AstraiError(f"params.yaml: {stage}: {validation_message(e)}, the shape of the model it starts "
+                              f"from ({start / 'config.json'})") from None
     check_vocab_size(root / TOKENIZER / "tokenizer.json", cfg.model.vocab_size)  # a copied tokenizer: only now
     check_train_inputs(cfg)  # a missing or corrupt input: one line, before torchrun or sbatch
     if params.cluster.launcher == "slurm":
