@@ -118,6 +118,25 @@ def stop_group(proc: _subprocess.Popen, timeout: float = 30) -> None:
         proc.wait()
 
 
+def lines_until(proc: _subprocess.Popen, marker: str, timeout: float) -> list[str]:
+    """`proc`'s output lines up to the first one containing `marker`; fails after `timeout` seconds without it, so
+    that a process that never gets there (a Slurm job that never starts) cannot hold the test."""
+    seen, found = [], _threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            seen.append(line)
+            if marker in line:
+                found.set()
+                return
+
+    reader = _threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert found.is_set(), f"no {marker!r} within {timeout:.0f} s:\n" + "".join(seen[-30:])
+    return seen
+
+
 def served_completion(base_url: str, model: str, api_key: str | None = None) -> dict:
     """The JSON answer of `astrai serve` at base_url to a short /v1/completions request for `model`."""
     import json

@@ -197,11 +197,26 @@ class NetnsCluster(slurm_cluster.Cluster):
         """SIGKILL every process in `role`'s namespace (its slurmd and whatever runs there): the machine dies."""
         _kill_namespace(self.ns[role])
 
-    def restart_slurmd(self, role: str, timeout: float = 120.0) -> None:
-        """Start `role`'s slurmd again; wait until every node is idle (the lost job cleaned up)."""
+    def heal(self, timeout: float = 120.0) -> None:
+        """Whatever a test did to the nodes, undone: no job left, every link up, a slurmd in every compute namespace
+        and every node idle (a node Slurm set DOWN while it was lost is resumed). Raises (and stops the cluster)
+        when that does not happen within `timeout`, so that the tests after it fail at once instead of waiting on
+        a job that can never start."""
+        subprocess.run(["scancel", "--full", "--user=root"], env=self.env, capture_output=True)
         self.procs = [p for p in self.procs if p.poll() is None]
-        self.start_slurmd(self.ns[role])
-        self.wait_idle(timeout)
+        for role in NODES:
+            self.link(role, up=True)
+            if not any(p.args[-3:-2] == [self.ns[role]] for p in self.procs):  # slurmd ... -N NODE -f CONF
+                self.start_slurmd(self.ns[role])
+        end = time.monotonic() + timeout
+        while not self._idle() and time.monotonic() < end:
+            down = subprocess.run(["sinfo", "-h", "-N", "-t", "down,drain", "-o", "%N"], env=self.env,
+                                  capture_output=True, text=True).stdout.split()
+            for node in down:
+                subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], env=self.env,
+                               capture_output=True)
+            time.sleep(1)
+        self.wait_idle(max(1.0, end - time.monotonic()))
 
     def wait_idle(self, timeout: float = 120.0) -> None:
         self._wait(self._idle, timeout, "nodes idle again")

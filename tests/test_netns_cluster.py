@@ -24,13 +24,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import TINY_PARAMS, VENV_BIN, make_project, run_ok, served_completion, stop_group
+from conftest import TINY_PARAMS, VENV_BIN, lines_until, make_project, run_ok, served_completion, stop_group
 from netns_cluster import NetnsCluster, missing
 from test_slurm import assert_bitwise_equal, set_params, stage, weights
 
 pytestmark = pytest.mark.integration
 
-STEPS = 60  # the tiny model; a node is lost at step 20, after two checkpoints
+# The tiny model; a node is lost at step 20, after two checkpoints, with 140 steps to go: the stage passes a step
+# line on up to a second after a rank wrote it (it polls the job's log), and the fast kind trains 60 steps in about
+# 2 s (with 60 steps in all, the loss came after training had ended, and the job waited on the lost node in
+# torchrun's exit barrier).
+STEPS = 160
 # A lost node ends the job within peer_timeout + 2 x kill_wait seconds (tasks/run/schema.py ClusterParams).
 TWO_NODES = {"launcher": "slurm", "nodes": 2, "cpus_per_task": 1, "peer_timeout": 20, "kill_wait": 10}
 
@@ -222,12 +226,8 @@ def _lose_a_node(cluster: NetnsCluster, project, node: str, how: str) -> tuple[s
     repo, env = project
     shutil.rmtree(repo / "data/pretrain.ckpts", ignore_errors=True)
     proc = login_stage(cluster, repo, env)
-    seen = []
     try:
-        for line in proc.stdout:
-            seen.append(line)
-            if "step 20/" in line:
-                break
+        seen = lines_until(proc, "step 20/", timeout=300)
         assert proc.poll() is None, "".join(seen[-30:])
         t = time.monotonic()
         cluster.kill(node) if how == "kill" else cluster.link(node, up=False)
@@ -246,7 +246,11 @@ def _resumes_to_the_same_weights(cluster, project, local_weights) -> None:
     repo, env = project
     assert list((repo / "data/pretrain.ckpts").iterdir()), "no checkpoint to resume from"
     proc = login_stage(cluster, repo, env)
-    out = proc.communicate(timeout=600)[0]
+    try:
+        out = proc.communicate(timeout=600)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-4000:]
     assert "resuming from" in out, out[-3000:]
     assert_bitwise_equal(weights(repo), local_weights)
@@ -259,15 +263,13 @@ def test_a_lost_node_fails_the_stage_with_one_line_and_the_rerun_resumes_bitwise
     hosts the rendezvous): the job ends and the stage fails within peer_timeout + 2 x kill_wait seconds, its last
     line the error naming the lost peer; with the node back (slurmd restarted, link up) the stage run again resumes
     from the last checkpoint on the shared directory and ends bit for bit on the uninterrupted run's weights."""
-    out, lost = _lose_a_node(cluster, project, node, how)
-    last = out.strip().splitlines()[-1]
-    assert last.startswith("astrai: error: "), out[-3000:]
-    rank = "rank 1" if node == "n2" else "rank 0"
-    assert cluster.addr[cluster.ns[node]] in last or f"lost {rank}" in last, last
-    assert lost < TWO_NODES["peer_timeout"] + 2 * TWO_NODES["kill_wait"] + 30, out[-3000:]
-    if how == "kill":
-        cluster.restart_slurmd(node)
-    else:
-        cluster.link(node, up=True)
-        cluster.wait_idle()
+    try:
+        out, lost = _lose_a_node(cluster, project, node, how)
+        last = out.strip().splitlines()[-1]
+        assert last.startswith("astrai: error: "), out[-3000:]
+        rank = "rank 1" if node == "n2" else "rank 0"
+        assert cluster.addr[cluster.ns[node]] in last or f"lost {rank}" in last, last
+        assert lost < TWO_NODES["peer_timeout"] + 2 * TWO_NODES["kill_wait"] + 30, out[-3000:]
+    finally:  # the node back (slurmd restarted, link up), also when an assertion above failed
+        cluster.heal()
     _resumes_to_the_same_weights(cluster, project, local_weights)

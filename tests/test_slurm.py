@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import VENV_BIN, free_port, make_project, run_ok
+from conftest import VENV_BIN, free_port, lines_until, make_project, run_ok
 from slurm_cluster import Cluster, missing
 
 pytestmark = pytest.mark.integration
@@ -164,12 +164,9 @@ def test_cancelled_job_leaves_nothing_and_the_next_run_resumes_to_the_same_weigh
     proc = subprocess.Popen([VENV_BIN / "astrai", "stage", "pretrain"], cwd=repo, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    seen = []
     try:
-        for line in proc.stdout:
-            seen.append(line)
-            if "step 20/" in line:  # 100 steps before the job would end: the Ctrl-C lands while it trains
-                break
+        # 100 steps before the job would end: the Ctrl-C lands while it trains
+        seen = lines_until(proc, "step 20/", timeout=300)
         assert proc.poll() is None, "".join(seen[-30:])
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal
         rest = proc.communicate(timeout=180)[0]
