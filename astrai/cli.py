@@ -451,10 +451,11 @@ def dvc_yaml(check: bool = typer.Option(False, "--check", help="Only say whether
     """Write dvc.yaml in this directory from the stage table (tasks/run/table.py): after adding or changing a stage
     there. `astrai pipeline` stops while dvc.yaml differs from the table's."""
     from tasks.run.schema import SECTIONS
-    from tasks.run.table import check_dvc_yaml, check_table, dvc_yaml as text
+    from tasks.run.table import check_dvc_yaml, check_own_dvc_yaml, check_table, dvc_yaml as text
 
     check_table(SECTIONS)  # an entry an edit left wrong: one line naming it, before anything is written
     path = Path("dvc.yaml")
+    check_own_dvc_yaml(Path())  # another project's folder, or a dvc.yaml someone else wrote: one line, nothing written
     try:
         check_dvc_yaml(Path())
         typer.echo(f"{path}: the stage table's ({len(STAGES)} stages), unchanged")

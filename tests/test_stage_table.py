@@ -5,7 +5,9 @@ registry with nothing else edited."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +64,9 @@ def test_a_table_entry_an_edit_left_wrong_is_one_line_naming_it(monkeypatch, ent
 
 
 def test_a_dvc_yaml_that_is_not_the_tables_is_refused_and_rewritten(tmp_path):
-    env_cwd = dict(cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    shutil.copytree(ROOT / "tasks", tmp_path / "tasks", ignore=shutil.ignore_patterns("__pycache__"))  # a checkout
+    env_cwd = dict(cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                   env={**os.environ, "PYTHONPATH": str(tmp_path)})
     with pytest.raises(AstraiError, match="dvc.yaml: missing; it is written from the stage table"):
         check_dvc_yaml(tmp_path)
     (tmp_path / "dvc.yaml").write_text(dvc_yaml().replace("      - astrai_core/optim.py\n", "", 1))

@@ -73,11 +73,17 @@ def local_model(ref: str, root: Path) -> Iterator[Path]:
     """Model reference `ref` (a path: relative to `root`) as a checkpoint directory while the block runs: a registry
     version downloaded, a Hugging Face directory converted, into a folder under root/.astrai (the project's, which
     a Slurm job's nodes share) removed afterwards."""
+    from astrai_core.model_dir import verify_checkpoint
+
     if not ref.startswith(("models:/", "runs:/")):
         ref = str(root / Path(ref).expanduser())  # an absolute path stays as it is
     (root / ".astrai").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root / ".astrai", prefix="model-") as tmp:
-        yield resolve_model(ref, Path(tmp)).checkpoint
+        checkpoint = resolve_model(ref, Path(tmp)).checkpoint
+        # What the pipeline copies over its own outputs (the tokenizer, data/pretrain) is whole first: a truncated or
+        # edited file is one line naming it, before anything is replaced.
+        verify_checkpoint(checkpoint)
+        yield checkpoint
 
 
 def _download(uri: str, dst: Path) -> Resolved:

@@ -16,6 +16,8 @@ stage"); nothing else names the stages. Paths are relative to the project direct
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -23,6 +25,7 @@ from typing import Iterable
 from astrai_core.errors import AstraiError
 
 DATA = Path("data")
+NAME = re.compile(r"[a-z][a-z0-9_]*")  # a stage's name: its `astrai stage NAME`, params.yaml section and data/NAME
 
 
 # The training core: every training stage runs it, so a change to any of these reruns them.
@@ -145,10 +148,22 @@ def check_table(strategies: Iterable[str]) -> None:
     of a known strategy (`strategies`: those with a params schema, tasks/run/schema.py SECTIONS); AstraiError naming
     the entry."""
     seen: list[str] = []
+    outs: dict[Path, str] = {}  # each stage's output folder -> its stage
     for stage in STAGES:
         where = f"tasks/run/table.py: stage {stage.name!r}"
+        if not NAME.fullmatch(stage.name):
+            raise AstraiError(f"{where}: not a name a stage can have (lower-case letters, digits and _, starting with "
+                              "a letter: it names the stage's command, section and folder)")
         if stage.name in seen:
             raise AstraiError(f"{where}: a second stage of that name")
+        out = Path(os.path.normpath(stage.out))
+        if out.is_absolute() or out.parts[:1] != DATA.parts or len(out.parts) < 2:
+            raise AstraiError(f"{where}: out {str(stage.out)!r} is not a folder under {DATA}/")
+        for other, owner in outs.items():  # one stage's output inside another's: running one deletes the other's
+            if out == other or other in out.parents or out in other.parents:
+                raise AstraiError(f"{where}: out {str(stage.out)!r} overlaps the output of stage {owner!r} ({other}); each stage "
+                                  "writes a folder of its own")
+        outs[out] = stage.name
         for read in stage.reads:
             if read.partition("/")[0] not in seen:
                 raise AstraiError(f"{where}: reads {read!r}, which is not a stage before it ({', '.join(seen)})")
@@ -216,6 +231,19 @@ def dvc_yaml() -> str:
         if stage.metrics:
             lines += ["    metrics:"] + [f"      - {stage.out / name}" for name in stage.metrics]
     return "\n".join(lines) + "\n" + DVC_FOOTER
+
+
+def check_own_dvc_yaml(root: Path) -> None:
+    """`astrai dvc-yaml` may write root/dvc.yaml: root is the checkout whose stage table this is (not another DVC
+    project's folder, not an empty one), and a dvc.yaml there is one it wrote; AstraiError saying which is not."""
+    table = root / "tasks/run/table.py"
+    if not (table.is_file() and table.samefile(__file__)):
+        raise AstraiError(f"{root.resolve()}: not the astrai checkout whose stage table this command reads "
+                          f"({Path(__file__).resolve()}); run `astrai dvc-yaml` in that checkout")
+    path = root / "dvc.yaml"
+    if path.is_file() and not path.read_text(errors="replace").startswith(DVC_HEADER.splitlines()[0]):
+        raise AstraiError(f"{path.resolve()}: not written by `astrai dvc-yaml` (its first line is not the table's "
+                          "header); move it away to write the stage table's")
 
 
 def check_dvc_yaml(root: Path) -> None:

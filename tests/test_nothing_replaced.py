@@ -1,0 +1,97 @@
+"""Nothing astrai did not write is replaced: `astrai dvc-yaml` writes only in the checkout whose stage table it reads
+and never over another project's dvc.yaml; a stage table whose outputs overlap is refused before a stage deletes
+another's; a `pretrain.init_from` checkpoint is verified against its manifest before it replaces data/pretrain or
+the run's tokenizer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import re
+
+import pytest
+
+from astrai_core.errors import AstraiError
+from tasks.run import table
+from tasks.run.schema import SECTIONS, Params
+from tasks.run.table import STAGES, Stage, TrainingStage, check_table, dvc_yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+ASTRAI = str(Path(sys.executable).parent / "astrai")
+
+
+def run_astrai(cwd: Path, *args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **({"PYTHONPATH": str(pythonpath)} if pythonpath else {})}
+    return subprocess.run([ASTRAI, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_dvc_yaml_refuses_another_projects_folder_and_leaves_its_dvc_yaml(tmp_path):
+    theirs = "stages:\n  train:\n    cmd: python train.py\n"
+    (tmp_path / "dvc.yaml").write_text(theirs)
+    out = run_astrai(tmp_path, "dvc-yaml")
+    assert out.returncode == 2 and "not the astrai checkout" in out.stderr.splitlines()[-1], out.stderr
+    assert (tmp_path / "dvc.yaml").read_text() == theirs
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = run_astrai(empty, "dvc-yaml")
+    assert out.returncode == 2 and not (empty / "dvc.yaml").exists(), out.stderr
+
+
+def test_dvc_yaml_never_replaces_a_dvc_yaml_it_did_not_write(tmp_path):
+    """In a checkout (a copy, its own table on PYTHONPATH): a dvc.yaml someone wrote by hand stays; the table's own
+    (an older one) is rewritten."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "tasks", repo / "tasks", ignore=shutil.ignore_patterns("__pycache__"))
+    hand = "# my own stages\nstages:\n  train:\n    cmd: python train.py\n"
+    (repo / "dvc.yaml").write_text(hand)
+    out = run_astrai(repo, "dvc-yaml", pythonpath=repo)
+    assert out.returncode == 2 and "not written by `astrai dvc-yaml`" in out.stderr, out.stderr
+    assert (repo / "dvc.yaml").read_text() == hand
+    (repo / "dvc.yaml").write_text(dvc_yaml().replace("      - astrai_core/optim.py\n", "", 1))
+    out = run_astrai(repo, "dvc-yaml", pythonpath=repo)
+    assert out.returncode == 0 and (repo / "dvc.yaml").read_text() == dvc_yaml(), out.stderr
+
+
+@pytest.mark.parametrize("entry, says", [
+    (TrainingStage("polish", strategy="sft", reads=("chat_data",), out=Path("data/sft")),
+     "stage 'polish': out 'data/sft' overlaps the output of stage 'sft' (data/sft)"),
+    (Stage("inner", out=Path("data/chat/inner")), "stage 'inner': out 'data/chat/inner' overlaps the output of stage 'chat_data'"),
+    (Stage("outer", out=Path("data")), "stage 'outer': out 'data' is not a folder under data/"),
+    (Stage("up", out=Path("data/..")), "stage 'up': out 'data/..' is not a folder under data/"),
+    (Stage("a/b"), "stage 'a/b': not a name a stage can have"),
+    (Stage("a: b"), "stage 'a: b': not a name a stage can have"),
+    (Stage(""), "stage '': not a name a stage can have"),
+    (Stage("x\ny"), "stage 'x\\ny': not a name a stage can have"),
+    (Stage(".."), "stage '..': not a name a stage can have"),
+])
+def test_a_stage_whose_output_is_anothers_or_outside_data_is_refused(monkeypatch, entry, says):
+    monkeypatch.setattr(table, "STAGES", (*STAGES[:-2], entry, *STAGES[-2:]))
+    with pytest.raises(AstraiError, match=r"^tasks/run/table.py: " + re.escape(says)):
+        check_table(SECTIONS)
+
+
+def test_init_from_with_broken_weights_replaces_nothing(tmp_path, tiny_trained):
+    """A checkpoint whose model.safetensors was truncated: the tokenizer stage and the pretrain stage (enabled:
+    false, which copies it to data/pretrain) both stop with one line naming the broken file, and the good outputs
+    there stay as they were."""
+    from tasks.stages.runner import _tokenizer as tokenizer_stage
+    from tasks.stages.training import train_stage
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_trained, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    root = tmp_path / "project"
+    for out in ("data/pretrain", "data/tokenizer"):
+        shutil.copytree(tiny_trained, root / out)
+    before = {p: p.read_bytes() for p in sorted((root / "data").rglob("*")) if p.is_file()}
+    params = Params(pretrain={"init_from": str(broken), "enabled": False})
+    with pytest.raises(AstraiError, match=rf"^{weights}: sha256 does not match manifest.json"):
+        train_stage(params, "pretrain", root, on_line=lambda line: None)
+    with pytest.raises(AstraiError, match=rf"{weights}: sha256 does not match manifest.json"):
+        tokenizer_stage(params, root)
+    assert {p: p.read_bytes() for p in sorted((root / "data").rglob("*")) if p.is_file()} == before
