@@ -281,7 +281,8 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
                                                  "names and --host; requests from its web pages (Origin) are accepted "
                                                  "too. '*': any."),
           kv_blocks: Optional[int] = typer.Option(None, help="KV cache blocks in the pool (default: from --kv-memory-mb)."),
-          kv_memory_mb: Optional[float] = typer.Option(None, help="KV cache size in MiB when --kv-blocks is not given."),
+          kv_memory_mb: Optional[float] = typer.Option(None, help="KV cache size in MiB when --kv-blocks is not given "
+                                                       "(default: 256, or two full contexts of the model if more)."),
           block_size: Optional[int] = typer.Option(None, help="Tokens per KV block."),
           max_batch_size: Optional[int] = typer.Option(None, help="Requests decoded together at most."),
           max_waiting: Optional[int] = typer.Option(None, help="Requests queued at most; more are refused with 503."),

@@ -7,8 +7,10 @@ The special tokens take ids 0..6 in the order of SPECIAL_TOKENS, so they are the
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -60,15 +62,62 @@ def read_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """A tokenizer the stages can use: it has astrai's special tokens."""
+    """A tokenizer the stages can use: a model's own with its special_tokens.json beside it (an imported model that
+    brings a chat template keeps its tokenizer as it is), or one with astrai's special tokens."""
     path = Path(path)
     if not path.is_file():
         raise AstraiError(f"{path}: tokenizer file not found; run the tokenizer stage")
     tok = read_tokenizer(path)
-    for name, text in SPECIAL_TOKENS.items():
-        if tok.token_to_id(text) is None:
-            raise AstraiError(f"{path}: tokenizer lacks the special token {text} ({name}); re-run the tokenizer stage")
+    specials(tok, path)  # a model's own: each of its tokens is in the vocabulary
+    if not path.with_name(SPECIALS_FILE).is_file():
+        for name, text in SPECIAL_TOKENS.items():
+            if tok.token_to_id(text) is None:
+                raise AstraiError(f"{path}: tokenizer lacks the special token {text} ({name}); re-run the tokenizer "
+                                  "stage")
     return tok
+
+
+# A model's own special tokens, beside its tokenizer.json: what `astrai import-hf` writes for a model that brings its
+# chat template (from its generation_config.json, config.json and tokenizer_config.json, or the GGUF's metadata), so
+# that it stops where it stops and nothing is added to its vocabulary:
+#     {"bos": "<|im_start|>", "eos": "<|im_end|>", "pad": "<|im_end|>", "stop": ["<|im_end|>"]}
+SPECIALS_FILE = "special_tokens.json"
+
+
+@dataclass(frozen=True)
+class Specials:
+    """The token ids generation, packing and export need, whichever tokenizer it is."""
+
+    eos: int  # ends a document in packed data, and a plain-text completion
+    pad: int
+    stop: tuple[int, ...]  # any of these ends a reply (chat) or a completion: the end of turn and eos
+    bos: int | None = None
+
+
+def specials(tok: Tokenizer, path: str | os.PathLike | None = None) -> Specials:
+    """The special ids of `tok`: from the special_tokens.json beside its file `path` if there is one (a model's
+    own), else astrai's SPECIAL_TOKENS. AstraiError naming the file for a token the vocabulary lacks."""
+    own = Path(path).with_name(SPECIALS_FILE) if path is not None else None
+    if own is None or not own.is_file():
+        ids = {name: tok.token_to_id(text) for name, text in SPECIAL_TOKENS.items()}
+        return Specials(eos=ids["eos"], pad=ids["pad"], stop=(ids["end_of_turn"], ids["eos"]), bos=ids["bos"])
+    try:
+        spec = json.loads(own.read_text(encoding="utf-8"))
+        texts = {"bos": spec.get("bos"), "eos": spec["eos"], "pad": spec.get("pad") or spec["eos"],
+                 "stop": list(spec.get("stop") or [spec["eos"]])}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise AstraiError(f"{own}: expected {{\"eos\": TOKEN, \"stop\": [TOKEN, ...], \"bos\": ..., \"pad\": ...}} "
+                          f"({type(e).__name__}: {e})") from None
+
+    def id_of(key: str, text: str) -> int:
+        i = tok.token_to_id(text) if isinstance(text, str) else None
+        if i is None:
+            raise AstraiError(f"{own}: {key} {text!r} is not a token of {Path(path).name}")
+        return i
+
+    return Specials(eos=id_of("eos", texts["eos"]), pad=id_of("pad", texts["pad"]),
+                    stop=tuple(dict.fromkeys(id_of("stop", t) for t in texts["stop"])),
+                    bos=id_of("bos", texts["bos"]) if texts["bos"] is not None else None)
 
 
 # Just before a space that follows a non-space character, the byte-level pre-tokenizer (the GPT-2 pattern that

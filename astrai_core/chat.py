@@ -23,7 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from astrai_core.errors import AstraiError
-from astrai_core.bpe import SPECIAL_TOKENS, load_tokenizer, special_id
+from astrai_core.bpe import SPECIAL_TOKENS, Specials, load_tokenizer, specials
 
 TEMPLATE_FILE = "chat_template.jinja"
 DEFAULT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end_of_turn|>' }}"
@@ -42,10 +42,13 @@ def compile_template(template: str = DEFAULT_TEMPLATE, source: str = "default te
 
 
 class ChatFormat:
-    def __init__(self, tokenizer: Tokenizer, template: str = DEFAULT_TEMPLATE, source: str = "default template") -> None:
+    def __init__(self, tokenizer: Tokenizer, template: str = DEFAULT_TEMPLATE, source: str = "default template",
+                 special: Specials | None = None) -> None:
         self.tokenizer, self.template_text, self.source = tokenizer, template, source
         self.template = compile_template(template, source)
-        self.stop_ids = (special_id(tokenizer, "end_of_turn"), special_id(tokenizer, "eos"))
+        # The model's own end of turn and eos (an imported model's special_tokens.json), else astrai's
+        self.special = special or specials(tokenizer)
+        self.stop_ids = self.special.stop
         # The tokenizer's special tokens (astrai's SPECIAL_TOKENS, and any an imported tokenizer brings): text that
         # spells one is tokenized as that token, so a message holding it would forge the markup of turns.
         self.control_tokens = tuple(sorted({t.content for t in tokenizer.get_added_tokens_decoder().values()
@@ -71,7 +74,7 @@ class ChatFormat:
         Each turn's tokens are the text its message adds to the rendering; an assistant turn is further split
         after its header (what add_generation_prompt renders). The pieces must tokenize like the whole, which
         holds when turn boundaries are special tokens (checked: a template that breaks it is refused)."""
-        check_messages(messages)
+        check_messages(messages, tokens=self.control_tokens)
         ids: list[int] = []
         mask: list[int] = []
         before = ""
@@ -98,7 +101,7 @@ class ChatFormat:
 
     def encode_prompt(self, messages: Sequence[Message]) -> list[int]:
         """Token ids of the conversation so far plus the assistant header: what generation continues."""
-        check_messages(messages, need_assistant=False)
+        check_messages(messages, need_assistant=False, tokens=self.control_tokens)
         return self._ids(self.render(messages, add_generation_prompt=True))
 
     def decode_reply(self, ids: Sequence[int]) -> str:
@@ -117,14 +120,15 @@ def control_token_in(text: str, tokens: Iterable[str] = SPECIAL_TOKENS.values())
     return next((token for token in tokens if token in text), None)
 
 
-def check_messages(messages: Sequence[Message], need_assistant: bool = True) -> None:
-    """Roles and contents are well formed, and no content smuggles in a special token's text."""
+def check_messages(messages: Sequence[Message], need_assistant: bool = True,
+                   tokens: Iterable[str] = SPECIAL_TOKENS.values()) -> None:
+    """Roles and contents are well formed, and no content smuggles in a special token's text (`tokens`)."""
     if not messages:
         raise AstraiError("a conversation needs at least one message")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise AstraiError(f"message {i}: expected {{'role': one of {ROLES}, 'content': str}}, got {m!r:.80}")
-        if token := control_token_in(m["content"]):
+        if token := control_token_in(m["content"], tokens):
             raise AstraiError(f"message {i}: content contains the special token {token}")
     if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise AstraiError("a training conversation needs at least one assistant turn")
@@ -135,6 +139,7 @@ def load_chat(tokenizer_path: str | os.PathLike) -> ChatFormat:
     tokenizer_path = Path(tokenizer_path)
     tokenizer = load_tokenizer(tokenizer_path)
     template_path = tokenizer_path.with_name(TEMPLATE_FILE)
+    special = specials(tokenizer, tokenizer_path)
     if template_path.is_file():
-        return ChatFormat(tokenizer, template_path.read_text(encoding="utf-8"), str(template_path))
-    return ChatFormat(tokenizer)
+        return ChatFormat(tokenizer, template_path.read_text(encoding="utf-8"), str(template_path), special)
+    return ChatFormat(tokenizer, special=special)

@@ -163,9 +163,8 @@ def export_gguf(ckpt_dir: str | os.PathLike, out: str | os.PathLike, out_type: s
     if an earlier export wrote it, or with `force`; never the checkpoint or a file inside it."""
     import gguf
 
-    from astrai_core.bpe import SPECIAL_TOKENS
     from astrai_core.chat import DEFAULT_TEMPLATE, TEMPLATE_FILE
-    from astrai_core.hf import _rope_parameters  # how NTK folds into the base: the same numbers as model.py
+    from astrai_core.hf import _rope_parameters, special_token_ids  # NTK folded into the base as model.py does
     from astrai_core.io import atomic_path, check_output
     from astrai_core.model_dir import load_model
 
@@ -177,8 +176,8 @@ def export_gguf(ckpt_dir: str | os.PathLike, out: str | os.PathLike, out_type: s
     model, _, cfg = load_model(ckpt_dir)
     arch = gguf_arch(cfg)  # everything is checked before the file is opened
     tokens, token_types, merges = gguf_vocab(_tokenizer_json(ckpt_dir / "tokenizer.json"), cfg.vocab_size)
-    token_ids = {text: i for i, text in enumerate(tokens)}
-    ids = {name: token_ids.get(text) for name, text in SPECIAL_TOKENS.items()}
+    ids = special_token_ids(ckpt_dir / "tokenizer.json")  # the model's own, or astrai's
+    ids["end_of_turn"] = next((i for i in ids["eos_list"] or () if i != ids["eos"]), None)
     template = ckpt_dir / TEMPLATE_FILE
     tensors = gguf_tensors(cfg, model.state_dict())
 

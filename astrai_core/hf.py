@@ -37,6 +37,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from astrai_core.bpe import SPECIALS_FILE
 from astrai_core.chat import DEFAULT_TEMPLATE
 from astrai_core.config import ModelConfig
 from astrai_core.errors import AstraiError
@@ -307,13 +308,20 @@ def _read_hf_config(path: Path) -> dict:
 
 # ---- tokenizer ----
 
-def _special_ids(tokenizer_json: Path) -> dict[str, int | None]:
-    from tokenizers import Tokenizer
+def special_token_ids(tokenizer_json: Path) -> dict:
+    """bos, eos, pad, eos_list (where generation stops: eos first) and their texts, of a checkpoint's tokenizer: the
+    model's own (special_tokens.json) or astrai's, with the role tokens the default template needs (None: absent)."""
+    from astrai_core.bpe import SPECIAL_TOKENS, read_tokenizer, specials
 
-    from astrai_core.bpe import SPECIAL_TOKENS
-
-    tok = Tokenizer.from_file(str(tokenizer_json))
-    return {name: tok.token_to_id(text) for name, text in SPECIAL_TOKENS.items()}
+    tok = read_tokenizer(tokenizer_json)
+    if tokenizer_json.with_name(SPECIALS_FILE).is_file():
+        sp = specials(tok, tokenizer_json)
+        ids = {"bos": sp.bos, "eos": sp.eos, "pad": sp.pad, "eos_list": list(dict.fromkeys((sp.eos, *sp.stop)))}
+    else:
+        ids = {name: tok.token_to_id(text) for name, text in SPECIAL_TOKENS.items()}
+        ids["eos_list"] = [i for i in (ids["eos"], ids["end_of_turn"]) if i is not None] or None
+    ids["texts"] = {name: tok.id_to_token(ids[name]) for name in ("bos", "eos", "pad") if ids[name] is not None}
+    return ids
 
 
 def _load_hf_tokenizer(path: Path):
@@ -367,15 +375,13 @@ def _init_new_rows(cfg: ModelConfig, state: dict[str, torch.Tensor], rows: list[
 def _tokenizer_config(ckpt: Path, cfg: ModelConfig, ids: dict[str, int | None]) -> dict:
     """tokenizer_config.json: the imported one when the checkpoint came from HF, else PreTrainedTokenizerFast over
     tokenizer.json with the astrai special tokens. The chat template comes from chat_template.jinja if present."""
-    from astrai_core.bpe import SPECIAL_TOKENS
-
     if (ckpt / "tokenizer_config.json").is_file():
         out = json.loads((ckpt / "tokenizer_config.json").read_text())
     else:
         out = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_seq_len,
                "clean_up_tokenization_spaces": False,  # decode must give back exactly what tokenizers decodes
-               **{f"{name}_token": SPECIAL_TOKENS[name] for name in ("bos", "eos", "pad") if ids[name] is not None}}
-        if all(ids[n] is not None for n in ("system", "user", "assistant", "end_of_turn")):
+               **{f"{name}_token": text for name, text in ids["texts"].items()}}
+        if all(ids.get(n) is not None for n in ("system", "user", "assistant", "end_of_turn")):
             out["chat_template"] = CHAT_TEMPLATE
     if (ckpt / "chat_template.jinja").is_file():
         out["chat_template"] = (ckpt / "chat_template.jinja").read_text()
@@ -399,9 +405,8 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, force: bo
     check_output(out_dir, EXPORT, force=force, inputs=[ckpt_dir], force_option="--force", folder=True)  # before work
     model, _, cfg = load_model(ckpt_dir)
     hf_model_type(cfg)  # refuse before writing anything
-    ids = _special_ids(ckpt_dir / "tokenizer.json")
-    eos = [i for i in (ids["eos"], ids["end_of_turn"]) if i is not None]
-    generation = {"bos_token_id": ids["bos"], "eos_token_id": eos or None, "pad_token_id": ids["pad"],
+    ids = special_token_ids(ckpt_dir / "tokenizer.json")
+    generation = {"bos_token_id": ids["bos"], "eos_token_id": ids["eos_list"], "pad_token_id": ids["pad"],
                   "do_sample": False}  # greedy, as `astrai generate` with temperature 0
     if (ckpt_dir / "generation_config.json").is_file():  # imported from HF: keep the original and its token ids
         generation = json.loads((ckpt_dir / "generation_config.json").read_text())
@@ -420,15 +425,29 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, force: bo
 
 
 def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False) -> Path:
-    """Write an astrai checkpoint directory `out_dir` from the HF model directory `hf_dir`. An existing `out_dir`
-    is replaced only if it holds an earlier import, or with `force`; never the HF directory itself."""
+    """Write an astrai checkpoint directory `out_dir` from the HF model directory `hf_dir`, or from a GGUF file
+    (astrai_core/gguf_import.py). An existing `out_dir` is replaced only if it holds an earlier import, or with
+    `force`; never the HF directory itself.
+
+    A model that brings a chat template stays itself: its tokenizer byte for byte, nothing added, and its own special
+    tokens (where it stops) in special_tokens.json. A model without one (a base model) gets astrai's special tokens
+    and its default template, as the stages' own models have."""
+    hf_dir = Path(hf_dir)
+    check_output(out_dir, IMPORT, force=force, inputs=[hf_dir], force_option="--force", folder=True)  # before work
+    if hf_dir.suffix == ".gguf" and not hf_dir.is_dir():
+        from astrai_core.gguf_import import gguf_to_hf
+
+        with tempfile.TemporaryDirectory() as tmp:
+            return _import_dir(gguf_to_hf(hf_dir, Path(tmp) / "hf"), out_dir, force, source=hf_dir)
+    return _import_dir(hf_dir, out_dir, force, source=hf_dir)
+
+
+def _import_dir(hf_dir: Path, out_dir: str | os.PathLike, force: bool, source: Path) -> Path:
     from astrai_core.model import Transformer
     from astrai_core.model_dir import check_fits_in_memory, save_checkpoint
 
-    hf_dir = Path(hf_dir)
-    check_output(out_dir, IMPORT, force=force, inputs=[hf_dir], force_option="--force", folder=True)  # before work
     if not (hf_dir / "config.json").is_file():
-        raise AstraiError(f"{hf_dir}: not a Hugging Face model directory (config.json missing)")
+        raise AstraiError(f"{hf_dir}: not a Hugging Face model directory (config.json missing) or a .gguf file")
     if not (hf_dir / "tokenizer.json").is_file():
         raise _refuse_import(hf_dir, "no tokenizer.json (a fast tokenizer file is needed; save the tokenizer with "
                                      "transformers' AutoTokenizer.save_pretrained first)")
@@ -441,13 +460,23 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, force: bool
     check_fits_in_memory(cfg, hf_dir / "config.json", ", ".join(f"{k} {hf.get(k)}" for k in (
         "hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")))
     state = from_hf_state(cfg, _read_safetensors(hf_dir))
-    n_known = _tokenizer_size(tok)
-    added, reused = _add_special_tokens(tok)
+    template = _chat_template(hf_dir)
     hf_vocab_size = cfg.vocab_size
-    rows = sorted(set(added.values()) | {i for i in reused.values() if i >= cfg.vocab_size})
-    if rows:
-        cfg = _init_new_rows(cfg, state, rows, n_known)
-    report = {"special_tokens_added": added, "special_tokens_reused": reused,
+    if template is not None:  # the model stays itself: nothing added
+        own = _own_special_tokens(hf_dir, hf, tok)
+        _check_template(tok, template, own, hf_dir)
+        added, reused, rows = {}, {}, []
+    else:
+        own = None
+        n_known = _tokenizer_size(tok)
+        added, reused = _add_special_tokens(tok)
+        rows = sorted(set(added.values()) | {i for i in reused.values() if i >= cfg.vocab_size})
+        if rows:
+            cfg = _init_new_rows(cfg, state, rows, n_known)
+    if _tokenizer_size(tok) > cfg.vocab_size:
+        raise _refuse_import(hf_dir / "tokenizer.json", f"ids up to {_tokenizer_size(tok) - 1}, beyond the model's "
+                                                         f"vocab_size {cfg.vocab_size}")
+    report = {"special_tokens_added": added, "special_tokens_reused": reused, "special_tokens": own,
               "vocab_size": {"hf": hf_vocab_size, "astrai": cfg.vocab_size}, "mean_initialized_rows": rows}
     model = Transformer(cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -455,18 +484,84 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, force: bool
     if missing or unexpected:
         raise _refuse_import(hf_dir, f"weights do not match config.json (missing {missing[:4]}, unexpected {unexpected[:4]})")
     with tempfile.TemporaryDirectory() as tmp:
-        extra_files = []
-        for name in ("tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
-            if (hf_dir / name).is_file():
-                extra_files.append(hf_dir / name)
-        config = json.loads((hf_dir / "tokenizer_config.json").read_text()) if (hf_dir / "tokenizer_config.json").is_file() else {}
-        if isinstance(config.get("chat_template"), str) and not (hf_dir / "chat_template.jinja").is_file():
-            (Path(tmp) / "chat_template.jinja").write_text(config["chat_template"])
-            extra_files.append(Path(tmp) / "chat_template.jinja")
-        tokenizer_path = hf_dir / "tokenizer.json"  # byte for byte when it already had every special token
+        extra_files = [hf_dir / name for name in ("tokenizer_config.json", "generation_config.json")
+                       if (hf_dir / name).is_file()]
+        tokenizer_path = hf_dir / "tokenizer.json"  # byte for byte when nothing was added
         if tok.to_str() != _load_hf_tokenizer(tokenizer_path).to_str():
             tokenizer_path = Path(tmp) / "tokenizer.json"
             tok.save(str(tokenizer_path))
-        return save_checkpoint(out_dir, model, cfg, tokenizer_path, kind=IMPORT, force=force, inputs=[hf_dir],
-                               extra={"imported_from": str(hf_dir.resolve()), "hf_model_type": hf["model_type"],
+        else:  # beside it, so that save_checkpoint carries the chat format and the special tokens along
+            shutil.copyfile(hf_dir / "tokenizer.json", Path(tmp) / "tokenizer.json")
+            tokenizer_path = Path(tmp) / "tokenizer.json"
+        if template is not None:
+            (Path(tmp) / "chat_template.jinja").write_text(template)
+            write_json(Path(tmp) / SPECIALS_FILE, own)
+        return save_checkpoint(out_dir, model, cfg, tokenizer_path, kind=IMPORT, force=force, inputs=[source],
+                               extra={"imported_from": str(source.resolve()), "hf_model_type": hf["model_type"],
                                       **report}, files=extra_files)
+
+
+def _chat_template(hf_dir: Path) -> str | None:
+    """The model's own chat template: chat_template.jinja, else tokenizer_config.json's chat_template (a string, or
+    transformers' list of named templates: the one named "default")."""
+    if (hf_dir / "chat_template.jinja").is_file():
+        return (hf_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    config = _read_hf_config(hf_dir / "tokenizer_config.json") if (hf_dir / "tokenizer_config.json").is_file() else {}
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) and template.strip() else None
+
+
+def _own_special_tokens(hf_dir: Path, hf: dict, tok) -> dict:
+    """The model's own special tokens as texts (special_tokens.json, astrai_core/bpe.py): where it stops (the eos
+    ids of generation_config.json, else config.json's: often a list), its end of text, bos and pad; AstraiError
+    naming the file and key for an id or token the tokenizer lacks."""
+    files = {name: _read_hf_config(hf_dir / name) if (hf_dir / name).is_file() else {}
+             for name in ("generation_config.json", "tokenizer_config.json")}
+    files["config.json"] = hf
+
+    def text(file: str, key: str, value) -> str | None:
+        """A token's text from its id or text (or transformers' AddedToken as JSON), checked against tok."""
+        value = value.get("content") if isinstance(value, dict) else value
+        if value is None:
+            return None
+        if isinstance(value, str) and tok.token_to_id(value) is not None:
+            return value
+        if isinstance(value, int) and not isinstance(value, bool) and tok.id_to_token(value) is not None:
+            return tok.id_to_token(value)
+        raise _refuse_import(hf_dir / file, f"{key} {value!r} is not a token of tokenizer.json's vocabulary")
+
+    def one(file: str, key: str) -> str | None:
+        return text(file, key, files[file].get(key))
+
+    def stops(file: str) -> list[str]:
+        value = files[file].get("eos_token_id")
+        return [text(file, "eos_token_id", v) for v in (value if isinstance(value, list) else [value]) if v is not None]
+
+    stop = stops("generation_config.json") or stops("config.json")
+    eos = one("tokenizer_config.json", "eos_token") or (stop[0] if stop else None)
+    if eos is None:
+        raise _refuse_import(hf_dir, "no end of turn: neither generation_config.json, config.json nor "
+                                     "tokenizer_config.json names an eos token")
+    bos = one("tokenizer_config.json", "bos_token") or one("config.json", "bos_token_id")
+    pad = one("tokenizer_config.json", "pad_token") or one("config.json", "pad_token_id") or eos
+    return {"bos": bos, "eos": eos, "pad": pad, "stop": list(dict.fromkeys(stop or [eos]))}
+
+
+def _check_template(tok, template: str, own: dict, hf_dir: Path) -> None:
+    """The template renders a conversation whose turns can be masked (SFT's loss on the assistant's turns only):
+    refused now, in one line, rather than at the first training stage."""
+    from astrai_core.bpe import Specials
+    from astrai_core.chat import ChatFormat
+
+    special = Specials(eos=tok.token_to_id(own["eos"]), pad=tok.token_to_id(own["pad"]),
+                       stop=tuple(tok.token_to_id(t) for t in own["stop"]))
+    chat = ChatFormat(tok, template, f"{hf_dir}: chat template", special)
+    conversation = [{"role": "user", "content": "Is the sky blue?"},
+                    {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "And grass?"},
+                    {"role": "assistant", "content": "Green."}]
+    _, mask = chat.encode(conversation)
+    if not any(mask):
+        raise AstraiError(f"{hf_dir}: chat template: a conversation renders with no assistant tokens to train on")

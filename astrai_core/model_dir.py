@@ -36,7 +36,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from astrai_core.bpe import read_tokenizer
+from astrai_core.bpe import SPECIALS_FILE, read_tokenizer
 from astrai_core.config import ModelConfig
 from astrai_core.errors import AstraiError
 from astrai_core.io import CHECKPOINT, atomic_path, sha256_file, write_json
@@ -83,9 +83,9 @@ def save_checkpoint(
             save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         write_json(tmp / "config.json", model_cfg.model_dump())
         shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
-        template = Path(tokenizer_path).with_name("chat_template.jinja")  # the chat format goes with its tokenizer
-        if template.is_file():
-            shutil.copyfile(template, tmp / template.name)
+        for name in ("chat_template.jinja", SPECIALS_FILE):  # the chat format and its special tokens go with it
+            if (beside := Path(tokenizer_path).with_name(name)).is_file():
+                shutil.copyfile(beside, tmp / name)
         if train_config is not None:
             write_json(tmp / "train_config.json", train_config.model_dump())
         if train_state is not None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator, Sequence
 
-from astrai_core.bpe import SPECIAL_TOKENS, special_id
 from astrai_core.chat import ChatFormat
 from astrai_core.engine import EngineClient, SamplingParams
 from astrai_core.errors import AstraiError
@@ -66,7 +65,6 @@ class ServedModel:
         self.names = (model_id, *[a for a in aliases if a != model_id])
         self.created = int(time.time())
         self.context = engine.context_length
-        self.eos = (special_id(self.tokenizer, "eos"),)  # a plain-text completion ends at end-of-text
         self.relay = EventRelay()
         engine.after_step.append(self.relay.flush)
         self.registry, self.ttft = metrics_registry(engine)
@@ -93,12 +91,14 @@ class ServedModel:
             raise ApiError(400, f"prompt has more than {self.context} tokens ({size} bytes of text, at most "
                                 f"{self.max_token_bytes} per token); the context is {self.context}", param=field)
 
-    def completion_stop_ids(self, stops: Sequence[str]) -> tuple[int, ...]:
-        """Where a plain-text completion stops: at end-of-text, and at each special token a stop string spells out
+    def completion_stop_ids(self, stops: Sequence[str], ignore_eos: bool = False) -> tuple[int, ...]:
+        """Where a plain-text completion stops: where the model stops (its end of turn and end of text, as a
+        generation_config eos list does in transformers and vLLM), and at each special token a stop string spells out
         (as vLLM does). Special tokens are not emitted as text (TextStream skips them), so a stop string such as
         lm-eval's until "<|end_of_turn|>" could never match the reply's text: the engine stops at the token, as it
         stops a chat reply at the end of its turn."""
-        return self.eos + self.chat.special_ids(stops)
+        own = () if ignore_eos else self.chat.stop_ids  # ignore_eos: vLLM's option, only `stop` and the length
+        return tuple(dict.fromkeys(own + self.chat.special_ids(stops)))
 
     def chat_prompt(self, messages: list[dict], field: str) -> list[int]:
         """Messages ({"role", "content"}) in the chat template, ready for the assistant's turn."""
@@ -139,8 +139,9 @@ class ServedModel:
     def tokenizer_info(self) -> dict:
         """GET /tokenizer_info: the fields of vLLM's answer that clients read (lm-evaluation-harness's remote
         tokenizer reads the special tokens and the chat template), as in an exported tokenizer_config.json."""
-        special = {f"{name}_token": text for name, text in SPECIAL_TOKENS.items() if name in ("bos", "eos", "pad")
-                   and self.tokenizer.token_to_id(text) is not None}
+        sp = self.chat.special  # the model's own (an imported model's), else astrai's
+        special = {f"{name}_token": self.tokenizer.id_to_token(i) for name, i in (("bos", sp.bos), ("eos", sp.eos),
+                                                                                ("pad", sp.pad)) if i is not None}
         return {"tokenizer_class": "PreTrainedTokenizerFast", **special, "chat_template": self.chat.template_text,
                 "model_max_length": self.context, "vocab_size": self.tokenizer.get_vocab_size()}
 

@@ -39,7 +39,7 @@ async def completions(request: Request):
     prompts = [completion_prompt_ids(served, p) for p in body.prompts]
     # OpenAI's default for the legacy completions endpoint is 16 tokens.
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
-    stop_ids = served.completion_stop_ids(body.stop)
+    stop_ids = served.completion_stop_ids(body.stop, body.ignore_eos)
     if body.stream:
         sub = served.submit(prompts[0], body, max_tokens, stop_ids, "prompt")
         return await respond(request, served, body, prompts[0], sub, started, "text")

@@ -160,6 +160,7 @@ IMPORTS = {
 
 
 def save_hf(tmp_path, tokenizer_path, config):
+    config.bos_token_id, config.eos_token_id = 0, 1  # its tokenizer's <|begin_of_text|>, <|end_of_text|>
     torch.manual_seed(0)
     hf_model = perturbed(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
     hf_dir = tmp_path / "hf"

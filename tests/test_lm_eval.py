@@ -199,10 +199,11 @@ def test_in_process_lm_eval_equals_the_http_route(setup, http_run):
     """The evaluate stage's route (tasks/evaluation/lm_eval_adapter.py: lm-eval's simple_evaluate on an LM over the
     loaded model, no server) gives what `lm_eval --model local-completions` got from `astrai serve` on the same items:
     every request's loglikelihood, every document's, every greedy reply, and every reported score."""
+    from astrai_core.chat import ChatFormat
     from tasks.evaluation.lm_eval_adapter import run_tasks, scores
 
     results, samples, _ = http_run
-    ours = run_tasks(setup["model"], setup["tokenizer"], list(FILES), setup["root"] / "run/evals/lm_eval_tasks/data",
+    ours = run_tasks(setup["model"], ChatFormat(setup["tokenizer"]), list(FILES), setup["root"] / "run/evals/lm_eval_tasks/data",
                      batch_size=8)
     replies = 0
     for task in FILES:

@@ -172,7 +172,7 @@ def test_promote_into_a_target_without_champion_still_applies_the_gates_absolute
     # A version that learned a task passes it, and the line says so.
     line = promote(client, "models:/g/1", "g-empty2")
     assert line.endswith("now g-empty2@champion; g-empty2 has no champion; passes the register gate's absolute rule "
-                         "(a task better than chance)"), line
+                         "(a task better than chance, no forgetting)"), line
 
 
 def test_promote_checks_the_names_before_anything_is_written(registry, client):

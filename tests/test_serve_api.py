@@ -155,10 +155,16 @@ def _offline_chat(served, messages: list[dict], max_tokens: int) -> tuple[str, l
     return chat.decode_reply(out), prompt, out
 
 
-def _offline_text(served, prompt: str, max_tokens: int) -> tuple[str, list[int]]:
+# vLLM's ignore_eos: a completion that runs to max_tokens past the model's own stop (the tiny chat model ends a plain
+# completion's "turn" within a few words), for the tests of lengths, streams and cancellation.
+LONG = {"ignore_eos": True}
+
+
+def _offline_text(served, prompt: str, max_tokens: int, ignore_eos: bool = True) -> tuple[str, list[int]]:
+    """(text, ids) of greedy generate alone, as a completion: past the model's stop with ignore_eos, else up to it."""
     tok = served["tokenizer"]
     ids = tok.encode(prompt, add_special_tokens=False).ids
-    out = generate(served["model"], ids, max_tokens, stop_ids=(special_id(tok, "eos"),))
+    out = generate(served["model"], ids, max_tokens, stop_ids=() if ignore_eos else served["chat"].stop_ids)
     return tok.decode(out), out
 
 
@@ -234,18 +240,29 @@ def test_chat_streaming_with_usage(served, oai):
 
 def test_completions_plain_text_equal_offline(served, oai):
     text, out = _offline_text(served, "the king", 24)
-    r = oai.completions.create(model=MODEL_ID, prompt="the king", max_tokens=24, temperature=0)
+    r = oai.completions.create(model=MODEL_ID, prompt="the king", max_tokens=24, temperature=0, extra_body=LONG)
     assert r.object == "text_completion" and r.choices[0].text == text
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 24
     streamed = list(oai.completions.create(model=MODEL_ID, prompt="the king", max_tokens=24, temperature=0,
-                                           stream=True))
+                                           stream=True, extra_body=LONG))
     assert "".join(c.choices[0].text for c in streamed) == text
     assert streamed[-1].choices[0].finish_reason == "length"
     # Without max_tokens, 16 tokens as in OpenAI's API.
-    assert oai.completions.create(model=MODEL_ID, prompt="the king", temperature=0).usage.completion_tokens == 16
+    assert oai.completions.create(model=MODEL_ID, prompt="the king", temperature=0, extra_body=LONG).usage.completion_tokens == 16
     # Token ids as the prompt, as the OpenAI API allows.
     ids = served["tokenizer"].encode("the king", add_special_tokens=False).ids
-    assert oai.completions.create(model=MODEL_ID, prompt=ids, max_tokens=24, temperature=0).choices[0].text == text
+    assert oai.completions.create(model=MODEL_ID, prompt=ids, max_tokens=24, temperature=0, extra_body=LONG).choices[0].text == text
+
+
+def test_a_completion_stops_where_the_model_stops(served, oai):
+    """Issue 49: the model's end of turn ends a plain completion too (as a generation_config eos list does in
+    transformers and vLLM), not hidden and run past into invented turns; ignore_eos runs on."""
+    text, out = _offline_text(served, "the king", 24, ignore_eos=False)
+    assert out[-1] in served["chat"].stop_ids and len(out) < 24, out  # the tiny chat model ends its "turn"
+    r = oai.completions.create(model=MODEL_ID, prompt="the king", max_tokens=24, temperature=0)
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == (text, "stop", len(out))
+    r = oai.completions.create(model=MODEL_ID, prompt="the king", max_tokens=24, temperature=0, extra_body=LONG)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 24
 
 
 def _split_stop(served, text_ids: list[int]) -> tuple[str, str]:
@@ -265,10 +282,12 @@ def _split_stop(served, text_ids: list[int]) -> tuple[str, str]:
 def test_stop_string_split_across_tokens_is_never_returned_or_streamed(served, oai, claude):
     _, out = _offline_text(served, "the king", 24)
     stop, before = _split_stop(served, out)
-    r = oai.completions.create(model=MODEL_ID, prompt="the king", max_tokens=24, temperature=0, stop=[stop, "zzz"])
+    r = oai.completions.create(model=MODEL_ID, prompt="the king", max_tokens=24, temperature=0, stop=[stop, "zzz"],
+                               extra_body=LONG)
     assert r.choices[0].text == before and r.choices[0].finish_reason == "stop"
     pieces = [c.choices[0].text for c in oai.completions.create(model=MODEL_ID, prompt="the king", max_tokens=24,
-                                                                 temperature=0, stop=stop, stream=True)]
+                                                                 temperature=0, stop=stop, stream=True,
+                                                                 extra_body=LONG)]
     assert "".join(pieces) == before  # nothing of the stop string went out, not even its first characters
     # Chat and Anthropic messages: the same rule, Anthropic reports which sequence stopped it.
     text, _, ids = _offline_chat(served, USER, 40)
@@ -302,8 +321,11 @@ def test_a_stop_string_that_is_a_special_tokens_text_stops_at_that_token(served,
     pieces = [c.choices[0].text for c in oai.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=16,
                                                                  temperature=0, stop="<|end_of_turn|>", stream=True)]
     assert "".join(pieces) == text
-    # Without it a completion stops only at end-of-text: the reply runs on into the next turn.
+    # Without it a completion stops there too (the model's own stop, issue 49); with ignore_eos it runs on into the
+    # next turn.
     r = oai.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=16, temperature=0)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (text, "stop")
+    r = oai.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=16, temperature=0, extra_body=LONG)
     assert r.choices[0].text.startswith(text) and r.choices[0].text != text and r.usage.completion_tokens > len(out)
 
 
@@ -357,7 +379,7 @@ def test_seeded_sampling_is_reproducible(oai, claude):
 def test_concurrent_requests_equal_solo_outputs(served, server):
     prompts = ["the king", "my lady waits for the horse in the rain", "ghost", "the fool and the lord of the castle",
                "sword", "your brother was in the night and the sun", "queen", "the people"]
-    expected = [_offline_text(served, p, 30)[0] for p in prompts]
+    expected = [_offline_text(served, p, 30, ignore_eos=False)[0] for p in prompts]
 
     async def run():
         client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=60)
@@ -377,7 +399,7 @@ def test_compiled_server_gives_what_generate_gives(served, tmp_path):
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         for prompt in ("the king", "my lady waits for the horse in the rain", "ghost"):
-            expected = _offline_text(served, prompt, 30)[0]
+            expected = _offline_text(served, prompt, 30, ignore_eos=False)[0]
             assert client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=30,
                                              temperature=0).choices[0].text == expected
             chunks = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=30, temperature=0,
@@ -449,7 +471,7 @@ def test_echoed_prompt_logprobs_sum_to_the_offline_score(served, server):
 
 def test_generated_tokens_top_logprob_is_the_greedy_token(served, server):
     text, out = _offline_text(served, "the king", 20)
-    r = _complete(server, prompt="the king", max_tokens=20, logprobs=5)
+    r = _complete(server, prompt="the king", max_tokens=20, logprobs=5, **LONG)
     choice = r.json()["choices"][0]
     lp = choice["logprobs"]
     assert choice["text"] == text and len(lp["tokens"]) == len(out) == 20
@@ -553,7 +575,8 @@ def _wait_idle(url: str, timeout: float = 20) -> dict:
 
 def test_client_disconnect_mid_stream_frees_slot_and_blocks(server, oai):
     before = _wait_idle(server)
-    stream = oai.completions.create(model=MODEL_ID, prompt="the king", max_tokens=180, temperature=0, stream=True)
+    stream = oai.completions.create(model=MODEL_ID, prompt="the king", max_tokens=180, temperature=0, stream=True,
+                                  extra_body=LONG)
     chunks = iter(stream)
     next(chunks), next(chunks)
     assert _metrics(server)["astrai_kv_blocks_used"] > 0
@@ -562,7 +585,7 @@ def test_client_disconnect_mid_stream_frees_slot_and_blocks(server, oai):
     generated = after["astrai_generation_tokens_total"] - before["astrai_generation_tokens_total"]
     assert generated < 180, "the request ran to its end instead of being cancelled"
     # A non-streaming request whose client goes away is cancelled too.
-    body = json.dumps({"model": MODEL_ID, "prompt": "the king", "max_tokens": 180, "temperature": 0}).encode()
+    body = json.dumps({"model": MODEL_ID, "prompt": "the king", "max_tokens": 180, "temperature": 0, **LONG}).encode()
     host, port = server.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as conn:
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -576,7 +599,7 @@ def test_client_disconnect_mid_stream_frees_slot_and_blocks(server, oai):
 def test_queue_full_is_503(server):
     async def run():
         async with httpx.AsyncClient(timeout=60, headers={"authorization": f"Bearer {KEY}"}) as client:
-            body = {"model": MODEL_ID, "prompt": "the king", "max_tokens": 150, "temperature": 0}
+            body = {"model": MODEL_ID, "prompt": "the king", "max_tokens": 150, "temperature": 0, **LONG}
             # 4 batch slots and 8 queue places: 64 requests at once cannot all be taken (20 could, with the engine
             # in its own process finishing the first ones while the event loop still reads the last).
             return await asyncio.gather(*(client.post(f"{server}/v1/completions", json=body) for _ in range(64)))
@@ -703,7 +726,7 @@ def test_engine_failure_turns_health_503_and_requests_fail_cleanly(served):
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
 
         async def in_flight_when_it_dies():  # one streaming and one plain request, both running at step 20
-            body = {"model": MODEL_ID, "prompt": "the king", "max_tokens": 150, "temperature": 0}
+            body = {"model": MODEL_ID, "prompt": "the king", "max_tokens": 150, "temperature": 0, **LONG}
             async with httpx.AsyncClient(timeout=60) as client:
                 async def stream():
                     async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
@@ -734,7 +757,7 @@ def test_a_killed_engine_process_ends_the_open_requests_and_the_server_exits_non
         ps = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True, text=True)
         children = [line.split()[0] for line in ps.stdout.splitlines() if "spawn_main" in line]
         assert len(children) == 1, ps.stdout  # the engine's process (beside multiprocessing's resource tracker)
-        body = {"model": MODEL_ID, "prompt": "the king", "max_tokens": 150, "temperature": 0, "stream": True}
+        body = {"model": MODEL_ID, "prompt": "the king", "max_tokens": 150, "temperature": 0, **LONG, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")  # generating

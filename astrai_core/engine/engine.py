@@ -43,7 +43,9 @@ class EngineConfig:
     max_batch_size: int = 64
     block_size: int = 16  # tokens per KV block
     kv_blocks: int | None = None  # blocks in the pool; None: as many as kv_memory_mb holds
-    kv_memory_mb: float = 256.0
+    # None: 256 MiB, or two full contexts where the model's context needs more (a published model's 8k context), so
+    # that any model serves with no sizing option and one long request never holds the whole pool
+    kv_memory_mb: float | None = None
     prefill_chunk: int = 64  # prompt tokens prefilled per step per newcomer (chunked prefill)
     max_waiting: int = 256  # queue bound; submit raises QueueFull beyond it
     prefix_cache: bool = True
@@ -63,7 +65,7 @@ class EngineConfig:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be at least 1")
         if self.kv_blocks is not None and self.kv_blocks < 1:
             raise ValueError(f"kv_blocks ({self.kv_blocks}) must be at least 1")
-        if self.kv_memory_mb <= 0:
+        if self.kv_memory_mb is not None and self.kv_memory_mb <= 0:
             raise ValueError(f"kv_memory_mb ({self.kv_memory_mb}) must be positive")
 
     def check_waiting(self, waiting: int) -> None:
@@ -93,6 +95,7 @@ def run_listeners(listeners: list[Callable[[], None]]) -> None:
             log.exception("after_step listener %r raised", listener)
 
 
+DEFAULT_KV_MEMORY_MB = 256
 TTFT_KEPT = 1024  # recent time-to-first-token values kept for stats()
 
 
@@ -102,7 +105,9 @@ class Engine:
         cfg = self.config
         self.context_length, self.vocab_size = model.cfg.max_seq_len, model.cfg.vocab_size
         block_bytes = bytes_per_block(model, cfg.block_size)
-        num_blocks = cfg.kv_blocks or int(cfg.kv_memory_mb * 2**20 // block_bytes)
+        per_context = -(-self.context_length // cfg.block_size)
+        num_blocks = cfg.kv_blocks or (int(cfg.kv_memory_mb * 2**20 // block_bytes) if cfg.kv_memory_mb else
+                                       max(DEFAULT_KV_MEMORY_MB * 2**20 // block_bytes, 2 * per_context))
         if num_blocks * cfg.block_size < self.context_length:  # else a long request could never be admitted
             raise ValueError(f"the KV pool ({num_blocks} blocks of {cfg.block_size} tokens) must hold at least one "
                              f"full context ({self.context_length} tokens): raise kv_blocks or kv_memory_mb")

@@ -83,6 +83,8 @@ class CompletionBody(OpenAIBody):
     # `logprobs` most likely tokens at each position. OpenAI allows up to 5; vLLM up to its max_logprobs (20).
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    # vLLM's extension: generate on past the model's end of turn and end of text (only `stop` and max_tokens end it)
+    ignore_eos: bool = False
     suffix: str | None = None
     best_of: int | None = None
 

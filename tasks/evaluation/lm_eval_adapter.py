@@ -27,7 +27,6 @@ import torch
 import yaml
 from tokenizers import Tokenizer
 
-from astrai_core.bpe import special_id
 from astrai_core.chat import ChatFormat
 from astrai_core.errors import AstraiError
 from astrai_core.generate import generate_batch
@@ -48,13 +47,13 @@ from lm_eval import utils as lm_utils  # noqa: E402
 class AstraiLM(TemplateLM):
     """An lm-eval model over a loaded astrai Transformer and its tokenizer; batch_size requests per forward."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer, batch_size: int = 16,
+    def __init__(self, model: torch.nn.Module, chat: ChatFormat, batch_size: int = 16,
                  max_gen_toks: int = 64) -> None:
         super().__init__()
-        self.model, self.tokenizer, self.batch_size, self.max_gen_toks = model, tokenizer, batch_size, max_gen_toks
+        self.model, self.tokenizer, self.batch_size, self.max_gen_toks = model, chat.tokenizer, batch_size, max_gen_toks
         self.max_length = model.cfg.max_seq_len
-        self._eos = special_id(tokenizer, "eos")
-        self._chat = ChatFormat(tokenizer)
+        self._eos = chat.special.eos
+        self._chat = chat
 
     @property
     def eot_token_id(self) -> int:
@@ -113,7 +112,8 @@ class AstraiLM(TemplateLM):
             groups.setdefault((tuple(until), int(kwargs.get("max_gen_toks", self.max_gen_toks))), []).append(i)
         for (until, max_new), members in groups.items():
             max_new = min(max_new, self.max_length - 1)
-            stop_ids = (self._eos,) + self._chat.special_ids(until)  # ServedModel.completion_stop_ids
+            stop_ids = tuple(dict.fromkeys(self._chat.stop_ids + self._chat.special_ids(until)))  # as served:
+            # ServedModel.completion_stop_ids
             prompts = [self.tok_encode(requests[i].args[0])[-(self.max_length - max_new):] or [self._eos]
                        for i in members]
             for first in range(0, len(members), self.batch_size):
@@ -143,7 +143,7 @@ def task_configs(names: Sequence[str], data_dir: Path) -> list[dict]:
     return configs
 
 
-def run_tasks(model: torch.nn.Module, tokenizer: Tokenizer, names: Sequence[str], data_dir: Path,
+def run_tasks(model: torch.nn.Module, chat: ChatFormat, names: Sequence[str], data_dir: Path,
               batch_size: int = 16) -> dict:
     """lm-eval's simple_evaluate of the named tasks on the model, in process -> its results (with the samples)."""
     from lm_eval import simple_evaluate
@@ -152,7 +152,7 @@ def run_tasks(model: torch.nn.Module, tokenizer: Tokenizer, names: Sequence[str]
 
     tasks = [ConfigurableTask(config=c) for c in task_configs(names, data_dir)]
     # A task manager without lm-eval's own task index: building that reads its ~14,000 YAML files (30 s).
-    return simple_evaluate(model=AstraiLM(model, tokenizer, batch_size), tasks=tasks, log_samples=True,
+    return simple_evaluate(model=AstraiLM(model, chat, batch_size), tasks=tasks, log_samples=True,
                            bootstrap_iters=0, task_manager=TaskManager(include_defaults=False))
 
 

@@ -25,6 +25,12 @@ METRICS: dict[str, tuple[str, str]] = {
 # learned no task (tasks/stages/register.py no_skill). An exact answer is never guessed; a preference pair is a
 # coin flip.
 CHANCE: dict[str, float] = {"task_accuracy": 0.0, "pass_at_1": 0.0, "pass_at_k": 0.0, "preference_accuracy": 0.5}
+# Which task metrics measure the same skill: giving exact answers (greedy or sampled), or preferring the right one.
+# A champion chosen by one must beat chance on its own family (a model that prefers right answers it never gives
+# has not learned to answer).
+TASK_FAMILY: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("task_accuracy", "pass_at_1", "pass_at_k"), ("task_accuracy", "pass_at_1", "pass_at_k")),
+    "preference_accuracy": ("preference_accuracy",)}
 
 
 def better(metric: str, a: float, b: float) -> bool:

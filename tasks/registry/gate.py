@@ -9,7 +9,7 @@ import mlflow
 from mlflow.exceptions import MlflowException
 
 from astrai_core.scoring import paired_difference
-from tasks.evaluation.metrics import CHANCE, MAX_FORGETTING, METRICS, better
+from tasks.evaluation.metrics import CHANCE, MAX_FORGETTING, METRICS, TASK_FAMILY, better
 
 # A version's tag `registration`: "pending" from its creation until its aliases are decided, then "done". A version
 # left pending (the stage was killed in between) is finished by the next registration of the same weights.
@@ -22,6 +22,10 @@ REGISTRATION, PENDING = "registration", "pending"
 # (astrai_core.scoring.paired_difference); else, for accuracies, their own 95% intervals must not overlap; test
 # bits/char may regress by MAX_FORGETTING at most, evaluate's forgetting rule (it has no interval).
 GUARDED = ("test_bits_per_char", "task_accuracy", "preference_accuracy")
+# The relative change of test bits/char from the model the chain started from (pretrain: trained here, or the
+# published model pretrain.init_from names) to this one: a version carries it as a tag, and one beyond
+# MAX_FORGETTING is never champion (no_skill), whatever else it learned.
+CHAIN_START, FORGETTING = "pretrain", "forgetting"
 GATE_ITEMS = "registration_items.json"  # the version's per-item results, logged with its registration run
 
 
@@ -29,6 +33,9 @@ def gate_record(metrics: dict, items: dict, stage: str) -> dict:
     """What the gate knows of one model: its held-out metrics with their intervals, its per-item results and which
     items they are (evaluate's items.json)."""
     values = {k.removeprefix(f"{stage}/"): v for k, v in metrics.items() if k.startswith(f"{stage}/")}
+    start = metrics.get(f"{CHAIN_START}/test_bits_per_char")
+    if stage != CHAIN_START and start and "test_bits_per_char" in values:  # evaluate's forgetting rule, as a value
+        values[FORGETTING] = values["test_bits_per_char"] / start - 1
     return {"values": values, "items": {m: r[stage] for m, r in items.items() if isinstance(r, dict) and stage in r
                                          and m in METRICS},
             "item_sets": items.get("item_sets", {})}
@@ -63,8 +70,9 @@ def champion_record(client: mlflow.MlflowClient, name: str, alias: str = "champi
 def version_record(mv) -> dict:
     """gate_record of a registered version, from its tags and its registration run's GATE_ITEMS (none when it was
     registered without them: its own intervals only). A copy (`astrai promote`) keeps the tags, so the same."""
-    record = {"values": {k: float(v) for k, v in mv.tags.items() if k in METRICS or k.rsplit("_", 1)[0] in METRICS
-                         and k.endswith(("_low", "_high"))}, "items": {}, "item_sets": {}}
+    record = {"values": {k: float(v) for k, v in mv.tags.items() if k in METRICS or k == FORGETTING
+                         or k.rsplit("_", 1)[0] in METRICS and k.endswith(("_low", "_high"))},
+              "items": {}, "item_sets": {}}
     run_id = mv.tags.get("mlflow_run_id")
     if run_id:
         try:
@@ -122,14 +130,22 @@ def gate(metric: str, new: dict, old: dict) -> tuple[bool, str]:
 
 
 def no_skill(metric: str, values: dict) -> str | None:
-    """Why a model chosen by a task metric (`metric` in metrics.CHANCE) with these held-out metrics must not be
-    champion: every task metric it has is no better than chance (its 95% interval reaches chance; without one, its
-    value), e.g. a quick run's 0.000 on every task. None when one task is beaten, or when `metric` is not a task's
-    (register.metric: test_bits_per_char crowns on language modeling alone)."""
-    tasks = [m for m in CHANCE if m in values]
-    if metric not in CHANCE or any(values.get(f"{m}_low", values[m]) > CHANCE[m] for m in tasks):
+    """Why a model with these held-out metrics must never be champion, or None. The gate's absolute rule, which
+    needs no champion to compare with: the model forgets (test bits/char more than MAX_FORGETTING above the chain's
+    start: FORGETTING), or, chosen by a task metric (`metric` in metrics.CHANCE), it beats chance on no metric of
+    that metric's own family (its 95% interval reaches chance; without one, its value), e.g. a quick run's 0.000 on
+    every task, or a model that prefers the right answer but never gives it. register.metric: test_bits_per_char
+    crowns on language modeling alone (the forgetting rule still holds)."""
+    if values.get(FORGETTING, 0.0) > MAX_FORGETTING:
+        return (f"it forgets: test bits/char {values[FORGETTING]:+.1%} over the model its chain started from (more "
+                f"than {MAX_FORGETTING:.0%}; evaluate's forgetting rule)")
+    if metric not in CHANCE:
+        return None
+    tasks = [m for m in TASK_FAMILY[metric] if m in values]
+    if any(values.get(f"{m}_low", values[m]) > CHANCE[m] for m in tasks):
         return None
     scores = ", ".join(f"{m} {values[m]:.3f}" + (f" [{values[f'{m}_low']:.3f}, {values[f'{m}_high']:.3f}]"
                                                   if f"{m}_low" in values and f"{m}_high" in values else "")
-                       for m in tasks)
-    return f"no task better than chance ({scores}): a champion must have learned a task"
+                       for m in tasks) or f"no {metric}"
+    return (f"no task better than chance ({scores}; the family of register metric {metric}): a champion must have "
+            "learned the task it is chosen by")

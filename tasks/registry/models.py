@@ -2,7 +2,7 @@
 generate, export-hf, export-gguf) and the pipeline's `pretrain.init_from` resolve it.
 
 A reference is a registry URI (models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/model, from the pipeline's
-MLflow store), an astrai checkpoint directory (e.g. data/grpo), or a Hugging Face model directory (converted with
+MLflow store), an astrai checkpoint directory (e.g. data/grpo), a Hugging Face model directory or a GGUF file (converted with
 astrai_core.hf.import_hf, as `astrai import-hf` does).
 """
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from tasks.run.schema import Params
 
 REFERENCE_HELP = ("models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/model (from the pipeline's MLflow store), "
-                  "a checkpoint directory or a Hugging Face model directory")
+                  "a checkpoint directory, a Hugging Face model directory or a .gguf file")
 
 
 class Resolved(NamedTuple):
@@ -61,10 +61,10 @@ def resolve_model(ref: str, dst: Path) -> Resolved:
     path = Path(ref)
     if (path / "model.safetensors").is_file() and (path / "manifest.json").is_file():
         return Resolved(path, path.resolve().name, [])
-    if (path / "config.json").is_file():  # a Hugging Face directory: its weights may be sharded
-        from astrai_core.hf import import_hf
+    if (path / "config.json").is_file() or (path.suffix == ".gguf" and path.is_file()):  # a Hugging Face directory
+        from astrai_core.hf import import_hf  # (its weights may be sharded) or a GGUF file
 
-        return Resolved(import_hf(path, dst / "imported"), path.resolve().name, [])
+        return Resolved(import_hf(path, dst / "imported"), path.resolve().name.removesuffix(".gguf"), [])
     raise AstraiError(f"{ref}: no such model (expected {REFERENCE_HELP})")
 
 

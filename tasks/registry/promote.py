@@ -51,13 +51,14 @@ def check_names(target: str, alias: str) -> None:
 
 
 def absolute_rule(metric: str, values: dict) -> tuple[bool, str]:
-    """(passed, why) on the register gate's rule that needs no champion (register's no_skill: a version chosen by a
-    task metric must beat chance on some task): it holds for an empty target too."""
+    """(passed, why) on the register gate's rule that needs no champion (register's no_skill: no forgetting, and a
+    version chosen by a task metric must beat chance on its family): it holds for an empty target too."""
     if unskilled := no_skill(metric, values):
         return False, f"fails the register gate's absolute rule: {unskilled}"
     if metric in CHANCE:
-        return True, "passes the register gate's absolute rule (a task better than chance)"
-    return True, f"the register gate's absolute rule (a task better than chance) is for task metrics, not {metric}"
+        return True, "passes the register gate's absolute rule (a task better than chance, no forgetting)"
+    return True, (f"passes the register gate's absolute rule (no forgetting; its other half, a task better than "
+                  f"chance, is for task metrics, not {metric})")
 
 
 def promote(client: mlflow.MlflowClient, source: str, target: str, alias: str = "champion", force: bool = False,

@@ -48,7 +48,10 @@ def train_config(params: Params, stage: str, root: Path) -> TrainConfig:
                                  reference_logps=str(root / DPO_REFERENCE / "train_logps.h5"))}
     elif entry.strategy == "grpo":
         data["grpo"] = section.objective
-    return TrainConfig(**settings, **data, **start, model=params.model, strategy=entry.strategy,
+    model = params.model
+    if params.pretrain.init_from:  # the shape is the model's: checked against it when the stage starts (_launch)
+        model = model.model_copy(update={"max_seq_len": max(model.max_seq_len, start["seq_len"])})
+    return TrainConfig(**settings, **data, **start, model=model, strategy=entry.strategy,
                        tokenizer=str(root / TOKENIZER / "tokenizer.json"), out_dir=str(model_dir(root, stage)))
 
 

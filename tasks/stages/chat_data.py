@@ -214,11 +214,13 @@ def pack_chat(params: Params, records_dir: Path, tokenizer_path: Path, out_dir: 
             advance()
         kept = []
         path = records_dir / f"grpo_{split}.jsonl"
+        # the model's context; a model pretrain.init_from gives has its own: the window the stages train in then
+        context = params.pretrain.seq_len if params.pretrain.init_from else params.model.max_seq_len
         for lineno, record in numbered_records(path):
             n = len(chat.encode_prompt([{"role": "user", "content": record["prompt"]}]))
-            if n + params.grpo.objective.max_new_tokens > params.model.max_seq_len:
+            if n + params.grpo.objective.max_new_tokens > context:
                 _problem(on_bad, stats["problems"], f"{path}:{lineno}: prompt of {n} tokens + grpo.max_new_tokens "
-                         f"{params.grpo.objective.max_new_tokens} is longer than the context ({params.model.max_seq_len})")
+                         f"{params.grpo.objective.max_new_tokens} is longer than the context ({context})")
                 continue
             kept.append(json.dumps(record, ensure_ascii=False) + "\n")
         (out_dir / f"grpo_{split}.jsonl").write_text("".join(kept), encoding="utf-8")

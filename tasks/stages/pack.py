@@ -20,7 +20,7 @@ from astrai_core.data import PackedWriter
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path, sha256_file, write_json
 from astrai_core.progress import expect
-from astrai_core.bpe import load_tokenizer, piece_bounds, special_id
+from astrai_core.bpe import load_tokenizer, piece_bounds, specials
 from tasks.run.schema import PackParams
 from tasks.stages.corpus import SPLITS
 from tasks.stages.tokenizer import corpus_documents, iter_texts
@@ -36,7 +36,7 @@ def pack(params: PackParams, corpus_dir: Path, tokenizer_path: Path, out_dir: Pa
     tok = load_tokenizer(tokenizer_path)
     # Corpus text that happens to contain "<|end_of_text|>" is text, not a document boundary: encode it byte by byte.
     tok.encode_special_tokens = True
-    eos = special_id(tok, "eos")
+    eos = specials(tok, tokenizer_path).eos  # a model's own end of text, or astrai's
     attrs = dict(
         vocab_size=tok.get_vocab_size(),
         tokenizer_sha256=sha256_file(tokenizer_path),

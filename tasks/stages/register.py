@@ -40,8 +40,8 @@ from astrai_core.io import sha256_file, write_json
 from astrai_core.model_dir import read_model_config
 from astrai_core.progress import advance, expect
 from tasks.evaluation.metrics import METRICS, better
-from tasks.registry.gate import (GATE_ITEMS, PENDING, REGISTRATION, champion_record, gate, gate_record, no_skill,
-                                 version_by_alias, versions_with_weights)
+from tasks.registry.gate import (FORGETTING, GATE_ITEMS, PENDING, REGISTRATION, champion_record, gate, gate_record,
+                                 no_skill, version_by_alias, versions_with_weights)
 from tasks.registry.lock import registry_lock, registry_lock_uri
 from tasks.registry.model_card import REGISTERED_MODEL, model_card, shape_line
 from tasks.run.schema import Params
@@ -227,6 +227,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
             # its held-out metrics (evaluation of this model, not of the chain's last one)
             **{f"{k}{end}": f"{metrics[f'{stage}/{k}{end}']:.6f}" for k in METRICS for end in ("", "_low", "_high")
                if f"{stage}/{k}{end}" in metrics},
+            **({FORGETTING: f"{record['values'][FORGETTING]:.6f}"} if FORGETTING in record["values"] else {}),
             "hf_export": hf_export,
             "gguf_export": gguf_export,
             "weights_sha256": weights_sha256,  # a later registration of the same weights finds this version

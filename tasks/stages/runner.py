@@ -36,7 +36,8 @@ def _tokenizer(params: Params, root: Path) -> None:
         from tasks.stages.training import check_start_shape
 
         with local_model(params.pretrain.init_from, root) as start:
-            check_start_shape(params, start)  # before pack and pretrain run
+            if note := check_start_shape(params, start):  # said before pack and pretrain run
+                print(note, flush=True)
             path = copy_tokenizer(str(start), root / TOKENIZER)
     else:
         path = build_tokenizer(params.tokenizer, root / CORPUS, root / TOKENIZER)

@@ -23,7 +23,7 @@ from astrai_core.chat import DEFAULT_TEMPLATE, TEMPLATE_FILE, load_chat
 from astrai_core.errors import AstraiError
 from astrai_core.io import atomic_path
 from astrai_core.progress import advance, expect
-from astrai_core.bpe import load_tokenizer, piece_bounds, train_tokenizer
+from astrai_core.bpe import SPECIALS_FILE, load_tokenizer, piece_bounds, train_tokenizer
 from tasks.run.schema import TokenizerParams
 
 
@@ -54,7 +54,7 @@ def copy_tokenizer(source: str, out_dir: Path) -> Path:
         raise AstraiError(f"tokenizer.source: {path} not found (expected \"train\", a checkpoint directory or a "
                           "tokenizer.json)")
     try:
-        load_chat(path)  # the stages need astrai's special tokens and a valid chat template
+        load_chat(path)  # the stages need special tokens (astrai's or the model's own) and a valid chat template
     except AstraiError as e:
         why = str(e).removesuffix("; re-run the tokenizer stage")
         raise AstraiError(f"tokenizer.source: {why} (`astrai import-hf` adds the special tokens to a Hugging Face "
@@ -67,6 +67,8 @@ def copy_tokenizer(source: str, out_dir: Path) -> Path:
             shutil.copyfile(template, tmp / TEMPLATE_FILE)
         else:
             (tmp / TEMPLATE_FILE).write_text(DEFAULT_TEMPLATE)
+        if (own := path.with_name(SPECIALS_FILE)).is_file():  # a model's own special tokens (astrai_core/bpe.py)
+            shutil.copyfile(own, tmp / SPECIALS_FILE)
     return out_dir / "tokenizer.json"
 
 

@@ -70,7 +70,8 @@ def train_stage(params: Params, stage: str, root: Path, *, run_id: str | None = 
     from tasks.registry.models import local_model
 
     with local_model(section.init_from, root) as start:
-        check_start_shape(params, start)
+        if note := check_start_shape(params, start):
+            on_line(note)
         if section.enabled:
             return _launch(params, stage, root, start, run_id, on_line)
         with atomic_path(model_dir(root, stage), CHECKPOINT) as tmp:
@@ -80,18 +81,18 @@ def train_stage(params: Params, stage: str, root: Path, *, run_id: str | None = 
         return None
 
 
-def check_start_shape(params: Params, start: Path) -> None:
-    """The keys written under `model:` agree with the shape of the model the chain starts from (pretrain.init_from,
-    as the checkpoint `start`), compared with defaults resolved; AstraiError naming the first that does not."""
+def check_start_shape(params: Params, start: Path) -> str | None:
+    """With pretrain.init_from the shape is the model's (`start`, its checkpoint), whatever params.yaml's `model:`
+    says: the demo's keys there need no edit to fine-tune a published model. Returns a line naming the keys written
+    there that the model overrides (compared with defaults resolved), or None when they agree."""
     shape = read_model_config(start / "config.json")
     written = params.model.model_dump(include=params.model.model_fields_set)
     mine = ModelConfig(**{**shape.model_dump(), **written})
-    differ = mine.differences(shape)
-    if differ:
-        key = next((k for k in differ if k in written), differ[0])
-        raise AstraiError(f"params.yaml: model.{key}: {getattr(mine, key)}, but pretrain.init_from "
-                          f"({params.pretrain.init_from}) has {getattr(shape, key)}; remove model.{key} (the shape "
-                          "comes from the model) or start from a model of this shape")
+    differ = [k for k in mine.differences(shape) if k in written]
+    if not differ:
+        return None
+    return (f"model: the shape of pretrain.init_from ({params.pretrain.init_from}), not params.yaml's: "
+            + ", ".join(f"{k} {getattr(shape, k)} (params.yaml: {getattr(mine, k)})" for k in differ))
 
 
 def _launch(params: Params, stage: str, root: Path, start: Path | None, run_id: str | None,
