@@ -229,3 +229,30 @@ def test_bad_published_models_are_one_line(published, tmp_path):
     with pytest.raises(AstraiError, match=rf"^{empty}: cannot import this GGUF file: no general.architecture"):
         import_hf(empty, tmp_path / "out4")
     assert not any((tmp_path / f"out{i}").exists() for i in (1, 2, 3, 4))
+
+
+def test_llama_cpp_greedy_reply_equals_ours_and_stops_at_its_eos(imported, tmp_path):
+    """The model as an f32 GGUF file (export-gguf writes its template and eos): llama.cpp's greedy reply to the chat
+    prompt, stopping at its end of generation (<|im_end|>), is ours, byte for byte."""
+    from test_gguf import llama_cpp_bin, llama_greedy, token_bytes
+
+    from astrai_core.gguf_export import export_gguf
+
+    bin_dir = llama_cpp_bin()
+    if bin_dir is None:
+        why = "llama.cpp is not built: run scripts/build_llama_cpp.sh"
+        if os.environ.get("ASTRAI_REQUIRE_LLAMA_CPP") == "1":
+            pytest.fail(f"ASTRAI_REQUIRE_LLAMA_CPP=1 but {why}")
+        pytest.skip(why)
+    model, _, _ = load_model(imported)
+    chat = load_chat(imported / "tokenizer.json")
+    ours = generate(model, chat.encode_prompt(QUESTION), MAX_NEW, stop_ids=chat.stop_ids)
+    assert ours[-1] == 2 and len(ours) < MAX_NEW
+    gguf_file = export_gguf(imported, tmp_path / "m.gguf")
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf_file).fields
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == 2  # its own eos, not astrai's (which it lacks)
+    assert fields["tokenizer.chat_template"].contents() == CHATML
+    assert llama_greedy(bin_dir, gguf_file, CHATML_PROMPT(), MAX_NEW) == token_bytes(imported / "tokenizer.json",
+                                                                                      ours[:-1])
