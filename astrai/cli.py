@@ -538,7 +538,8 @@ app.add_typer(services_app, name="services")
 
 @services_app.command("start")
 def services_start(
-    directory: Path = typer.Argument(..., help="Where the services keep their state, logs and artifacts."),
+    directory: str = typer.Argument(..., help="Where the services keep their state, logs and artifacts: a new or empty "
+                                    "folder, or one `astrai services start` used before."),
     postgres: Optional[str] = typer.Option(None, help="A running PostgreSQL (postgresql://USER:PASSWORD@HOST:PORT) "
                                            "where USER may create databases; default: a trial one in DIR/postgres."),
     host: str = typer.Option("127.0.0.1", help="Address the servers listen on (0.0.0.0: every interface, for "
@@ -552,8 +553,10 @@ def services_start(
     work pool and its worker; print the settings a checkout needs."""
     from astrai import services
 
+    if not directory.strip():  # Path("") is the current directory
+        _fail("DIR '': give the folder the services keep their state in")
     try:
-        state = services.start(directory, host, postgres, pg_port, mlflow_port, prefect_port, pool)
+        state = services.start(Path(directory), host, postgres, pg_port, mlflow_port, prefect_port, pool)
     except AstraiError as e:
         _fail(str(e))
     typer.echo(f"MLflow: {state['mlflow_url']}  Prefect: {state['prefect_api_url'].removesuffix('/api')}  "

@@ -218,6 +218,9 @@ def _check_start(d: Path, postgres: str | None, ports: dict[str, int]) -> None:
             raise AstraiError(f"--postgres {postgres}: expected postgresql://USER:PASSWORD@HOST:PORT")
     if d.exists() and not d.is_dir():
         raise AstraiError(f"{d}: not a directory; give a new one or one `astrai services start` used before")
+    if d.is_dir() and not (d / "services.json").exists() and any(d.iterdir()):  # a user's folder: not written into
+        raise AstraiError(f"{d}: a folder `astrai services start` did not make (it holds other files); give a new or "
+                          "empty one, or one it used before")
 
 
 def _alive(pid: int) -> bool:

@@ -45,6 +45,10 @@ def _params(**sections) -> Params:
      "chat_data.dpo to a JSONL file of {\"prompt\", \"chosen\", \"rejected\"} records, or dpo.enabled: false"),
     ({"chat_data": {"sft": "missing.jsonl"}}, "chat_data.sft: missing.jsonl: file not found"),
     ({"pretrain": {"init_from": "no_checkpoint"}}, "pretrain.init_from: no_checkpoint: no model there"),
+    ({"pretrain": {"init_from": "no_model.gguf"}}, "pretrain.init_from: no_model.gguf: no model there"),
+    # issue 50 (10): a device this machine lacks, before any stage runs (CI has no GPU)
+    ({"evaluate": {"device": "cuda"}}, "evaluate.device: cuda, but torch sees no CUDA device on this machine"),
+    ({"sft": {"device": "cuda"}}, "sft.device: cuda, but torch sees no CUDA device on this machine"),
     ({"tokenizer": {"source": "no_tokenizer.json"}}, "tokenizer.source: no_tokenizer.json: not found"),
     ({"corpus": {"source": "prose"}, "chat_data": {"sft": "sft.jsonl"}, "dpo": {"enabled": False},
       "grpo": {"enabled": False}},

@@ -27,6 +27,7 @@ def test_shipped_params_are_valid():
 
 @pytest.mark.parametrize("override, message", [
     ({"pretrain.max_stepz": 3}, "pretrain.max_stepz: unknown key"),
+    ({"register.model_name": "x@y"}, "register.model_name: 'x@y': a registered model's name must be non-empty"),
     ({"pretrain.optim.lr": -1}, "pretrain.optim.lr: Input should be greater than 0"),
     ({"model.n_kv_heads": 3}, "n_heads (4) must be divisible by n_kv_heads (3)"),
     ({"tokenizer.vocab_size": 4096}, "must be >= tokenizer.vocab_size (4096)"),

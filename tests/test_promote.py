@@ -168,6 +168,10 @@ def test_promote_into_a_target_without_champion_still_applies_the_gates_absolute
            "absolute rule: no task better than chance" in line, line
     assert client.get_model_version("g-empty", "1").tags["promotion"].startswith(
         "forced past the gate: fails the register gate's absolute rule")
+    # Issue 50 (9): the copy's card names the copy, where it came from, and that it was forced.
+    card = client.get_model_version("g-empty", "1").description
+    assert card.startswith("# g-empty version 1\n") and "astrai serve --model models:/g-empty/1" in card, card
+    assert "Promoted from `models:/g/3` (models:/g@candidate) by " in card and "**Forced**" in card, card
 
     # A version that learned a task passes it, and the line says so.
     line = promote(client, "models:/g/1", "g-empty2")
@@ -187,11 +191,13 @@ def test_promote_checks_the_names_before_anything_is_written(registry, client):
                                       "contain alphanumerics, underscores (_), and dashes (-)."),
             ("g-names", "", "--alias '': Registered model alias name cannot be empty."),
             ("", "champion", "--to '': Missing value for required parameter 'name'."),
-            ("g/names", "champion", "--to 'g/names': Invalid model name 'g/names'. Names cannot contain '/' or ':'.")):
+            ("g/names", "champion", "--to 'g/names': Invalid model name 'g/names'. Names cannot contain '/' or ':'."),
+            ("x@y", "champion", "--to 'x@y': a registered model's name must be non-empty, without '@', '/' or "
+                                "surrounding spaces (models:/NAME@ALIAS and models:/NAME/VERSION could not name it)")):
         with pytest.raises(AstraiError) as e:
             promote(client, "models:/g/2", target, alias=alias)
         assert str(e.value) == message
-    assert not {"g-names", "", "g/names"} & registered_models(client)  # nothing written
+    assert not {"g-names", "", "g/names", "x@y"} & registered_models(client)  # nothing written
 
     out = cli(registry, "models:/g/2", "--to", "g-names", "--alias", "v3")
     assert (out.returncode, out.stdout) == (2, ""), out

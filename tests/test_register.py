@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -328,3 +329,25 @@ def test_a_failed_stage_says_its_outputs_are_back_only_when_they_are(tmp_path):
     line = restore_last_good_outputs("register", str(tmp_path), env)
     assert line == "register: the last good outputs are not all back: reg/registration.json deleted (not in DVC's " \
                    "cache)", line
+
+
+def test_lineage_names_uncommitted_code(tmp_path):
+    """Issue 50 (8): a model trained from uncommitted edits was tagged with the last commit only. The tag git_dirty
+    says what differs from it; the run's own params.yaml and dvc.lock are not edits."""
+    import subprocess
+
+    from tasks.stages.register import git_dirty
+
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    for name in ("train.py", "params.yaml", "dvc.lock"):
+        (tmp_path / name).write_text("one\n")
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "x"]):
+        subprocess.run(cmd, cwd=tmp_path, env=env, check=True)
+    (tmp_path / "params.yaml").write_text("the run's\n")
+    (tmp_path / "dvc.lock").write_text("written by dvc\n")
+    assert git_dirty(tmp_path) == "no"
+    (tmp_path / "train.py").write_text("edited\n")
+    (tmp_path / "new.py").write_text("new\n")
+    assert git_dirty(tmp_path) == "yes: train.py, new.py"
+    assert git_dirty(tmp_path / "nowhere") == "unknown"

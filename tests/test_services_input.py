@@ -35,7 +35,8 @@ def _ports() -> list[str]:
 
 
 @pytest.mark.parametrize("case", ["dir-is-a-file", "dir-not-writable", "postgres-garbage", "postgres-no-host",
-                                  "mlflow-port-99999", "prefect-port-0", "pg-port-70000", "one-port-twice"])
+                                  "mlflow-port-99999", "prefect-port-0", "pg-port-70000", "one-port-twice",
+                                  "dir-empty-string", "dir-of-the-users"])
 def test_bad_start_input_is_one_line_before_anything_starts(tmp_path, case):
     team = tmp_path / "team"  # new: nothing may be created there
     args, named = [], None
@@ -49,6 +50,12 @@ def test_bad_start_input_is_one_line_before_anything_starts(tmp_path, case):
         args, named = ["--postgres", "garbage"], "--postgres garbage"
     elif case == "postgres-no-host":
         args, named = ["--postgres", "postgresql://u:p@:notaport"], "--postgres"
+    elif case == "dir-empty-string":  # issue 50 (13): "" started everything in the current directory
+        team, named = "", "DIR ''"
+    elif case == "dir-of-the-users":  # issue 50 (13): a non-empty folder of the user's was written into
+        team.mkdir()
+        (team / "notes.txt").write_text("mine\n")
+        named = "a folder `astrai services start` did not make"
     elif case == "one-port-twice":
         port = str(free_port())
         args, named = ["--mlflow-port", port, "--prefect-port", port], f"--prefect-port {port}"
@@ -60,6 +67,10 @@ def test_bad_start_input_is_one_line_before_anything_starts(tmp_path, case):
     assert named in line, line
     if case == "dir-is-a-file":
         assert team.read_text() == "mine\n"
+    elif case == "dir-empty-string":
+        assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing in the current directory
+    elif case == "dir-of-the-users":
+        assert [p.name for p in team.iterdir()] == ["notes.txt"]
     else:
         assert not team.exists()  # nothing written: no services.json, no trial database
 

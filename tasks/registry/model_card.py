@@ -28,10 +28,16 @@ def model_card(title: str, reference: str, tags: dict[str, str]) -> str:
                                        f"{tags.get('register_metric', '?')}." if "stage" in tags else ".")]
     if "model" in tags:
         lines += ["", f"Shape: {tags['model']}."]
+    if "promoted_from" in tags:  # a copy (`astrai promote`): where it came from, who copied it, past which gate
+        lines += ["", f"Promoted from `{tags['promoted_from']}` ({tags.get('promoted_from_uri', '?')}) by "
+                      f"{tags.get('promoted_by', '?')} at {tags.get('promoted_at', '?')}: "
+                      f"{tags.get('promotion', '?')}."]
+        if tags.get("promotion", "").startswith("forced past the gate"):
+            lines += ["", "**Forced**: this version did not pass the register gate; it was promoted with --force."]
     lines += ["", "## Data and lineage", ""]
     facts = {"corpus": "corpus (corpus.source)", "params_hash": "params hash (sha256 of the resolved params.yaml)",
-             "git_commit": "git commit", "profile": "params profile", "prefect_flow_run_id": "Prefect flow run",
-             "mlflow_run_id": "MLflow run", "weights_sha256": "weights sha256"}
+             "git_commit": "git commit", "git_dirty": "uncommitted changes", "profile": "params profile",
+             "prefect_flow_run_id": "Prefect flow run", "mlflow_run_id": "MLflow run", "weights_sha256": "weights sha256"}
     facts |= {k: f"DVC md5 of {k.removeprefix('dvc_md5.')}" for k in sorted(tags) if k.startswith("dvc_md5.")}
     known = [f"* {label}: `{tags[k]}`" for k, label in facts.items() if k in tags]
     lines += known or ["Not a registered version: no lineage recorded (register it with `astrai stage register`)."]

@@ -32,6 +32,7 @@ from tasks.evaluation.metrics import CHANCE
 from tasks.registry.gate import (PENDING, REGISTRATION, champion_record, gate, no_skill, version_record,
                                  versions_with_weights)
 from tasks.registry.lock import registry_lock
+from tasks.registry.model_card import model_card
 
 
 def check_names(target: str, alias: str) -> None:
@@ -41,6 +42,8 @@ def check_names(target: str, alias: str) -> None:
     from mlflow.utils.validation import (_validate_model_alias_name, _validate_model_alias_name_reserved,
                                          _validate_model_name)
 
+    from tasks.run.schema import unaddressable
+
     alias_checks = [_validate_model_alias_name, _validate_model_alias_name_reserved]
     for option, value, checks in (("--to", target, [_validate_model_name]), ("--alias", alias, alias_checks)):
         try:
@@ -48,6 +51,8 @@ def check_names(target: str, alias: str) -> None:
                 check(value)
         except MlflowException as e:
             raise AstraiError(f"{option} {value!r}: {e.message}") from None
+    if why := unaddressable(target):  # MLflow registers 'x@y', which no models:/ URI can name
+        raise AstraiError(f"--to {why}")
 
 
 def absolute_rule(metric: str, values: dict) -> tuple[bool, str]:
@@ -114,5 +119,9 @@ def promote(client: mlflow.MlflowClient, source: str, target: str, alias: str = 
             for key, value in {"promoted_by": f"{getpass.getuser()}@{socket.gethostname()}", "promoted_at": now,
                                "promoted_from": where, "promoted_from_uri": source, "promotion": decision}.items():
                 client.set_model_version_tag(target, version, key, value)
+            # its card names the copy and says where it came from (the source's described the source)
+            mv = client.get_model_version(target, version)
+            client.update_model_version(target, version, description=model_card(
+                f"{target} version {version}", f"models:/{target}/{version}", mv.tags))
         client.set_registered_model_alias(target, alias, version)
     return f"promoted {where} ({source}): {did} {target} version {version}, now {target}@{alias}; {decision}"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from astrai_core.errors import AstraiError
 from tasks.run.schema import DEMO, Params
+from tasks.run.table import MODEL_STAGES
 
 
 def check_cluster(params: Params, root: Path, source: str = "params.yaml") -> None:
@@ -74,9 +75,18 @@ def check_inputs(params: Params, root: Path, source: str = "params.yaml") -> Non
                                  "a tokenizer.json)")
     start = params.pretrain.init_from
     if start and not start.startswith(("models:/", "runs:/")) and not any(
-            (_under(root, start) / name).is_file() for name in ("model.safetensors", "config.json")):
+            (_under(root, start) / name).is_file() for name in ("model.safetensors", "config.json")) and not (
+            start.endswith(".gguf") and _under(root, start).is_file()):
         fail("pretrain.init_from", f"{start}: no model there (expected models:/NAME@ALIAS, models:/NAME/VERSION, a "
-                                   "checkpoint directory or a Hugging Face directory)")
+                                   "checkpoint directory, a Hugging Face directory or a .gguf file)")
+    cuda = [key for key, device in [(f"{s}.device", getattr(params, s).device) for s in MODEL_STAGES]
+            + [("evaluate.device", params.evaluate.device)] if device == "cuda"]
+    if cuda:  # before any stage: a CPU-only machine would otherwise run the stages before it first
+        import torch
+
+        if not torch.cuda.is_available():
+            fail(cuda[0], "cuda, but torch sees no CUDA device on this machine (torch.cuda.is_available() is false); "
+                          "set auto or cpu")
     for kind in ("sft", "dpo", "grpo"):
         data = getattr(params.chat_data, kind)
         if not chat_data_used(params, kind):

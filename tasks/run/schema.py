@@ -153,6 +153,15 @@ class EvaluateParams(Strict):
         return self
 
 
+def unaddressable(name: str) -> str | None:
+    """Why a registered model of this name could not be named by a models:/NAME@ALIAS or models:/NAME/VERSION URI
+    (every command that takes a model reads one), or None."""
+    if not name.strip() or any(c in name for c in "@/") or name != name.strip():
+        return (f"{name!r}: a registered model's name must be non-empty, without '@', '/' or surrounding spaces "
+                "(models:/NAME@ALIAS and models:/NAME/VERSION could not name it)")
+    return None
+
+
 class RegisterParams(Strict):
     enabled: bool = True  # false: the chain's best model is chosen and reported, nothing is registered
     # A run with a profile (astrai pipeline --profile NAME) registers as "<model_name>-NAME", never moving the
@@ -166,6 +175,13 @@ class RegisterParams(Strict):
     profile: str = "default"
     # Also attach the model as one GGUF file for llama.cpp (astrai_core/gguf_export.py) of this type; null: none.
     gguf: Literal["f32", "q8_0"] | None = None
+
+    @field_validator("model_name")
+    @classmethod
+    def _addressable(cls, name: str) -> str:
+        if why := unaddressable(name):
+            raise ValueError(why)
+        return name
 
     @field_validator("metric")
     @classmethod

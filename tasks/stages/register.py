@@ -60,6 +60,26 @@ def git_commit(project_dir: Path) -> str:
         return "unknown"
 
 
+# What a run itself changes in a checkout (a run's params stand in for params.yaml while it lasts; DVC writes
+# dvc.lock): not the code's state.
+RUN_WRITES = ("params.yaml", "dvc.lock")
+
+
+def git_dirty(project_dir: Path) -> str:
+    """The tag git_dirty: "no" when the checkout's files are its commit's, else what differs (`git status
+    --porcelain`: up to 10 paths, then a count), so that a model trained from uncommitted edits says so."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=normal"], cwd=project_dir,
+                             capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    changed = [line[3:] for line in out.splitlines() if line[3:].strip('"') not in RUN_WRITES]
+    if not changed:
+        return "no"
+    more = f" and {len(changed) - 10} more" if len(changed) > 10 else ""
+    return f"yes: {', '.join(changed[:10])}{more}"
+
+
 def dvc_hashes(project_dir: Path) -> dict[str, str]:
     """md5 of the corpus and packed-data outputs as recorded in dvc.lock (what `dvc checkout` restores)."""
     lock = project_dir / "dvc.lock"
@@ -219,6 +239,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
             advance()
         tags = {
             "git_commit": git_commit(project_dir),
+            "git_dirty": git_dirty(project_dir),  # uncommitted edits the model was trained from
             "params_hash": params.digest(),
             "prefect_flow_run_id": os.environ.get(FLOW_RUN_ENV, "none"),
             "mlflow_run_id": mlflow.active_run().info.run_id,
