@@ -95,3 +95,15 @@ def test_init_from_with_broken_weights_replaces_nothing(tmp_path, tiny_trained):
     with pytest.raises(AstraiError, match=rf"{weights}: sha256 does not match manifest.json"):
         tokenizer_stage(params, root)
     assert {p: p.read_bytes() for p in sorted((root / "data").rglob("*")) if p.is_file()} == before
+
+
+def test_a_checkpoint_without_its_manifest_is_named_as_such(tmp_path, tiny_trained):
+    """Issue 50 (18): a checkpoint folder that lost manifest.json was taken for a Hugging Face folder ("model_type
+    None is not supported")."""
+    from tasks.registry.models import resolve_model
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_trained, copy)
+    (copy / "manifest.json").unlink()
+    with pytest.raises(AstraiError, match=rf"^{copy}: not a checkpoint \(manifest.json missing"):
+        resolve_model(str(copy), tmp_path / "dst")

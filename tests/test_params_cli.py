@@ -216,3 +216,22 @@ def test_profile_args_give_dvc_the_profiles_params(profile, tmp_path):
     by_dvc = parse_params(yaml.safe_load(params.read_text()))
     by_profile = parse_params(yaml.safe_load(run_params_text(ROOT / "params.yaml", {}, load_profile(ROOT, profile))))
     assert by_dvc == by_profile
+
+
+def test_profile_args_refuses_what_the_pipeline_refuses(tmp_path):
+    """Issue 50 (18): `profile-args` printed an unknown key (-S +pretrain.nosuch=3, rc 0) that --profile refuses, left
+    `*` for the shell to expand, and a non-UTF-8 profile was a bare UnicodeDecodeError."""
+    from astrai_core.errors import AstraiError
+    from tasks.run.params import profile_overrides
+
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    (tmp_path / "profiles").mkdir()
+    for name, text, message in (
+            ("unknown", "pretrain: {nosuch: 3}\n", "profiles/unknown.yaml: pretrain.nosuch: unknown key"),
+            ("glob", "corpus: {source: 'texts/*.txt'}\n", "profiles/glob.yaml: corpus.source: 'texts/*.txt' cannot be "
+                                                        "passed as one -S word"),
+            ("latin1", "corpus: {source: 'caf\xe9'}\n", "profiles/latin1.yaml: not UTF-8 text")):
+        (tmp_path / "profiles" / f"{name}.yaml").write_bytes(text.encode("latin-1"))
+        with pytest.raises(AstraiError) as e:
+            profile_overrides(tmp_path, name)
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -123,3 +123,12 @@ def test_a_new_post_training_stage_is_its_table_entry_and_params_section(tmp_pat
     assert "polish" in (repo / "data/evaluate/evaluation.md").read_text()
     status = run_ok([Path(sys.executable).parent / "dvc", "status", "polish"], repo, env)
     assert "changed" not in status, status
+
+
+def test_evaluate_and_register_rerun_when_the_table_changes():
+    """Issue 50 (6): after a stage was removed, evaluate was not rerun (DVC does not see a dependency that left its
+    list) and its results still named the removed stage as the final model: the table is their dependency."""
+    from tasks.run.table import BY_NAME, stage_deps
+
+    for name in ("evaluate", "register"):
+        assert "tasks/run/table.py" in stage_deps(BY_NAME[name])

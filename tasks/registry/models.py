@@ -61,6 +61,10 @@ def resolve_model(ref: str, dst: Path) -> Resolved:
     path = Path(ref)
     if (path / "model.safetensors").is_file() and (path / "manifest.json").is_file():
         return Resolved(path, path.resolve().name, [])
+    if (path / "model.safetensors").is_file() and (path / "config.json").is_file() and \
+            b'"model_type"' not in (path / "config.json").read_bytes():  # astrai's own config.json, no manifest
+        raise AstraiError(f"{path}: not a checkpoint (manifest.json missing: an incomplete or hand-made copy); use "
+                          "the folder the stage or `astrai import-hf` wrote")
     if (path / "config.json").is_file() or (path.suffix == ".gguf" and path.is_file()):  # a Hugging Face directory
         from astrai_core.hf import import_hf  # (its weights may be sharded) or a GGUF file
 

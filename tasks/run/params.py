@@ -58,7 +58,9 @@ def load_raw(path: str | Path) -> dict:
     if not path.is_file():
         raise AstraiError(f"{path}: file not found")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise AstraiError(f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
@@ -102,9 +104,13 @@ def profile_overrides(root: Path, name: str) -> list[str]:
                 walk(value, tree[key], f"{prefix}{key}.")
             else:  # "+": a key params.yaml leaves out (to its default) is added, as Hydra's grammar wants
                 add = "" if key in tree else "+"
+                _override_value(str(key), f"profiles/{name}.yaml: {prefix}{key}")  # a key the shell would split
                 out.append(f"{add}{prefix}{key}={_override_value(value, f'profiles/{name}.yaml: {prefix}{key}')}")
 
-    walk(load_profile(root, name), load_raw(root / "params.yaml"), "")
+    profile = load_profile(root, name)
+    # what `astrai pipeline --profile NAME` would refuse (an unknown key, a bad value), refused here too
+    parse_params(yaml.safe_load(run_params_text(root / "params.yaml", {}, profile)) or {}, f"profiles/{name}.yaml")
+    walk(profile, load_raw(root / "params.yaml"), "")
     return out
 
 
@@ -117,7 +123,7 @@ def _override_value(value: Any, where: str) -> str:
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
     text = str(value)
-    if not text or any(ch.isspace() or ch in "'\"=,[]{}:" for ch in text):
+    if not text or any(ch.isspace() or ch in "'\"=,[]{}:*?" for ch in text):  # split or expanded by the shell
         raise AstraiError(f"{where}: {text!r} cannot be passed as one -S word; set it with -S by hand")
     return text
 

@@ -112,7 +112,9 @@ STAGES: tuple[Stage, ...] = (
     # Every model of the chain side by side; the held-out documents of the corpus start the samples (a corpus other
     # than the plays) and make the lm-eval tasks' items.
     Stage("evaluate", reads=("pack", "chat_data", "dpo_reference", "corpus"), models="all",
-          code=("tasks/stages/evaluate.py", "tasks/evaluation/lm_eval_adapter.py", "tasks/evaluation/lm_eval_data.py",
+          # table.py: which models there are (a removed stage's results must not stand: DVC does not see a
+          # dependency that left the list)
+          code=("tasks/run/table.py", "tasks/stages/evaluate.py", "tasks/evaluation/lm_eval_adapter.py", "tasks/evaluation/lm_eval_data.py",
                 "evals/lm_eval_tasks", "tasks/evaluation/plots.py", "tasks/evaluation/metrics.py",
                 "astrai_core/scoring.py", "astrai_core/generate.py", "astrai_core/rewards.py", "astrai_core/data.py",
                 "astrai_core/dpo_reference.py"),
@@ -129,7 +131,7 @@ STAGES: tuple[Stage, ...] = (
     # when register's deps or params change it always runs (finding weights already registered is cheap: it reports
     # that version), never "restored" from an earlier run's record.
     Stage("register", reads=("evaluate/metrics.json",), models="all",
-          code=("tasks/stages/register.py", "tasks/registry/gate.py", "tasks/registry/lock.py",
+          code=("tasks/run/table.py", "tasks/stages/register.py", "tasks/registry/gate.py", "tasks/registry/lock.py",
                 "tasks/evaluation/metrics.py", "tasks/registry/pyfunc_model.py", "astrai_core/hf.py",
                 "astrai_core/gguf_export.py"),
           params=("register",), files=("registration.json",), persist=True),
