@@ -107,3 +107,25 @@ def test_a_checkpoint_without_its_manifest_is_named_as_such(tmp_path, tiny_train
     (copy / "manifest.json").unlink()
     with pytest.raises(AstraiError, match=rf"^{copy}: not a checkpoint \(manifest.json missing"):
         resolve_model(str(copy), tmp_path / "dst")
+
+
+def test_a_copied_checkouts_store_does_not_write_into_the_original(tmp_path, monkeypatch):
+    """Issue 50 (17): a copied checkout's mlflow.db names the original's artifact folder (absolute): its runs' artifacts
+    landed in the source checkout. One line naming both, before anything is logged."""
+    import mlflow
+
+    from tasks.run.tracking import setup
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    previous = mlflow.get_tracking_uri()
+    try:
+        setup(Params(), tmp_path / "original")
+        shutil.copytree(tmp_path / "original" / "mlflow", tmp_path / "copy" / "mlflow")
+        monkeypatch.delenv("MLFLOW_TRACKING_URI")  # setup sets it for the ranks: a second checkout's process has none
+        with pytest.raises(AstraiError, match=r"copy/mlflow/mlflow.db: experiment 'astrai' keeps its artifacts in "
+                                              r".*original/mlflow/artifacts, not beside this store"):
+            setup(Params(), tmp_path / "copy")
+        monkeypatch.delenv("MLFLOW_TRACKING_URI")
+        setup(Params(), tmp_path / "original")  # the original's own store is its own
+    finally:
+        mlflow.set_tracking_uri(previous)

@@ -24,6 +24,7 @@ import yaml
 from mlflow.exceptions import MlflowException
 
 from astrai_core.config import TrainConfig
+from astrai_core.errors import AstraiError
 from astrai_core.metric_log import mlflow_params as flatten  # the MLflow params of a config tree
 from astrai_core.proc import record
 from tasks.run.schema import Params
@@ -112,6 +113,7 @@ def setup(params: Params, project_dir: Path) -> str:
                 if e.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
                 exp = mlflow.get_experiment_by_name(params.tracking.experiment)
+        check_artifacts_here(uri, exp)
         if EXPERIMENT_KIND not in exp.tags:  # one made before the kind was set gets it too
             try:
                 mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, TRAINING_RUNS)
@@ -119,6 +121,20 @@ def setup(params: Params, project_dir: Path) -> str:
                 if EXPERIMENT_KIND not in mlflow.get_experiment(exp.experiment_id).tags:
                     raise
     return _use(exp.experiment_id)
+
+
+def check_artifacts_here(uri: str, exp) -> None:
+    """A local sqlite store keeps its experiment's artifacts beside it (setup). A copied checkout's mlflow.db still
+    names the original's folder (the location is absolute, recorded when the experiment was made): every run would
+    write there. AstraiError naming both, before anything is logged."""
+    if not uri.startswith("sqlite:///") or not exp.artifact_location.startswith("file:"):
+        return
+    here = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").resolve()
+    there = Path(urllib.parse.unquote(urllib.parse.urlparse(exp.artifact_location).path))
+    if there != here:
+        raise AstraiError(f"{uri.removeprefix('sqlite:///')}: experiment {exp.name!r} keeps its artifacts in {there}, "
+                          f"not beside this store ({here}): a copy of another checkout's store; move this mlflow/ "
+                          "folder away to start a store of this checkout's, or set tracking.uri to the original's")
 
 
 def _use(exp_id: str) -> str:
