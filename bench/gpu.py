@@ -182,14 +182,27 @@ def _weights_sha(out_dir: Path) -> str:
     return hashlib.sha256((out_dir / "model.safetensors").read_bytes()).hexdigest()
 
 
+CHILDREN: list[subprocess.Popen] = []  # torchrun groups: ended with the script (a SIGTERM included)
+
+
 def _torchrun(config: Path, nproc: int) -> subprocess.Popen:
-    rdzv = tempfile.mkdtemp(prefix="astrai-rdzv-")
+    rdzv = tempfile.mkdtemp(prefix="astrai-rdzv-", dir=config.parent)  # removed with the bench's temporary folder
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv}/store", "--rdzv-conf=store_type=file",
            f"--rdzv-id={uuid.uuid4().hex}", "--local-addr=127.0.0.1", "-m", "astrai_core.train",
            "--config", str(config)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    CHILDREN.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}))
+    return CHILDREN[-1]
+
+
+def _stop(signum: int, _frame) -> None:
+    """SIGTERM (`timeout`, a scheduler): end the torchrun groups, then unwind, so the temporary folder goes too."""
+    for proc in CHILDREN:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    raise SystemExit(128 + signum)
 
 
 def distributed(device: torch.device, root: Path) -> dict:
@@ -268,6 +281,10 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks the script, measures nothing")
     parser.add_argument("--out", type=Path, default=None, help="default: bench/gpu_report.json (smoke: none)")
     args = parser.parse_args()
+    if not args.smoke and not torch.cuda.is_available():  # a CPU against a GPU's peak would be a number, not a measure
+        sys.exit("bench/gpu.py: no CUDA device here (torch.cuda.is_available() is false): it measures a GPU; "
+                 "--smoke checks the script on this machine")
+    signal.signal(signal.SIGTERM, _stop)
     cfg = SMOKE if args.smoke else FULL
     out = args.out or (None if args.smoke else ROOT / "bench" / "gpu_report.json")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -278,8 +295,8 @@ def main() -> None:
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     report["peak_flops"] = matmul_peak(cfg["matmul"], device, dtype)
     report["peak_dtype"] = str(dtype)
-    sink = out or Path(tempfile.mkstemp(suffix=".json")[1])
     with tempfile.TemporaryDirectory(prefix="astrai-gpu-bench-") as tmp:
+        sink = out or Path(tmp) / "report.json"  # smoke without --out: printed, not kept
         for section, run in (("training", lambda: training(cfg, device, report["peak_flops"], Path(tmp))),
                              ("distributed", lambda: distributed(device, Path(tmp))),
                              ("engine", lambda: engine(cfg, device))):
@@ -288,7 +305,7 @@ def main() -> None:
             report[f"{section}_seconds"] = round(time.perf_counter() - t0, 1)
             write(report, sink)
     print(json.dumps(report, indent=1))
-    print(f"wrote {sink}")
+    print(f"wrote {sink}" if out else "--smoke: the report above is not kept (--out FILE keeps it)")
 
 
 if __name__ == "__main__":
