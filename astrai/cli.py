@@ -425,25 +425,29 @@ def export_gguf(model: str = typer.Argument(..., help=f"The model: {REFERENCE_HE
 
 
 @app.command("import-hf")
-def import_hf(hf_dir: Path = typer.Argument(..., help="A Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, ...)."),
+def import_hf(hf_dir: Path = typer.Argument(..., help="A Hugging Face model directory (Llama, Mistral, Qwen2, Qwen3, "
+                                            "...) or a GGUF file (llama architecture)."),
               out: Path = typer.Argument(..., help="Checkpoint directory to write: a new or empty one, or an earlier "
                                           "import (replaced); never inside or around HF_DIR."),
               force: bool = typer.Option(False, "--force", help="Replace OUT even if it holds other files.")) -> None:
-    """Convert the Hugging Face model in HF_DIR into an astrai checkpoint directory OUT, a starting point for
-    any stage (safetensors weights and tokenizer.json needed; nothing is downloaded). astrai's special tokens
-    that the tokenizer lacks are added (summary.json in OUT records them), growing vocab_size if needed."""
-    from astrai_core.hf import import_hf as import_
+    """Convert the Hugging Face model in HF_DIR (or a GGUF file) into an astrai checkpoint directory OUT, a starting
+    point for any stage (safetensors weights and tokenizer.json needed; nothing is downloaded). A model with a chat
+    template keeps its tokenizer, template and stop tokens as they are; to one without, astrai's special tokens that
+    the tokenizer lacks are added (summary.json in OUT records them), growing vocab_size if needed."""
+    from astrai_core.gguf_import import import_model
 
     try:
-        path = import_(hf_dir, out, force=force)
+        path = import_model(hf_dir, out, force=force)
     except AstraiError as e:
         _fail(str(e))
     report = json.loads((path / "summary.json").read_text())  # what import added to the HF tokenizer and model
     added, reused = (", ".join(f"{name}={i}" for name, i in sorted(report[key].items(), key=lambda kv: kv[1])) or "none"
                      for key in ("special_tokens_added", "special_tokens_reused"))
     vocab = report["vocab_size"]
+    own = report.get("special_tokens")
+    stops = f"\nits own special tokens (special_tokens.json): stops at {', '.join(own['stop'])}" if own else ""
     print(f"wrote {path}\nspecial tokens added: {added}; reused: {reused}\nvocab_size {vocab['hf']} -> "
-          f"{vocab['astrai']} (rows of added tokens: the mean of the known vocabulary's rows)")
+          f"{vocab['astrai']} (rows of added tokens: the mean of the known vocabulary's rows){stops}")
 
 
 @app.command("dvc-yaml")

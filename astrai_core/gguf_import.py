@@ -1,4 +1,5 @@
-"""GGUF import: a llama.cpp model file -> a Hugging Face model directory, which astrai_core.hf.import_hf takes in.
+"""GGUF import: a llama.cpp model file -> a Hugging Face model directory, which astrai_core.hf.import_hf takes in
+(import_gguf does both).
 
     astrai import-hf SmolLM2-135M-Instruct.Q4_1.gguf ckpt    # what `pretrain.init_from: FILE.gguf` does too
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -48,8 +50,29 @@ def read_gguf(path: Path):
     try:
         return GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError) as e:  # a truncated or foreign file fails in the reader's parse
-        raise _refuse(path, f"not a readable GGUF file ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
-                            "the file is truncated or not GGUF") from None
+        why = str(e).splitlines()[0][:120] if str(e) else ""
+        raise _refuse(path, f"not a readable GGUF file ({type(e).__name__}: {why}); the file is truncated or not "
+                            "GGUF") from None
+
+
+def import_model(path: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False) -> Path:
+    """`astrai import-hf`: a GGUF file (import_gguf) or a Hugging Face folder (astrai_core.hf.import_hf)."""
+    from astrai_core.hf import import_hf
+
+    if Path(path).suffix == ".gguf" and not Path(path).is_dir():
+        return import_gguf(path, out_dir, force)
+    return import_hf(path, out_dir, force)
+
+
+def import_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False) -> Path:
+    """Write an astrai checkpoint directory `out_dir` from the GGUF file `path` (`astrai import-hf FILE.gguf OUT`):
+    converted to a Hugging Face folder in a temporary directory, then imported as one (astrai_core.hf.import_hf)."""
+    from astrai_core.hf import IMPORT, import_hf
+    from astrai_core.io import check_output
+
+    check_output(out_dir, IMPORT, force=force, inputs=[path], force_option="--force", folder=True)  # before work
+    with tempfile.TemporaryDirectory() as tmp:
+        return import_hf(gguf_to_hf(path, Path(tmp) / "hf"), out_dir, force, source=path)
 
 
 def gguf_to_hf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:

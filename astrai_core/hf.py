@@ -424,27 +424,21 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, force: bo
     return Path(out_dir)
 
 
-def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False) -> Path:
-    """Write an astrai checkpoint directory `out_dir` from the HF model directory `hf_dir`, or from a GGUF file
-    (astrai_core/gguf_import.py). An existing `out_dir` is replaced only if it holds an earlier import, or with
-    `force`; never the HF directory itself.
+def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False,
+              source: str | os.PathLike | None = None) -> Path:
+    """Write an astrai checkpoint directory `out_dir` from the HF model directory `hf_dir` (`source`: what it was
+    converted from, a GGUF file: astrai_core/gguf_import.py). An existing `out_dir` is replaced only if it holds an
+    earlier import, or with `force`; never the HF directory itself.
 
     A model that brings a chat template stays itself: its tokenizer byte for byte, nothing added, and its own special
     tokens (where it stops) in special_tokens.json. A model without one (a base model) gets astrai's special tokens
     and its default template, as the stages' own models have."""
-    hf_dir = Path(hf_dir)
-    check_output(out_dir, IMPORT, force=force, inputs=[hf_dir], force_option="--force", folder=True)  # before work
-    if hf_dir.suffix == ".gguf" and not hf_dir.is_dir():
-        from astrai_core.gguf_import import gguf_to_hf
-
-        with tempfile.TemporaryDirectory() as tmp:
-            return _import_dir(gguf_to_hf(hf_dir, Path(tmp) / "hf"), out_dir, force, source=hf_dir)
-    return _import_dir(hf_dir, out_dir, force, source=hf_dir)
-
-
-def _import_dir(hf_dir: Path, out_dir: str | os.PathLike, force: bool, source: Path) -> Path:
     from astrai_core.model import Transformer
     from astrai_core.model_dir import check_fits_in_memory, save_checkpoint
+
+    hf_dir = Path(hf_dir)
+    source = Path(source or hf_dir)
+    check_output(out_dir, IMPORT, force=force, inputs=[source], force_option="--force", folder=True)  # before work
 
     if not (hf_dir / "config.json").is_file():
         raise AstraiError(f"{hf_dir}: not a Hugging Face model directory (config.json missing) or a .gguf file")

@@ -104,6 +104,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_serve(model: _Path, cwd: _Path, *options: str, timeout: float = 300) -> tuple[_subprocess.Popen, str]:
+    """`astrai serve --model MODEL` (one torch thread) in its own process group, once /health answers: (process, base
+    URL). Its log is cwd/serve.log; a server that exits first fails with the log's end. Stop it with stop_group."""
+    import time
+
+    import httpx
+
+    port = free_port()
+    with open(cwd / "serve.log", "w") as log:
+        proc = _subprocess.Popen([_sys.executable, "-m", "astrai.cli", "serve", "--model", str(model), "--port",
+                                  str(port), *options], cwd=cwd, env={**_os.environ, "OMP_NUM_THREADS": "1"},
+                                 stdout=log, stderr=_subprocess.STDOUT, start_new_session=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_group(proc)
+            raise AssertionError(f"astrai serve did not start:\n{(cwd / 'serve.log').read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+
+
 def stop_group(proc: _subprocess.Popen, timeout: float = 30) -> None:
     """End `proc` (started with start_new_session) and its process group: SIGTERM, SIGKILL after `timeout` s."""
     import signal

@@ -203,7 +203,8 @@ def test_in_process_lm_eval_equals_the_http_route(setup, http_run):
     from tasks.evaluation.lm_eval_adapter import run_tasks, scores
 
     results, samples, _ = http_run
-    ours = run_tasks(setup["model"], ChatFormat(setup["tokenizer"]), list(FILES), setup["root"] / "run/evals/lm_eval_tasks/data",
+    ours = run_tasks(setup["model"], ChatFormat(setup["tokenizer"]), list(FILES),
+                     setup["root"] / "run/evals/lm_eval_tasks/data",
                      batch_size=8)
     replies = 0
     for task in FILES:

@@ -59,7 +59,8 @@ def test_dvc_yaml_never_replaces_a_dvc_yaml_it_did_not_write(tmp_path):
 @pytest.mark.parametrize("entry, says", [
     (TrainingStage("polish", strategy="sft", reads=("chat_data",), out=Path("data/sft")),
      "stage 'polish': out 'data/sft' overlaps the output of stage 'sft' (data/sft)"),
-    (Stage("inner", out=Path("data/chat/inner")), "stage 'inner': out 'data/chat/inner' overlaps the output of stage 'chat_data'"),
+    (Stage("inner", out=Path("data/chat/inner")),
+     "stage 'inner': out 'data/chat/inner' overlaps the output of stage 'chat_data'"),
     (Stage("outer", out=Path("data")), "stage 'outer': out 'data' is not a folder under data/"),
     (Stage("up", out=Path("data/..")), "stage 'up': out 'data/..' is not a folder under data/"),
     (Stage("a/b"), "stage 'a/b': not a name a stage can have"),

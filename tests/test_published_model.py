@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from astrai_core.bpe import SPECIALS_FILE, load_tokenizer  # noqa: E402
 from astrai_core.chat import load_chat  # noqa: E402
 from astrai_core.errors import AstraiError  # noqa: E402
 from astrai_core.generate import generate  # noqa: E402
+from astrai_core.gguf_import import import_gguf  # noqa: E402
 from astrai_core.hf import export_hf, import_hf  # noqa: E402
 from astrai_core.model_dir import load_model  # noqa: E402
 
@@ -143,7 +142,7 @@ def test_gguf_file_imports_to_the_same_model(published, imported, tmp_path):
         want = model(x)
     for kind, tol in (("f32", 1e-4), ("q8_0", 0.2)):
         gguf_file = export_gguf(imported, tmp_path / f"m-{kind}.gguf", kind)
-        back = import_hf(gguf_file, tmp_path / f"back-{kind}")
+        back = import_gguf(gguf_file, tmp_path / f"back-{kind}")
         chat = load_chat(back / "tokenizer.json")
         assert chat.stop_ids == (2,) and chat.template_text == CHATML
         assert json.loads((back / "summary.json").read_text())["special_tokens_added"] == {}
@@ -175,26 +174,22 @@ def test_served_over_both_apis_stops_at_its_eos(published, imported, tmp_path):
     import anthropic
     import openai
 
-    from conftest import free_port, stop_group
+    from conftest import start_serve, stop_group
 
     model, _, _ = load_model(imported)
     chat = load_chat(imported / "tokenizer.json")
     prompt = chat.encode_prompt(QUESTION)
     want = chat.decode_reply(generate(model, prompt, MAX_NEW, stop_ids=chat.stop_ids))
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(tmp_path / "serve.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "astrai.cli", "serve", "--model", str(imported), "--port",
-                                 str(port)], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    proc, url = start_serve(imported, tmp_path)
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=20, timeout=60)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
         reply = client.chat.completions.create(model="ckpt", messages=QUESTION, max_tokens=MAX_NEW, temperature=0)
         assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == (want, "stop")
         text = client.completions.create(model="ckpt", prompt=CHATML_PROMPT(), max_tokens=MAX_NEW, temperature=0)
         assert (text.choices[0].text, text.choices[0].finish_reason) == (want, "stop")
-        claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="x", max_retries=2, timeout=60)
-        message = claude.messages.create(model="ckpt", messages=QUESTION, max_tokens=MAX_NEW, extra_body={"temperature": 0})
+        claude = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=60)
+        message = claude.messages.create(model="ckpt", messages=QUESTION, max_tokens=MAX_NEW,
+                                         extra_body={"temperature": 0})
         assert (message.content[0].text, message.stop_reason) == (want, "end_turn")
     finally:
         stop_group(proc)
@@ -223,11 +218,11 @@ def test_bad_published_models_are_one_line(published, tmp_path):
     truncated = tmp_path / "t.gguf"
     truncated.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
     with pytest.raises(AstraiError, match=rf"^{truncated}: cannot import this GGUF file: not a readable GGUF file"):
-        import_hf(truncated, tmp_path / "out3")
+        import_gguf(truncated, tmp_path / "out3")
     empty = tmp_path / "e.gguf"
     empty.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 16)  # a header, no metadata
     with pytest.raises(AstraiError, match=rf"^{empty}: cannot import this GGUF file: no general.architecture"):
-        import_hf(empty, tmp_path / "out4")
+        import_gguf(empty, tmp_path / "out4")
     assert not any((tmp_path / f"out{i}").exists() for i in (1, 2, 3, 4))
 
 

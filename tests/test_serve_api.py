@@ -248,10 +248,12 @@ def test_completions_plain_text_equal_offline(served, oai):
     assert "".join(c.choices[0].text for c in streamed) == text
     assert streamed[-1].choices[0].finish_reason == "length"
     # Without max_tokens, 16 tokens as in OpenAI's API.
-    assert oai.completions.create(model=MODEL_ID, prompt="the king", temperature=0, extra_body=LONG).usage.completion_tokens == 16
+    r = oai.completions.create(model=MODEL_ID, prompt="the king", temperature=0, extra_body=LONG)
+    assert r.usage.completion_tokens == 16
     # Token ids as the prompt, as the OpenAI API allows.
     ids = served["tokenizer"].encode("the king", add_special_tokens=False).ids
-    assert oai.completions.create(model=MODEL_ID, prompt=ids, max_tokens=24, temperature=0, extra_body=LONG).choices[0].text == text
+    r = oai.completions.create(model=MODEL_ID, prompt=ids, max_tokens=24, temperature=0, extra_body=LONG)
+    assert r.choices[0].text == text
 
 
 def test_a_completion_stops_where_the_model_stops(served, oai):

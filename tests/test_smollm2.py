@@ -10,12 +10,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import PROJECT_ROOT, free_port, stop_group
+from conftest import PROJECT_ROOT, start_serve, stop_group
 
 pytestmark = pytest.mark.integration
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -61,24 +60,11 @@ def test_imported_as_itself_and_answers_in_its_own_format(imported):
 
 
 def test_served_with_no_sizing_option_stops_at_im_end(imported, tmp_path):
-    import httpx
     import openai
 
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(tmp_path / "serve.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "astrai.cli", "serve", "--model", str(imported), "--port",
-                                 str(port)], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    proc, url = start_serve(imported, tmp_path)  # no --kv-memory-mb: the pool sizes itself to the 8k context
     try:
-        for _ in range(600):  # loading the model takes seconds; a server that refuses to start exits
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
         reply = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=60, temperature=0)
         assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == (ANSWER, "stop")
     finally:

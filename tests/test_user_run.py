@@ -97,7 +97,8 @@ def test_the_shape_is_the_models_and_a_line_names_what_params_yaml_said(project,
     run_stage("tokenizer", params, project)
     out = capsys.readouterr().out
     assert "model: the shape of pretrain.init_from (" in out and "dim 32 (params.yaml: 64)" in out, out
-    assert (project / "data/tokenizer/tokenizer.json").read_bytes() == (project / "imported/tokenizer.json").read_bytes()
+    tokenizer = (project / "data/tokenizer/tokenizer.json").read_bytes()
+    assert tokenizer == (project / "imported/tokenizer.json").read_bytes()
 
 
 def test_init_from_takes_the_tokenizer_and_refuses_a_second_one(project):

@@ -37,7 +37,8 @@ def model_card(title: str, reference: str, tags: dict[str, str]) -> str:
     lines += ["", "## Data and lineage", ""]
     facts = {"corpus": "corpus (corpus.source)", "params_hash": "params hash (sha256 of the resolved params.yaml)",
              "git_commit": "git commit", "git_dirty": "uncommitted changes", "profile": "params profile",
-             "prefect_flow_run_id": "Prefect flow run", "mlflow_run_id": "MLflow run", "weights_sha256": "weights sha256"}
+             "prefect_flow_run_id": "Prefect flow run", "mlflow_run_id": "MLflow run",
+             "weights_sha256": "weights sha256"}
     facts |= {k: f"DVC md5 of {k.removeprefix('dvc_md5.')}" for k in sorted(tags) if k.startswith("dvc_md5.")}
     known = [f"* {label}: `{tags[k]}`" for k, label in facts.items() if k in tags]
     lines += known or ["Not a registered version: no lineage recorded (register it with `astrai stage register`)."]

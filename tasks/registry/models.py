@@ -2,8 +2,8 @@
 generate, export-hf, export-gguf) and the pipeline's `pretrain.init_from` resolve it.
 
 A reference is a registry URI (models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/model, from the pipeline's
-MLflow store), an astrai checkpoint directory (e.g. data/grpo), a Hugging Face model directory or a GGUF file (converted with
-astrai_core.hf.import_hf, as `astrai import-hf` does).
+MLflow store), an astrai checkpoint directory (e.g. data/grpo), a Hugging Face model directory or a GGUF file
+(converted as `astrai import-hf` does: astrai_core.gguf_import.import_model).
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ def resolve_model(ref: str, dst: Path) -> Resolved:
         raise AstraiError(f"{path}: not a checkpoint (manifest.json missing: an incomplete or hand-made copy); use "
                           "the folder the stage or `astrai import-hf` wrote")
     if (path / "config.json").is_file() or (path.suffix == ".gguf" and path.is_file()):  # a Hugging Face directory
-        from astrai_core.hf import import_hf  # (its weights may be sharded) or a GGUF file
+        from astrai_core.gguf_import import import_model  # (its weights may be sharded) or a GGUF file
 
-        return Resolved(import_hf(path, dst / "imported"), path.resolve().name.removesuffix(".gguf"), [])
+        return Resolved(import_model(path, dst / "imported"), path.resolve().name.removesuffix(".gguf"), [])
     raise AstraiError(f"{ref}: no such model (expected {REFERENCE_HELP})")
 
 

@@ -114,7 +114,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("evaluate", reads=("pack", "chat_data", "dpo_reference", "corpus"), models="all",
           # table.py: which models there are (a removed stage's results must not stand: DVC does not see a
           # dependency that left the list)
-          code=("tasks/run/table.py", "tasks/stages/evaluate.py", "tasks/evaluation/lm_eval_adapter.py", "tasks/evaluation/lm_eval_data.py",
+          code=("tasks/run/table.py", "tasks/stages/evaluate.py", "tasks/evaluation/lm_eval_adapter.py",
+                "tasks/evaluation/lm_eval_data.py",
                 "evals/lm_eval_tasks", "tasks/evaluation/plots.py", "tasks/evaluation/metrics.py",
                 "astrai_core/scoring.py", "astrai_core/generate.py", "astrai_core/rewards.py", "astrai_core/data.py",
                 "astrai_core/dpo_reference.py"),
@@ -163,8 +164,8 @@ def check_table(strategies: Iterable[str]) -> None:
             raise AstraiError(f"{where}: out {str(stage.out)!r} is not a folder under {DATA}/")
         for other, owner in outs.items():  # one stage's output inside another's: running one deletes the other's
             if out == other or other in out.parents or out in other.parents:
-                raise AstraiError(f"{where}: out {str(stage.out)!r} overlaps the output of stage {owner!r} ({other}); each stage "
-                                  "writes a folder of its own")
+                raise AstraiError(f"{where}: out {str(stage.out)!r} overlaps the output of stage {owner!r} ({other}); "
+                                  "each stage writes a folder of its own")
         outs[out] = stage.name
         for read in stage.reads:
             if read.partition("/")[0] not in seen:

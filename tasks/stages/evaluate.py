@@ -262,7 +262,8 @@ def _score(params: Params, root: Path, tokens: np.ndarray, n_chars: int, questio
         from tasks.evaluation.lm_eval_adapter import run_tasks, scores
 
         print(f"evaluate: {stage}: lm-eval tasks {', '.join(p.lm_eval_tasks)}", flush=True)
-        lm_metrics, lm_items = scores(run_tasks(model, load_chat(ckpt / "tokenizer.json"), p.lm_eval_tasks, lm_eval_data, p.batch_size))
+        chat = load_chat(ckpt / "tokenizer.json")
+        lm_metrics, lm_items = scores(run_tasks(model, chat, p.lm_eval_tasks, lm_eval_data, p.batch_size))
         m |= lm_metrics
         items |= lm_items
     print(f"evaluate: {stage}: done", flush=True)
