@@ -227,11 +227,10 @@ def test_profile_args_refuses_what_the_pipeline_refuses(tmp_path):
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     (tmp_path / "profiles").mkdir()
     for name, text, message in (
-            ("unknown", "pretrain: {nosuch: 3}\n", "profiles/unknown.yaml: pretrain.nosuch: unknown key"),
-            ("glob", "corpus: {source: 'texts/*.txt'}\n", "profiles/glob.yaml: corpus.source: 'texts/*.txt' cannot be "
-                                                        "passed as one -S word"),
-            ("latin1", "corpus: {source: 'caf\xe9'}\n", "profiles/latin1.yaml: not UTF-8 text")):
+            ("unknown", "pretrain: {nosuch: 3}\n", "pretrain.nosuch: unknown key"),
+            ("glob", "corpus: {source: 'texts/*.txt'}\n", "corpus.source: 'texts/*.txt' cannot be passed as one -S word"),
+            ("latin1", "corpus: {source: 'caf\xe9'}\n", "not UTF-8 text")):
         (tmp_path / "profiles" / f"{name}.yaml").write_bytes(text.encode("latin-1"))
         with pytest.raises(AstraiError) as e:
             profile_overrides(tmp_path, name)
-        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+        assert f"profiles/{name}.yaml: {message}" in str(e.value) and "\n" not in str(e.value), str(e.value)
