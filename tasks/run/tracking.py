@@ -126,12 +126,14 @@ def setup(params: Params, project_dir: Path) -> str:
 def check_artifacts_here(uri: str, exp) -> None:
     """A local sqlite store keeps its experiment's artifacts beside it (setup). A copied checkout's mlflow.db still
     names the original's folder (the location is absolute, recorded when the experiment was made): every run would
-    write there. AstraiError naming both, before anything is logged."""
+    write there. AstraiError naming both, before anything is logged. A location that is not another store's
+    artifacts folder (one chosen when the experiment was made) is the user's choice and stays."""
     if not uri.startswith("sqlite:///") or not exp.artifact_location.startswith("file:"):
         return
-    here = (Path(uri.removeprefix("sqlite:///")).parent / "artifacts").resolve()
+    store = Path(uri.removeprefix("sqlite:///"))
+    here = (store.parent / "artifacts").resolve()
     there = Path(urllib.parse.unquote(urllib.parse.urlparse(exp.artifact_location).path))
-    if there != here:
+    if there != here and there.name == "artifacts" and (there.parent / store.name).exists():
         raise AstraiError(f"{uri.removeprefix('sqlite:///')}: experiment {exp.name!r} keeps its artifacts in {there}, "
                           f"not beside this store ({here}): a copy of another checkout's store; move this mlflow/ "
                           "folder away to start a store of this checkout's, or set tracking.uri to the original's")
