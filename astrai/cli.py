@@ -479,12 +479,18 @@ def dvc_yaml(check: bool = typer.Option(False, "--check", help="Only say whether
 
 
 @app.command("profile-args")
-def profile_args(name: str = typer.Argument(..., help="A profile: the name of a file in profiles/ (quick, gpu).")) -> None:
-    """Print profiles/NAME.yaml as DVC's -S options, for an experiment with a profile:
-    `dvc exp run $(astrai profile-args quick) -n quick-try` (params.yaml itself is left as it is)."""
+def profile_args(
+    name: str = typer.Argument(..., help="A profile: the name of a file in profiles/ (quick, finetune, gpu)."),
+    set_: list[str] = typer.Option([], "--set", help="A param on top of the profile: KEY=VALUE with a dotted key, "
+                                   "e.g. pretrain.init_from=MODEL for finetune. Repeatable."),
+) -> None:
+    """Print profiles/NAME.yaml (and its name, and --set) as DVC's -S options, for an experiment with a profile:
+    `dvc exp run $(astrai profile-args quick) -n quick-try`. DVC writes an experiment's params into the workspace's
+    params.yaml when it ends: `git checkout params.yaml` takes yours back."""
     from tasks.run.params import profile_overrides
 
-    print(" ".join(f"-S {override}" for override in profile_overrides(Path(), name)))
+    overrides = dict(_parse_override(s) for s in set_)
+    print(" ".join(f"-S {override}" for override in profile_overrides(Path(), name, overrides)))
 
 
 @app.command("lm-eval-data")

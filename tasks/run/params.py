@@ -92,10 +92,12 @@ def load_profile(root: Path, name: str) -> dict[str, Any]:
     return load_raw(root / PROFILES_DIR / f"{name}.yaml")
 
 
-def profile_overrides(root: Path, name: str) -> list[str]:
+def profile_overrides(root: Path, name: str, overrides: dict[str, Any] | None = None) -> list[str]:
     """profiles/NAME.yaml as DVC's -S overrides (`dvc exp run $(astrai profile-args NAME)`): KEY=VALUE for each leaf
     where params.yaml has a section, the whole value where it has none (a null lora), as _merge applies it;
-    +KEY=VALUE where params.yaml leaves the key out."""
+    +KEY=VALUE where params.yaml leaves the key out. The profile's name travels too (register.profile: the model
+    registers as `<model_name>-NAME`, tagged with it, as `astrai pipeline --profile NAME` does), and `overrides`
+    (dotted keys) after it, as --set wins over a profile."""
     out: list[str] = []
 
     def walk(changes: dict, tree: dict, prefix: str) -> None:
@@ -108,6 +110,11 @@ def profile_overrides(root: Path, name: str) -> list[str]:
                 out.append(f"{add}{prefix}{key}={_override_value(value, f'profiles/{name}.yaml: {prefix}{key}')}")
 
     profile = load_profile(root, name)
+    _merge(profile, {"register": {"profile": name}})
+    changes: dict[str, Any] = {}
+    for key, value in (overrides or {}).items():
+        set_dotted(changes, key, value)
+    _merge(profile, changes)
     # what `astrai pipeline --profile NAME` would refuse (an unknown key, a bad value), refused here too
     parse_params(yaml.safe_load(run_params_text(root / "params.yaml", {}, profile)) or {}, f"profiles/{name}.yaml")
     walk(profile, load_raw(root / "params.yaml"), "")

@@ -116,6 +116,7 @@ class EvaluateParams(Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available, else cpu
     batch_size: PositiveInt = 16
     max_tokens: PositiveInt | None = None  # evaluate on at most this many test tokens (None: all)
+    seq_len: PositiveInt | None = None  # test text is scored in windows this long (None: the model's context)
     # The final model's text samples (samples.md) start from these; None: the demo's on Shakespeare's plays, else the
     # openings of the held-out documents of your corpus (tasks/stages/evaluate.py sample_prompts).
     prompts: list[str] | None = None

@@ -220,7 +220,7 @@ def _score(params: Params, root: Path, tokens: np.ndarray, n_chars: int, questio
     tok_sha = sha256_file(ckpt / "tokenizer.json")
     torch.manual_seed(p.seed)
     print(f"evaluate: {stage} on {device}: bits/char on {len(tokens):,} test tokens", flush=True)
-    nll, n = sequence_nll(model, tokens, cfg.max_seq_len, p.batch_size)
+    nll, n = sequence_nll(model, tokens, min(p.seq_len or cfg.max_seq_len, cfg.max_seq_len), p.batch_size)
     m = {f"test_{k}": v for k, v in summarize(nll, n, n_chars).items()}
     items: dict[str, list[int]] = {}
     replies = None
