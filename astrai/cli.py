@@ -21,7 +21,11 @@ env.apply()  # before Prefect, MLflow or DVC is imported
 from tasks.registry.models import REFERENCE_HELP  # noqa: E402
 from astrai_core.errors import AstraiError  # noqa: E402
 from tasks.run.log import command_log, crash_line, log_file, shown  # noqa: E402
-from tasks.run.table import STAGES  # noqa: E402
+try:
+    from tasks.run.table import STAGES  # noqa: E402
+except AstraiError as e:  # an edit left the stage table without a stage the others read: every command says so
+    print(f"astrai: error: {e}", file=sys.stderr)
+    sys.exit(2)
 
 app = typer.Typer(help="AstrAI pipeline: corpus -> tokenizer -> HDF5 -> torchrun pretraining -> SFT -> DPO -> GRPO -> "
                        "evaluation -> MLflow registry.",

@@ -75,6 +75,33 @@ def test_a_stage_whose_output_is_anothers_or_outside_data_is_refused(monkeypatch
         check_table(SECTIONS)
 
 
+def test_a_target_metric_evaluate_does_not_report_is_refused(monkeypatch):
+    """Issue 50 (11): a stage's target or keep must be a metric evaluate reports (it is what its check reads)."""
+    entry = TrainingStage("polish", strategy="sft", reads=("chat_data",), target="accuracy")
+    monkeypatch.setattr(table, "STAGES", (*STAGES[:-2], entry, *STAGES[-2:]))
+    with pytest.raises(AstraiError, match=r"^tasks/run/table.py: stage 'polish': metric 'accuracy' is not one "):
+        check_table(SECTIONS)
+
+
+@pytest.mark.parametrize("keep", ["()", "STAGES[:2] + STAGES[3:]"], ids=["empty table", "no pack"])
+def test_an_empty_table_or_one_without_pack_is_one_line(tmp_path, keep):
+    """Issue 50 (11): the table edited down to nothing, or without `pack`: `astrai dvc-yaml` says which stage the
+    others need, exit 2, instead of a KeyError traceback; nothing written."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "tasks", repo / "tasks", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
+    path = repo / "tasks/run/table.py"
+    text = path.read_text()
+    path.write_text(text.replace("BY_NAME: dict[str, Stage]", f"STAGES = {keep}\nBY_NAME: dict[str, Stage]", 1))
+    before = (repo / "dvc.yaml").read_bytes()
+    out = run_astrai(repo, "dvc-yaml", pythonpath=repo)
+    assert out.returncode == 2 and out.stderr.splitlines() == [
+        f"astrai: error: tasks/run/table.py: no stage {'corpus' if keep == '()' else 'pack'!r}; the stages corpus, "
+        "tokenizer, pack, pretrain, dpo_reference, evaluate, register are read by name by the others (add stages "
+        "around them, keep these)"], out.stderr
+    assert (repo / "dvc.yaml").read_bytes() == before
+
+
 def test_init_from_with_broken_weights_replaces_nothing(tmp_path, tiny_trained):
     """A checkpoint whose model.safetensors was truncated: the tokenizer stage and the pretrain stage (enabled:
     false, which copies it to data/pretrain) both stop with one line naming the broken file, and the good outputs

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Iterable
 
 from astrai_core.errors import AstraiError
+from tasks.evaluation.metrics import METRICS
 
 DATA = Path("data")
 NAME = re.compile(r"[a-z][a-z0-9_]*")  # a stage's name: its `astrai stage NAME`, params.yaml section and data/NAME
@@ -141,7 +142,12 @@ BY_NAME: dict[str, Stage] = {s.name: s for s in STAGES}
 TRAINING: dict[str, TrainingStage] = {s.name: s for s in STAGES if isinstance(s, TrainingStage)}
 MODEL_STAGES = tuple(TRAINING)  # in chain order: each one's model starts the next enabled one
 
-# The layout: where the stages that others read write.
+# The layout: where the stages that others read write. An edit that removes one of them (or empties the table) is
+# one line naming it, at the first import of the table.
+LAYOUT = ("corpus", "tokenizer", "pack", "pretrain", "dpo_reference", "evaluate", "register")
+if missing := [n for n in LAYOUT if n not in BY_NAME]:
+    raise AstraiError(f"tasks/run/table.py: no stage {missing[0]!r}; the stages {', '.join(LAYOUT)} are read by "
+                      "name by the others (add stages around them, keep these)")
 CORPUS, TOKENIZER, PACKED, DPO_REFERENCE, EVALUATE, REGISTER = (
     BY_NAME[n].out for n in ("corpus", "tokenizer", "pack", "dpo_reference", "evaluate", "register"))
 
@@ -174,6 +180,9 @@ def check_table(strategies: Iterable[str]) -> None:
             raise AstraiError(f"{where}: models {stage.models!r}; expected \"before\", \"all\" or \"\"")
         if isinstance(stage, TrainingStage) and stage.strategy not in strategies:
             raise AstraiError(f"{where}: strategy {stage.strategy!r}; one of {', '.join(strategies)}")
+        for metric in (stage.target, *stage.keep) if isinstance(stage, TrainingStage) else ():
+            if metric is not None and metric not in METRICS:
+                raise AstraiError(f"{where}: metric {metric!r} is not one evaluate reports; one of {', '.join(METRICS)}")
         seen.append(stage.name)
 
 
