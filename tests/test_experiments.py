@@ -94,6 +94,12 @@ def test_queued_experiments_log_to_the_project_store_and_apply_cleanly(tmp_path,
     out = run_ok(dvc + ["exp", "run", "--run-all"], repo, env)  # each in a temporary copy under .dvc/tmp/exps
     print(f"dvc exp run --run-all (2 queued experiments): {time.monotonic() - start:.1f} s")
     assert not (repo / ".dvc/tmp/exps").exists() or not list((repo / ".dvc/tmp/exps").glob("tmp*")), out
+    # The README's view (issue 50, 7): the changed params and the headline metrics, no code hashes, every cell whole
+    # at 120 columns (plain `dvc exp show` was 206 columns of "…").
+    view = run_ok(dvc + ["exp", "show", "--only-changed", "--drop", "(astrai_core|tasks|evals|data)/", "--no-pager"],
+                  repo, {**env, "COLUMNS": "120"})
+    assert "…" not in view and "register.metric" in view and "sft/task_accuracy" in view, view
+    assert not any(dep in view for dep in ("tasks/", "astrai_core/", "data/")), view
 
     client = mlflow.MlflowClient(f"sqlite:///{repo / 'mlflow/mlflow.db'}")
     exp = client.get_experiment_by_name("astrai")

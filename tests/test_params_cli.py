@@ -200,12 +200,15 @@ def test_every_profile_merges_into_a_valid_params(profile):
 def test_profile_args_give_dvc_the_profiles_params(profile, tmp_path):
     """Issue 43, item 15: `dvc exp run` had no way to use a profile. `astrai profile-args NAME` prints it as -S
     options; applied by DVC's own override code (what `dvc exp run -S` calls), params.yaml becomes exactly the
-    params `astrai pipeline --profile NAME` runs with."""
+    params `astrai pipeline --profile NAME` runs with, its name included (issue 50, 5: an experiment of the quick
+    profile registered a toy model as `astrai`), and --set on top (finetune needs its model)."""
     from dvc.utils.hydra import apply_overrides
 
     from tasks.run.params import load_profile, parse_params, run_params_text
 
-    out = subprocess.run([sys.executable, "-m", "astrai.cli", "profile-args", profile], cwd=ROOT, capture_output=True,
+    sets = {"pretrain.init_from": "models:/some-model@champion"} if profile == "finetune" else {}
+    out = subprocess.run([sys.executable, "-m", "astrai.cli", "profile-args", profile,
+                          *(f"--set={k}={v}" for k, v in sets.items())], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     words = out.stdout.split()  # as the shell splits $(astrai profile-args NAME)
@@ -214,8 +217,9 @@ def test_profile_args_give_dvc_the_profiles_params(profile, tmp_path):
     shutil.copy(ROOT / "params.yaml", params)
     apply_overrides(params, words[1::2])
     by_dvc = parse_params(yaml.safe_load(params.read_text()))
-    by_profile = parse_params(yaml.safe_load(run_params_text(ROOT / "params.yaml", {}, load_profile(ROOT, profile))))
-    assert by_dvc == by_profile
+    changes = {**load_profile(ROOT, profile), "register": {"profile": profile}}
+    by_profile = parse_params(yaml.safe_load(run_params_text(ROOT / "params.yaml", sets, changes)))
+    assert by_dvc == by_profile and by_dvc.register.profile == profile
 
 
 def test_profile_args_refuses_what_the_pipeline_refuses(tmp_path):

@@ -121,16 +121,17 @@ def profile_overrides(root: Path, name: str, overrides: dict[str, Any] | None = 
     return out
 
 
-def _override_value(value: Any, where: str) -> str:
-    """`value` in Hydra's override grammar (what DVC's -S reads), without spaces: the shell splits $(...) there."""
+def _override_value(value: Any, where: str, nested: bool = False) -> str:
+    """`value` in Hydra's override grammar (what DVC's -S reads), without spaces: the shell splits $(...) there. A
+    `:` is a plain character at the top (models:/NAME@ALIAS), a key's end inside {...}."""
     if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{_override_value(v, where)}" for k, v in value.items()) + "}"
+        return "{" + ",".join(f"{k}:{_override_value(v, where, True)}" for k, v in value.items()) + "}"
     if isinstance(value, list):
-        return "[" + ",".join(_override_value(v, where) for v in value) + "]"
+        return "[" + ",".join(_override_value(v, where, True) for v in value) + "]"
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
     text = str(value)
-    if not text or any(ch.isspace() or ch in "'\"=,[]{}:*?" for ch in text):  # split or expanded by the shell
+    if not text or any(ch.isspace() or ch in "'\"=,[]{}*?" + ":" * nested for ch in text):  # split or expanded
         raise AstraiError(f"{where}: {text!r} cannot be passed as one -S word; set it with -S by hand")
     return text
 
