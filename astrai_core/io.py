@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -112,9 +114,24 @@ def atomic_path(target: str | os.PathLike, kind: str, *, force: bool = False,
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, target)
-    except BaseException:
+    except BaseException as e:
         _remove(tmp)
+        if why := disk_full(e):
+            raise AstraiError(f"{target}: disk full while writing it ({why}); nothing replaced") from e
         raise
+
+
+def disk_full(e: BaseException | None) -> str | None:
+    """What says `e` (or an exception it came from) is a full disk: ENOSPC, a library's "No space left on device"
+    (safetensors' own error type), or a short write (gguf's "16384 requested and 14320 written"); else None."""
+    while e is not None:
+        text = str(e)
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in text:
+            return "No space left on device"
+        if isinstance(e, OSError) and re.search(r"\d+ requested and \d+ written", text):
+            return f"a short write: {text}"
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _remove(path: Path) -> None:

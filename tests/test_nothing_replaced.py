@@ -157,3 +157,28 @@ def test_a_copied_checkouts_store_does_not_write_into_the_original(tmp_path, mon
         setup(Params(), tmp_path / "original")  # the original's own store is its own
     finally:
         mlflow.set_tracking_uri(previous)
+
+
+@pytest.mark.parametrize("command", ["export-hf", "export-gguf"])
+def test_a_full_disk_is_one_line_naming_the_output(tmp_path, core_tiny_data, command):
+    """Issue 50 (15): a full disk was a library's line (`safetensors/torch.py:323: SafetensorError: ... No space left
+    on device`, `gguf_writer.py:469: OSError: 16384 requested and 14320 written`). One line naming the output and
+    "disk full", exit 2, nothing left on the full disk. The disk: a 16 KiB tmpfs this test mounts (root)."""
+    from astrai_core.model_dir import save_checkpoint
+    from conftest import sharp_random_model
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    model = sharp_random_model(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    tiny_trained = save_checkpoint(tmp_path / "ckpt", model, model.cfg, core_tiny_data["tokenizer"])
+    full = tmp_path / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(full)], check=True)
+    try:
+        out_path = full / ("model" if command == "export-hf" else "model.gguf")
+        out = run_astrai(tmp_path, command, str(tiny_trained), str(out_path))
+        assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+        assert out.stderr.startswith(f"astrai: error: {out_path}: disk full while writing it ("), out.stderr
+        assert list(full.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(full)], check=True)
