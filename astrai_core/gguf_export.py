@@ -51,12 +51,16 @@ BLOCK_TENSORS = {
     "mlp.gate_proj.weight": "ffn_gate.weight",  # absent with relu2
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",  # qkv_bias: llama.cpp's qwen2 graph
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
 }
+# The graphs that rotate adjacent pairs (q/k rows permuted on export); qwen2's rotates half-split pairs, as astrai does.
+ADJACENT_ROPE = ("llama", "arcee")
 
 # Options the llama and arcee graphs do not compute, and what llama.cpp would need instead.
 UNSUPPORTED = {
     "qk_norm": "per-head RMSNorm on q and k (llama.cpp's qwen3 graph; not mapped here)",
-    "qkv_bias": "q/k/v biases (llama.cpp's qwen2 graph, which rotates half-split pairs; not mapped here)",
     "attn_gate": "a sigmoid gate on the attention output",
     "logit_softcap": "logit soft-capping (only inside gemma2's graph, with other norms and scalings)",
     "value_embeds": "value embeddings added in every layer",
@@ -72,11 +76,15 @@ def gguf_arch(cfg: ModelConfig) -> str:
     """The llama.cpp architecture that computes exactly what `cfg` does, or AstraiError naming the option."""
     for option, what in UNSUPPORTED.items():
         if getattr(cfg, option):
-            raise _refuse(f"model.{option} is set: {what}; llama.cpp's llama and arcee architectures lack it")
+            raise _refuse(f"model.{option} is set: {what}; llama.cpp's llama, arcee and qwen2 architectures lack it")
     if cfg.attention == "mla":
         raise _refuse("model.attention is 'mla' (latent attention: llama.cpp's deepseek2 graph; not mapped here)")
     if cfg.n_experts:
         raise _refuse(f"model.n_experts is {cfg.n_experts} (mixture of experts; not mapped here)")
+    if cfg.qkv_bias:
+        if cfg.mlp != "swiglu":
+            raise _refuse("model.qkv_bias with model.mlp relu2 (llama.cpp's qwen2 graph has a SwiGLU MLP)")
+        return "qwen2"
     return "arcee" if cfg.mlp == "relu2" else "llama"
 
 
@@ -87,17 +95,19 @@ def rope_adjacent_pairs(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def gguf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """astrai state dict -> {GGUF tensor name: float32 array}, q/k rows permuted for llama.cpp's RoPE."""
+    """astrai state dict -> {GGUF tensor name: float32 array}, q/k rows (and biases) permuted where llama.cpp's graph
+    rotates adjacent pairs."""
     out = {}
+    permute = gguf_arch(cfg) in ADJACENT_ROPE
     for key, w in state.items():
         if cfg.tie_embeddings and key == "lm_head.weight":
             continue
         if key.startswith("layers."):
             _, layer, rest = key.split(".", 2)
             name = f"blk.{layer}.{BLOCK_TENSORS[rest]}"
-            if rest == "self_attn.q_proj.weight":
+            if permute and rest == "self_attn.q_proj.weight":
                 w = rope_adjacent_pairs(w, cfg.n_heads)
-            elif rest == "self_attn.k_proj.weight":
+            elif permute and rest == "self_attn.k_proj.weight":
                 w = rope_adjacent_pairs(w, cfg.n_kv_heads)
         else:
             name = TOP_TENSORS[key]

@@ -8,7 +8,8 @@ reader); every tensor is dequantized to float32 by its `gguf.quants.dequantize` 
 Q5_0, Q5_1, Q2_K ... Q6_K), and q_proj/k_proj rows go back from llama.cpp's adjacent RoPE pairs to rotate-half
 (gguf_export.rope_adjacent_pairs, inverted). The tokenizer (tokens, merges, pre-tokenizer, special tokens, chat
 template) is transformers' GGUF converter's, so `transformers` must be installed for a GGUF file (it is, with the
-project's dev extra). Architectures: llama (Llama, SmolLM, Mistral-style dense models); any other is refused by name.
+project's dev extra). Architectures: llama (Llama, SmolLM, Mistral-style dense models) and qwen2 (q/k/v biases,
+half-split RoPE: nothing permuted); any other is refused by name.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import torch
 from safetensors.torch import save_file
 
 from astrai_core.errors import AstraiError
-from astrai_core.gguf_export import BLOCK_TENSORS, TOP_TENSORS
+from astrai_core.gguf_export import ADJACENT_ROPE, BLOCK_TENSORS, TOP_TENSORS
 from astrai_core.io import write_json
 
-ARCHITECTURES = ("llama",)
+# GGUF architecture -> the Hugging Face model it is (qwen2: q/k/v biases, half-split RoPE: nothing to permute)
+ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM")}
 # GGUF tensor -> HF checkpoint tensor (gguf_export's names, reversed; HF's carry the `model.` prefix)
 HF_NAMES = {gguf: ("" if ours == "lm_head.weight" else "model.") + ours for ours, gguf in TOP_TENSORS.items()}
 BLOCK_NAMES = {gguf: ours for ours, gguf in BLOCK_TENSORS.items()}
@@ -105,7 +107,7 @@ def gguf_to_hf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     names = {t.name for t in reader.tensors}
     tokens = meta("tokenizer.ggml.tokens") or []
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [ARCHITECTURES[arch][1]], "model_type": ARCHITECTURES[arch][0],
         "vocab_size": meta(f"{arch}.vocab_size", len(tokens)), "hidden_size": dim,
         "intermediate_size": meta(f"{arch}.feed_forward_length"), "num_hidden_layers": meta(f"{arch}.block_count"),
         "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads,
@@ -139,9 +141,9 @@ def gguf_to_hf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
                                 "package") from None
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the innermost dimension first
         w = torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
-        if name.endswith("self_attn.q_proj.weight"):
+        if arch in ADJACENT_ROPE and name.endswith("self_attn.q_proj.weight"):
             w = rope_half_split(w, n_heads)
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif arch in ADJACENT_ROPE and name.endswith("self_attn.k_proj.weight"):
             w = rope_half_split(w, n_kv_heads)
         state[name] = w
     out_dir.mkdir(parents=True)
@@ -151,7 +153,30 @@ def gguf_to_hf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     write_json(out_dir / "generation_config.json", {"bos_token_id": config["bos_token_id"],
                                                      "eos_token_id": list(dict.fromkeys(eos)) or None})
     _write_tokenizer(path, out_dir, meta("tokenizer.chat_template"))
+    _drop_invented_tokens(out_dir, len(tokens))
     return out_dir
+
+
+def _drop_invented_tokens(out_dir: Path, n_tokens: int) -> None:
+    """transformers' byte-level GGUF converter builds a GPT-2 tokenizer, whose class adds its default
+    "<|endoftext|>" when the file lacks it (a Llama 3 file, astrai's own export): an id beyond the model's rows. The
+    file's vocabulary is all there is: such tokens go."""
+    path = out_dir / "tokenizer.json"
+    tok = json.loads(path.read_text())
+    invented = {t["content"] for t in tok["added_tokens"] if t["id"] >= n_tokens}
+    if not invented:
+        return
+    tok["added_tokens"] = [t for t in tok["added_tokens"] if t["id"] < n_tokens]
+    tok["model"]["vocab"] = {k: i for k, i in tok["model"]["vocab"].items() if i < n_tokens}
+    path.write_text(json.dumps(tok, ensure_ascii=False))
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    for key, value in list(config.items()):
+        if value in invented:
+            config[key] = None
+    if "added_tokens_decoder" in config:
+        config["added_tokens_decoder"] = {i: t for i, t in config["added_tokens_decoder"].items() if int(i) < n_tokens}
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
 
 
 def _write_tokenizer(path: Path, out_dir: Path, template: str | None) -> None:

@@ -161,7 +161,7 @@ def test_file_holds_the_tokenizer_and_weights(tmp_path, tokenizer_path):
 
 @pytest.mark.parametrize("overrides, named", [
     (dict(qk_norm=True), "model.qk_norm"),
-    (dict(qkv_bias=True), "model.qkv_bias"),
+    (dict(qkv_bias=True, mlp="relu2"), "model.qkv_bias with model.mlp relu2"),
     (dict(attn_gate=True), "model.attn_gate"),
     (dict(attention="mla", mla_kv_rank=16, mla_rope_dim=8), "model.attention is 'mla'"),
     (dict(n_experts=4, qk_norm=False), "model.n_experts"),
@@ -281,7 +281,30 @@ SHAPES = {
     "llama_mha_rope_linear": dict(n_kv_heads=4, rope_scaling="linear", rope_factor=2.0, rope_theta=500.0),
     "llama_rope_ntk_head_dim": dict(rope_scaling="ntk", rope_factor=4.0, rope_theta=500.0, attn_head_dim=16),
     "arcee_relu2": dict(mlp="relu2", tie_embeddings=False),
+    "qwen2_qkv_bias": dict(qkv_bias=True),
 }
+
+
+def test_qwen2_gguf_file_imports_back_to_the_same_model(tmp_path, tokenizer_path):
+    """Issue 49: a model with q/k/v biases is llama.cpp's qwen2 (half-split RoPE: nothing permuted); its GGUF file,
+    f32 and Q8_0, imports back as a qwen2 model with the same logits (Q8_0: within its rounding)."""
+    import gguf
+
+    from astrai_core.gguf_import import import_gguf
+
+    model = sharp_random_model(vocab_size=512, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
+                               qkv_bias=True)  # room for what import adds to a tokenizer without a template
+    ckpt = save_checkpoint(tmp_path / "ckpt", model, model.cfg, tokenizer_path)
+    x = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        expected = model(x)
+    for out_type, tolerance in (("f32", 1e-4), ("q8_0", 0.5)):
+        gguf_file = export_gguf(ckpt, tmp_path / f"{out_type}.gguf", out_type)
+        assert gguf.GGUFReader(gguf_file).fields["general.architecture"].contents() == "qwen2"
+        imported, _, cfg = load_model(import_gguf(gguf_file, tmp_path / f"back-{out_type}"))
+        assert cfg.qkv_bias
+        with torch.no_grad():
+            torch.testing.assert_close(imported(x), expected, atol=tolerance, rtol=0)
 
 
 @pytest.mark.parametrize("name", SHAPES)
