@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,5 +68,50 @@ def test_served_with_no_sizing_option_stops_at_im_end(imported, tmp_path):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
         reply = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=60, temperature=0)
         assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == (ANSWER, "stop")
+    finally:
+        stop_group(proc)
+
+
+def test_a_few_sft_steps_at_the_finetune_profiles_settings_keep_it_itself(imported, tmp_path):
+    """`profiles/finetune.yaml` on the real model, stage by stage as dvc.yaml runs them (a small slice of the plays,
+    3 SFT steps at the profile's learning rate and LoRA): the fine-tuned model still answers the question in its own
+    format, offline and through `astrai serve`, and stops at <|im_end|>; the demo's tasks reach it in its template."""
+    import shutil
+
+    import openai
+
+    from astrai_core.chat import load_chat
+    from astrai_core.generate import generate
+    from astrai_core.model_dir import load_model
+    from conftest import VENV_BIN, run_ok
+    from tasks.run.params import load_profile, run_params_text
+
+    repo = tmp_path / "project"
+    for pkg in ("astrai_core", "tasks", "flows", "evals", "profiles"):
+        shutil.copytree(PROJECT_ROOT / pkg, repo / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    overrides = {"pretrain.init_from": str(imported), "corpus.max_documents": 6,
+                 "corpus.max_chars_per_document": 20000, "corpus.validation_fraction": 0.2,
+                 "corpus.test_fraction": 0.2, "chat_data.sft_examples": 24, "chat_data.dpo_pairs": 8,
+                 "chat_data.grpo_prompts": 8, "chat_data.test_examples": 8, "sft.max_steps": 3,
+                 "sft.optim.warmup_steps": 1, "sft.eval_every": 3, "sft.eval_batches": 1, "sft.log_every": 1}
+    profile = load_profile(PROJECT_ROOT, "finetune")
+    (repo / "params.yaml").write_text(run_params_text(PROJECT_ROOT / "params.yaml", overrides, profile))
+    env = {**os.environ, "PYTHONPATH": str(repo), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    logs = {stage: run_ok([VENV_BIN / "astrai", "stage", stage], repo, env)
+            for stage in ("corpus", "tokenizer", "pack", "pretrain", "chat_data", "sft")}
+    trained = re.search(r"training ([\d,]+) of ([\d,]+) parameters", logs["sft"])  # LoRA: the adapters alone
+    assert trained and int(trained[1].replace(",", "")) < int(trained[2].replace(",", "")) // 20, logs["sft"]
+    sft = repo / "data/sft"
+    records = [json.loads(line) for line in (repo / "data/chat/records/sft_train.jsonl").read_text().splitlines()]
+    chat = load_chat(sft / "tokenizer.json")
+    assert chat.stop_ids == (2,) and "<|im_start|>user\n" in chat.render(records[0]["messages"])
+    model, _, _ = load_model(sft)
+    out = generate(model, chat.encode_prompt(QUESTION), 40, stop_ids=chat.stop_ids)
+    assert out[-1] == 2 and "Paris" in chat.decode_reply(out), chat.tokenizer.decode(out, skip_special_tokens=False)
+    proc, url = start_serve(sft, tmp_path)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model="sft", messages=QUESTION, max_tokens=60, temperature=0)
+        assert reply.choices[0].message.content == chat.decode_reply(out) and reply.choices[0].finish_reason == "stop"
     finally:
         stop_group(proc)
