@@ -337,3 +337,21 @@ def test_an_unknown_lm_eval_task_is_refused_by_name():
     with pytest.raises(AstraiError, match=r"evaluate\.lm_eval_tasks: unknown lm-eval task 'nope'; one of: "
                                           r"astrai_next_speaker, astrai_speech_ppl"):
         parse_params({"evaluate": {"lm_eval_tasks": ["nope"]}})
+
+
+def test_each_prompts_sample_has_its_own_draws(tmp_path):
+    """Issue 50 (21): the samples of two prompts ended in the same words (one seed for every prompt: the same draws).
+    The same prompt twice: two sampled texts that differ (greedy ones stay equal), and the same file on a rerun."""
+    from astrai_core.bpe import train_tokenizer
+    from conftest import _core_text, sharp_random_model
+    from tasks.run.schema import Params
+    from tasks.stages.evaluate import _samples
+
+    tok = train_tokenizer([_core_text(200, seed=1)], vocab_size=300)
+    model = sharp_random_model(vocab_size=tok.get_vocab_size(), dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                               max_seq_len=64)
+    params = Params(evaluate={"prompts": ["the king", "the king"], "max_new_tokens": 24})
+    text = _samples(params, tmp_path, model, tok)
+    blocks = text.split("```")[1::2]  # greedy, sampled; greedy, sampled
+    assert blocks[0] == blocks[2] and blocks[1] != blocks[3], text
+    assert _samples(params, tmp_path, model, tok) == text

@@ -503,9 +503,10 @@ def _documents(path: Path) -> Iterator[str]:
 def _samples(params: Params, root: Path, model, tok) -> str:
     p = params.evaluate
     lines = ["# Samples of the final model", ""]
-    for prompt in sample_prompts(params, root):
+    for i, prompt in enumerate(sample_prompts(params, root)):
         for mode, temperature in (("greedy", 0.0), ("sampled", p.temperature)):
-            gen = torch.Generator(model_device(model)).manual_seed(p.seed)  # on a GPU: its generator
+            # a seed per prompt: with one for all, the same draws led different prompts to the same words
+            gen = torch.Generator(model_device(model)).manual_seed(p.seed + i)  # on a GPU: its generator
             text = generate_text(model, tok, prompt, max_new_tokens=p.max_new_tokens, temperature=temperature,
                                  top_k=p.top_k, generator=gen)
             lines += [f"## {mode} (temperature {temperature}): {prompt!r}", "", "```", prompt + text, "```", ""]
