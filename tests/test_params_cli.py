@@ -188,12 +188,18 @@ def test_every_param_dvc_yaml_lists_is_written_in_params_yaml():
 
 @pytest.mark.parametrize("profile", sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml")))
 def test_every_profile_merges_into_a_valid_params(profile):
-    """profiles/*.yaml (quick, gpu) each give a valid run configuration over the real params.yaml."""
+    """profiles/*.yaml (quick, finetune, gpu) each give a valid run configuration over the real params.yaml (finetune
+    with the model it starts from, which its command names; without one it says so)."""
+    from astrai_core.errors import AstraiError
     from tasks.run.params import load_profile, parse_params, run_params_text
 
-    text = run_params_text(ROOT / "params.yaml", {}, load_profile(ROOT, profile))
+    sets = {"pretrain.init_from": "models:/some-model@champion"} if profile == "finetune" else {}
+    text = run_params_text(ROOT / "params.yaml", sets, load_profile(ROOT, profile))
     params = parse_params(yaml.safe_load(text))
     assert params.model.vocab_size >= params.tokenizer.vocab_size
+    if profile == "finetune":
+        with pytest.raises(AstraiError, match="pretrain.enabled: false needs pretrain.init_from"):
+            parse_params(yaml.safe_load(run_params_text(ROOT / "params.yaml", {}, load_profile(ROOT, profile))))
 
 
 @pytest.mark.parametrize("profile", sorted(p.stem for p in (ROOT / "profiles").glob("*.yaml")))
