@@ -172,7 +172,7 @@ def _drop_invented_tokens(out_dir: Path, n_tokens: int) -> None:
     config_path = out_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     for key, value in list(config.items()):
-        if value in invented:
+        if isinstance(value, str) and value in invented:
             config[key] = None
     if "added_tokens_decoder" in config:
         config["added_tokens_decoder"] = {i: t for i, t in config["added_tokens_decoder"].items() if int(i) < n_tokens}
