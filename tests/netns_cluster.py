@@ -197,11 +197,12 @@ class NetnsCluster(slurm_cluster.Cluster):
         """SIGKILL every process in `role`'s namespace (its slurmd and whatever runs there): the machine dies."""
         _kill_namespace(self.ns[role])
 
-    def heal(self, timeout: float = 120.0) -> None:
+    def heal(self, timeout: float = 300.0) -> None:
         """Whatever a test did to the nodes, undone: no job left, every link up, a slurmd in every compute namespace
         and every node idle (a node Slurm set DOWN while it was lost is resumed). Raises (and stops the cluster)
         when that does not happen within `timeout`, so that the tests after it fail at once instead of waiting on
-        a job that can never start."""
+        a job that can never start. Slurm resends a lost node's TERMINATE_JOB once a minute and sees it respond
+        on its next ping: a CI run beside other load took 102 s from the kill to "now responding", hence 300 s."""
         subprocess.run(["scancel", "--full", "--user=root"], env=self.env, capture_output=True)
         self.procs = [p for p in self.procs if p.poll() is None]
         for role in NODES:
