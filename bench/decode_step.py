@@ -2,11 +2,13 @@
 B requests decoding together, each part of Engine.step() timed around its call, medians over the steps; and the
 step that prefills new prompts (1 or 4 of 16 or 64 tokens), eager and compiled.
 
-    python bench/decode_step.py [--batches 1 4 16 64] [--steps 200] [--out bench/decode_step_report.json]
+    python bench/decode_step.py [--batches 1 4 16 64] [--steps 200] [--modes eager compiled]
+                                [--temperature 0.8 --top-p 0.95 --seeded] [--out bench/decode_step_report.json]
 
 Parts: schedule (Scheduler.schedule: admission, block tables), inputs (Runner.run around the forward: the tensors
 built from the sequences, the logits picked), forward (the model with the paged KV: Runner._forward eager, or the
-compiled graph), sample (Scheduler.postprocess: greedy argmax, bookkeeping), rest (Engine.step's own: events,
+compiled graph), sample (Scheduler.postprocess: the sampling of every row, bookkeeping; greedy unless
+--temperature, each request its own generator with --seeded), rest (Engine.step's own: events,
 the inbox). The demo's shape (params.yaml) with random weights, 1 torch thread (what `astrai serve` picks on
 2 cores). Compile time (the warm-up at Engine construction) is reported too; torch caches compiled code on disk,
 so a second run compiles faster.
@@ -21,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -45,13 +48,12 @@ def timed(spent: list[float], fn):
     return wrapper
 
 
-def profile(engine: Engine, batch: int, steps: int) -> dict:
+def profile(engine: Engine, batch: int, steps: int, params: Callable[[int], SamplingParams]) -> dict:
     """Median milliseconds per decode step of each part, with `batch` requests decoding."""
     runner, scheduler = engine.runner, engine.scheduler
     spent: dict[str, list[float]] = {k: [] for k in ("step", "schedule", "run", "forward", "sample")}
     for i in range(batch):
-        engine.submit([1 + i % 100, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=steps + 10, temperature=0),
-                      lambda *a: None)
+        engine.submit([1 + i % 100, 2, 3, 4, 5, 6, 7, 8], params(i), lambda *a: None)
     for _ in range(3):  # the prefill and the first decodes
         engine.step()
     attr = "compiled" if runner.compiled is not None else "_forward"
@@ -106,6 +108,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 2, 4, 8, 16, 64])
     ap.add_argument("--steps", type=int, default=200, help="decode steps measured per batch size")
+    ap.add_argument("--modes", nargs="*", default=["eager", "compiled"], choices=["eager", "compiled"])
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy requests")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seeded", action="store_true", help="each request its own seed (a generator per row)")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the prefill steps")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "decode_step_report.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -114,14 +121,20 @@ def main() -> None:
         sys.exit(f"--steps {args.steps}: at most {cfg.max_seq_len - 20} (params.yaml's model.max_seq_len - 20)")
     torch.manual_seed(0)
     model = Transformer(cfg).eval()
-    report = {"machine": machine(), "settings": {"batches": args.batches, "steps": args.steps}, "modes": {}}
-    for mode in ("eager", "compiled"):
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=args.steps + 10, temperature=args.temperature, top_p=args.top_p,
+                              seed=i if args.seeded else None)
+
+    settings = {k: getattr(args, k) for k in ("batches", "steps", "temperature", "top_p", "seeded")}
+    report = {"machine": machine(), "settings": settings, "modes": {}}
+    for mode in args.modes:
         start = time.perf_counter()
         engine = Engine(model, EngineConfig(kv_memory_mb=256, compile=mode == "compiled"))
-        rows = [profile(engine, b, args.steps) for b in args.batches]
+        rows = [profile(engine, b, args.steps, params) for b in args.batches]
         built = round(time.perf_counter() - start, 1)
         engine = Engine(model, EngineConfig(kv_memory_mb=256, compile=mode == "compiled", prefix_cache=False))
-        prefills = [prefill(engine, r, t, reps=20) for r, t in ((1, 16), (1, 64), (4, 64))]
+        shapes = () if args.no_prefill else ((1, 16), (1, 64), (4, 64))
+        prefills = [prefill(engine, r, t, reps=20) for r, t in shapes]
         report["modes"][mode] = {"engine_built_s": built, "rows": rows, "prefill": prefills}
         for row in rows + prefills:
             print(mode, json.dumps(row), flush=True)

@@ -217,7 +217,7 @@ class Server:
             self.proc = subprocess.Popen([*self.command, "--port", str(self.port)], cwd=self.cwd, env=self.env,
                                          stdout=log, stderr=subprocess.STDOUT)
         start = time.monotonic()
-        while time.monotonic() < start + 600:  # astrai serve --compile compiles before it answers
+        while time.monotonic() < start + 600:  # astrai serve --compile-first compiles before it answers
             try:
                 answer = httpx.get(f"{self.url}{self.ready}", timeout=1)
                 answer.raise_for_status()
@@ -358,8 +358,9 @@ def main() -> None:
     ap.add_argument("--llama-cpp", type=Path, help="llama.cpp's bin/ (scripts/build_llama_cpp.sh): also measure "
                     "`llama-server` on the same model exported with astrai export-gguf (f32), -t 1 and -t 2")
     ap.add_argument("--llama-threads", type=int, nargs="*", default=(1, 2), help="llama-server's -t (and -tb) settings")
-    ap.add_argument("--compile", action="store_true", help="also measure `astrai serve --compile` (decode steps and "
-                    "prefill chunks as torch.compile'd graphs), as the server astrai_compile")
+    ap.add_argument("--compile", action="store_true", help="also measure `astrai serve --compile-first` (decode steps "
+                    "and prefill chunks as torch.compile'd graphs from the first request: the default server once its "
+                    "background compile is done), as the server astrai_compile; the server astrai is --no-compile")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine alone (its ratios are then missing)")
     ap.add_argument("--no-prefix-scenario", action="store_true", help="skip the shared-prefix TTFT comparison")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "serving_report.json")
@@ -386,9 +387,9 @@ def main() -> None:
             workloads.update({f"random_poisson_{r:g}": {"requests": rand, "rate": r, "seed": i}
                               for i, r in enumerate(args.rates)})
 
-        servers = {"astrai": lambda: astrai_server(ckpt, tmp)}
-        if args.compile:
-            servers["astrai_compile"] = lambda: astrai_server(ckpt, tmp, ("--compile",))
+        servers = {"astrai": lambda: astrai_server(ckpt, tmp, ("--no-compile",))}
+        if args.compile:  # the steps compiled before it answers: the default server once its background compile ends
+            servers["astrai_compile"] = lambda: astrai_server(ckpt, tmp, ("--compile-first",))
         if args.peer_venv:
             hf = tmp / "hf-export"
             subprocess.run([sys.executable, "-m", "astrai.cli", "export-hf", str(ckpt), str(hf)], cwd=ROOT, check=True,

@@ -86,7 +86,9 @@ def serve(engine: EngineClient, chat: ChatFormat, model_id: str, aliases: Sequen
                              hosts=Hosts(host, tuple(allowed_hosts)), watch=watch)
     c, (n_threads, why) = engine.config, threads
     where = "process" if isinstance(engine, EngineProcess) else "thread"
-    compiled = f"; steps compiled in {engine.stats()['compile_seconds']} s" if c.compile else ""
+    seconds = engine.stats()["compile_seconds"]
+    compiled = "" if not c.compile else f"; steps compiled in {seconds} s" if seconds is not None else \
+        "; steps compiling in the background, eager until then"
     print(f"astrai: serving {', '.join([model_id, *aliases])} on http://{host}:{port}/v1 ({device}, {n_threads} "
           f"torch thread(s): {why}; engine {where}; batch cap {c.max_batch_size}, {engine.stats()['kv_blocks_total']} "
           f"KV blocks of {c.block_size} tokens, queue {c.max_waiting}{compiled})", file=sys.stderr, flush=True)

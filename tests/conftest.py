@@ -114,7 +114,7 @@ def start_serve(model: _Path, cwd: _Path, *options: str, timeout: float = 300) -
     port = free_port()
     with open(cwd / "serve.log", "w") as log:
         proc = _subprocess.Popen([_sys.executable, "-m", "astrai.cli", "serve", "--model", str(model), "--port",
-                                  str(port), *options], cwd=cwd, env={**_os.environ, "OMP_NUM_THREADS": "1"},
+                                  str(port), "--no-compile", *options], cwd=cwd, env={**_os.environ, "OMP_NUM_THREADS": "1"},
                                  stdout=log, stderr=_subprocess.STDOUT, start_new_session=True)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
     while True:

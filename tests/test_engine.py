@@ -319,10 +319,12 @@ def test_seeded_sampling_is_reproducible_whatever_shares_the_batch():
 
 
 def test_greedy_and_sampled_requests_in_one_batch_equal_their_solo_runs():
-    """The scheduler samples the greedy rows in one call and the others row by row: each row keeps its token."""
+    """The scheduler samples every row in one call, each with its own temperature, top-k, top-p and seed: each
+    row keeps its tokens, as when it runs alone."""
     model = model_for()
     prompts = prompts_for(6, seed=9)
-    params = [greedy(10) if i % 2 else SamplingParams(max_tokens=10, temperature=1.0, seed=200 + i) for i in range(6)]
+    params = [greedy(10) if i % 2 else SamplingParams(max_tokens=10, temperature=0.5 + i / 4, top_k=(None, 20, 3)[i // 2],
+                                                    top_p=(1.0, 0.9, 0.5)[i // 2], seed=200 + i) for i in range(6)]
     together = [c.tokens for c in run(Engine(model, EngineConfig(kv_blocks=128, block_size=4)), prompts, params)]
     alone = [run(Engine(model, EngineConfig(kv_blocks=128, block_size=4)), [p], sp)[0].tokens
              for p, sp in zip(prompts, params)]
@@ -573,3 +575,12 @@ def test_a_request_finished_in_the_failing_step_keeps_its_finish_reason(monkeypa
     assert second.done.wait(60)
     engine.stop()
     assert first.reasons == ["length"] and len(first.tokens) == 2 and second.reasons == ["error"]
+
+
+def test_a_slice_of_a_sequences_tokens_equals_the_slice_of_all_of_them():
+    """Sequence.tokens_between (what a step reads: one token of a long context) against tokens[a:b], across the
+    prompt / output boundary."""
+    seq = Sequence(0, [5, 6, 7, 8], greedy(4), lambda *a: None, output_ids=[1, 2, 3])
+    for a in range(8):
+        for b in range(a, 8):
+            assert seq.tokens_between(a, b) == seq.tokens[a:b], (a, b)

@@ -5,6 +5,8 @@ module: compiling takes a minute or so on a busy 2-core CPU."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch._dynamo
@@ -63,3 +65,27 @@ def test_compiled_logprobs_equal_a_plain_forward_within_1e_4(compiled):
 def test_compile_and_batch_invariant_cannot_be_combined():
     with pytest.raises(ValueError, match="compile and batch_invariant"):
         EngineConfig(compile=True, batch_invariant=True)
+
+
+def test_steps_run_eager_while_the_graphs_compile_in_the_background_then_compiled(monkeypatch):
+    """compile_in_background (what `astrai serve` does by default): the engine answers at once with eager steps
+    while another thread builds the graphs, then runs them; greedy tokens equal generate() alone throughout."""
+    torch.set_num_threads(1)
+    model = model_for("default")
+    engine = Engine(model, EngineConfig(kv_blocks=128, block_size=4, prefill_chunk=16, max_batch_size=6,
+                                        compile=True, compile_in_background=True))
+    assert engine.stats()["compile_seconds"] is None and engine.runner.compiled is None  # building
+    prompts = prompts_for(6, seed=4)
+    params = [greedy(capped(p, 20)) for p in prompts]
+    while_compiling = run(engine, prompts, params)
+    deadline = time.monotonic() + 600
+    while engine.stats()["compile_seconds"] is None:
+        assert time.monotonic() < deadline, "the graphs were not built in 600 s"
+        time.sleep(0.5)
+    compiled_calls = []
+    graphs = engine.runner.compiled
+    monkeypatch.setattr(engine.runner, "compiled", lambda *a: compiled_calls.append(1) or graphs(*a))
+    after = run(engine, prompts, params)
+    assert compiled_calls, "the steps did not switch to the compiled graphs"
+    for p, sp, a, b in zip(prompts, params, while_compiling, after):
+        assert a.tokens == b.tokens == solo(model, p, sp.max_tokens), p

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from astrai_core.generate import generate, generate_batch, sample_next
+from astrai_core.generate import generate, generate_batch, sample_next, sample_rows
 from astrai_core.model import Transformer
 from conftest import sharp_random_model
 
@@ -86,6 +86,41 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass():
     assert math.isclose(share, 0.625, abs_tol=0.03)
     # top-k first, then top-p over what is left: top_k=3 renormalizes to 0.526, 0.316, 0.158; top_p 0.8 keeps 2.
     assert sorted(sample_next(logits, 1.0, 3, 0.8, g).unique().tolist()) == [1, 3]
+
+
+def test_each_row_samples_with_its_own_settings_in_one_call():
+    """sample_rows: one call, each row its own temperature, top-k and top-p; every row's draws follow its own
+    distribution (4000 draws per setting)."""
+    probs = torch.tensor([0.15, 0.5, 0.05, 0.3])
+    settings = [(0.0, None, None), (1.0, 1, None), (1.0, None, 0.75), (1.0, 3, 0.8), (1.0, None, None), (2.0, None, None)]
+    n = 4000
+    rows = [s for s in settings for _ in range(n)]
+    out = sample_rows(probs.log().expand(len(rows), 4), [t for t, _, _ in rows], [k for _, k, _ in rows],
+                      [p for _, _, p in rows], torch.Generator().manual_seed(0)).view(len(settings), n)
+    share = [torch.bincount(o, minlength=4).float() / n for o in out]
+    assert share[0].tolist() == [0, 1, 0, 0] and share[1].tolist() == [0, 1, 0, 0]  # greedy; top_k 1
+    assert torch.allclose(share[2], torch.tensor([0, 0.625, 0, 0.375]), atol=0.03)  # the nucleus {1, 3}
+    assert torch.allclose(share[3], torch.tensor([0, 0.625, 0, 0.375]), atol=0.03)  # top-3, then top-p keeps 2
+    assert torch.allclose(share[4], probs, atol=0.03)  # no filter
+    hot = probs.sqrt() / probs.sqrt().sum()  # temperature 2
+    assert torch.allclose(share[5], hot, atol=0.03)
+
+
+def test_top_k_and_top_p_decided_among_candidates_equal_a_full_sort(monkeypatch):
+    """sample_rows finds what top-k / top-p keep among the CANDIDATES most likely tokens (a row whose nucleus
+    reaches past them is sorted whole): the same tokens as with every token a candidate, flat rows and peaked."""
+    import astrai_core.generate as gen
+    logits = torch.randn(12, 5000, generator=torch.Generator().manual_seed(0))
+    logits[::2] *= 8  # peaked rows: their nucleus is a few tokens; the others' reaches past 256
+    top_k = [None, 5, None, 300, None, None, 1, None, 40, None, None, 2]
+    top_p = [0.9, None, 0.5, 0.95, None, 0.99, None, 1.0, 0.8, 0.3, 0.999, 0.5]
+    def draw():
+        return sample_rows(logits, [1.0] * 12, top_k, top_p, [torch.Generator().manual_seed(i) for i in range(12)])
+    assert gen.CANDIDATES < 5000
+    fast = [draw() for _ in range(3)]
+    monkeypatch.setattr(gen, "CANDIDATES", 5000)
+    assert all(torch.equal(f, draw()) for f in fast)
+    assert fast[0][6] == logits[6].argmax()  # top_k 1
 
 
 def test_sampling_is_reproducible_with_a_seeded_generator():

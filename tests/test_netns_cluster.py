@@ -210,7 +210,7 @@ def test_the_pipeline_as_a_deployment_run_trains_on_both_nodes_registers_and_ser
     with serve_log.open("w") as f:
         proc = subprocess.Popen([*cluster.enter("n2"), VENV_BIN / "astrai", "serve", "--model",
                                  f"models:/{model}@champion", "--host", addr, "--port", str(port), "--api-key", key,
-                                 "--engine-thread"], cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, stdout=f,
+                                 "--engine-thread", "--no-compile"], cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_healthy(f"http://{addr}:{port}/health", proc.pid, serve_log, timeout=300)

@@ -91,12 +91,15 @@ def served(tmp_path_factory):
     torch.set_num_threads(threads)
 
 
-def _start_server(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 120
+def _start_server(args: list[str], cwd: Path, env: dict | None = None, timeout: float = 120, eager: bool = True
                   ) -> tuple[subprocess.Popen, str]:
+    """`astrai serve ARGS`, with --no-compile unless `eager` is False: eager steps, as most tests expect (the
+    compiled servers have tests of their own)."""
     port = free_port()
     # One torch thread: the tiny model gains nothing from two, and the test machine's cores are shared.
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     env = {k: v for k, v in env.items() if v is not None}  # None: unset
+    args = [*args, "--no-compile"] if eager else args
     with open(cwd / f"server-{port}.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "astrai.cli", "serve", "--port", str(port), *args], cwd=cwd,
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -394,23 +397,45 @@ def test_concurrent_requests_equal_solo_outputs(served, server):
     assert asyncio.run(run()) == expected
 
 
+def _greedy_completions_equal_generate(served, url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    for prompt in ("the king", "my lady waits for the horse in the rain", "ghost"):
+        expected = _offline_text(served, prompt, 30, ignore_eos=False)[0]
+        assert client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=30,
+                                         temperature=0).choices[0].text == expected
+        chunks = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=30, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+
+
 def test_compiled_server_gives_what_generate_gives(served, tmp_path):
-    """--compile: the steps are compiled before the server answers (its start-up line says how long it
+    """--compile-first: the steps are compiled before the server answers (its start-up line says how long it
     took), and greedy completions, streamed and not, equal generate() alone."""
-    proc, url = _start_server(["--model", str(served["ckpt"]), "--compile"], tmp_path, timeout=600)
+    proc, url = _start_server(["--model", str(served["ckpt"]), "--compile-first"], tmp_path, timeout=600, eager=False)
     try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-        for prompt in ("the king", "my lady waits for the horse in the rain", "ghost"):
-            expected = _offline_text(served, prompt, 30, ignore_eos=False)[0]
-            assert client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=30,
-                                             temperature=0).choices[0].text == expected
-            chunks = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=30, temperature=0,
-                                               stream=True)
-            assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+        _greedy_completions_equal_generate(served, url)
     finally:
         _stop_server(proc)
     log = next(tmp_path.glob("server-*.log")).read_text()
     assert re.search(r"steps compiled in [0-9.]+ s\)", log), log
+
+
+def test_a_default_server_answers_at_once_and_compiles_in_the_background(served, tmp_path):
+    """No option: the server answers while its steps compile in the background (its start-up line says so),
+    switches to the compiled graphs once built (a line in its log, stats' compile_seconds), and greedy
+    completions equal generate() before and after."""
+    proc, url = _start_server(["--model", str(served["ckpt"])], tmp_path, timeout=600, eager=False)
+    log = next(tmp_path.glob("server-*.log"))
+    try:
+        assert "steps compiling in the background, eager until then" in log.read_text(), log.read_text()
+        _greedy_completions_equal_generate(served, url)
+        deadline = time.monotonic() + 600
+        while "they run compiled from now on" not in log.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(1)
+        _greedy_completions_equal_generate(served, url)
+    finally:
+        _stop_server(proc)
+    assert re.search(r"engine steps compiled in [0-9.]+ s \(in the background\)", log.read_text())
 
 
 def test_prefix_cache_hits_show_in_metrics(server, oai):

@@ -297,7 +297,7 @@ def test_promote_to_prod_under_the_lock_and_serve_it(services, deployment_run, t
     port = free_port()
     serve_env = {**env, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([astrai, "serve", "--model", f"models:/{target}@champion", "--port", str(port),
-                             "--engine-thread"], cwd=tmp_path, env=serve_env,
+                             "--engine-thread", "--no-compile"], cwd=tmp_path, env=serve_env,
                             stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", proc.pid, tmp_path / "serve.log", timeout=300)

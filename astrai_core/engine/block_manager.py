@@ -107,9 +107,9 @@ class BlockManager:
         """Hash the blocks that the last step filled, so later requests can share them."""
         if not self.prefix_cache:
             return
-        tokens, bs = seq.tokens, self.block_size
-        for i in range(len(seq.block_hashes), seq.num_cached // bs):
-            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else b"", tokens[i * bs:(i + 1) * bs])
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_cached // bs):  # none in most decode steps
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else b"", seq.tokens_between(i * bs, (i + 1) * bs))
             seq.block_hashes.append(h)
             block = seq.block_table[i]
             if h not in self.hash_to_block:  # else an equal block is cached already: keep that one

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -52,10 +53,14 @@ class EngineConfig:
     # Bit-identical logits for a request whatever else runs (runner.Runner), at a measured cost: off by default.
     batch_invariant: bool = False
     # Decode steps and prefill chunks as torch.compile'd graphs (runner.Runner): fused kernels instead of a
-    # dispatch per small op. Compiled at Engine construction (63 s cold for the demo's shape on 2 cores; torch
-    # caches it on disk). Inductor may reorder float operations: logits can differ from eager's in the last bits
-    # (tests/test_engine_compile.py bounds them), so it is off by default.
+    # dispatch per small op (a 1-row decode step of the demo's shape: 0.40 against 1.23 ms, bench/decode_step.py).
+    # Compiling takes 60-90 s cold for the demo's shape on 2 cores, 6 s once torch's on-disk cache holds it.
+    # Inductor may reorder float operations: logits can differ from eager's in the last bits
+    # (tests/test_engine_compile.py bounds them). Off here; `astrai serve` turns it on, in the background.
     compile: bool = False
+    # With compile: build the graphs on a thread of their own while the steps run eager, and switch to them once
+    # all are built (stats()["compile_seconds"] is None until then), instead of at Engine construction.
+    compile_in_background: bool = False
 
     def __post_init__(self) -> None:
         if self.compile and self.batch_invariant:
@@ -116,9 +121,12 @@ class Engine:
         chunk = min(cfg.prefill_chunk, self.context_length)
         self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, chunk, self.context_length)
         self.runner = Runner(model, KVPool(model, num_blocks, cfg.block_size), cfg.batch_invariant, cfg.compile)
-        start = time.perf_counter()
-        self.runner.warm_up()
-        self.compile_seconds = round(time.perf_counter() - start, 1) if cfg.compile else 0.0
+        self.compile_seconds: float | None = 0.0
+        if cfg.compile and cfg.compile_in_background:
+            self.compile_seconds = None
+            threading.Thread(target=self._compile, name="engine-compile", daemon=True).start()
+        elif cfg.compile:
+            self._compile()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: deque[Sequence] = deque()
@@ -134,6 +142,23 @@ class Engine:
         self.error: BaseException | None = None
         self.prompt_tokens_total = self.generated_tokens_total = self.requests_finished_total = 0
         self.ttft_sum, self.ttft_count, self.ttft_recent = 0.0, 0, deque(maxlen=TTFT_KEPT)
+
+    def _compile(self) -> None:
+        """Build the compiled graphs (Runner.warm_up); the steps use them from the next one on. In the background,
+        a failure (no C++ compiler, say) leaves the steps eager and says so on stderr, as the end does."""
+        background, start = self.config.compile_in_background, time.perf_counter()
+        try:
+            self.runner.warm_up()
+        except Exception as e:
+            if not background:
+                raise
+            print(f"astrai: compiling the engine's steps failed ({type(e).__name__}: {str(e)[:300]}); they stay eager",
+                  file=sys.stderr, flush=True)
+            return
+        self.compile_seconds = round(time.perf_counter() - start, 1)
+        if background:
+            print(f"astrai: engine steps compiled in {self.compile_seconds} s (in the background); they run compiled "
+                  f"from now on", file=sys.stderr, flush=True)
 
     # --- any thread -------------------------------------------------------------------------------------------
 

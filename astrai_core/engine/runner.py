@@ -111,15 +111,18 @@ class Runner:
         # EngineConfig.compile: decode steps and prefill chunks run _forward as torch.compile'd graphs (warm_up).
         # cpp_wrapper: the graph's kernel calls from C++, not a Python wrapper (a 1-row step on the demo's shape:
         # 0.41 against 0.50 ms, measured on 2 busy cores; freezing the weights gained nothing).
-        self.compiled = torch.compile(self._forward, options={"cpp_wrapper": True}) if compile else None
+        self.compile = compile
+        self.compiled = None  # the compiled _forward, set by warm_up once every graph is built
 
     def warm_up(self) -> None:
-        """Compile the graphs now, not in the first requests' steps: decode steps (1 new token per row) and prefill
+        """Compile the graphs now, not in the first requests' steps (Engine calls it at construction, or on a thread
+        of its own while the steps run eager): decode steps (1 new token per row) and prefill
         chunks (2 or more), each for a batch of one row and one for more: four graphs, each for any number of
         keys, new tokens and block-table width (marked dynamic; a size of 1 would be a graph of its own, hence
         run()'s width of at least 2). Rows of 0 tokens write only the pool's scratch slot."""
-        if self.compiled is None:
+        if not self.compile:
             return
+        compiled = torch.compile(self._forward, options={"cpp_wrapper": True})
         dev = self.device
         with torch.inference_mode():
             for B, T in itertools.product((1, 3), (1, 3)):
@@ -131,7 +134,8 @@ class Runner:
                 dynamic += [(idx, 1)] if T > 1 else []
                 for t, dim in dynamic:
                     torch._dynamo.mark_dynamic(t, dim)
-                self.compiled(idx, starts, counts, tables, keys)
+                compiled(idx, starts, counts, tables, keys)
+        self.compiled = compiled  # last: a step (maybe on another thread) takes it only once it is whole
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]], every_position: bool = False) -> torch.Tensor:
@@ -152,7 +156,7 @@ class Runner:
         width = max(2, *(len(s.block_table) for s, _ in batch[:rows_out]))  # 2: a width of 1 would be a 3rd graph
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) if s else [0] * width
                                for s, _ in batch], device=dev)
-        idx = torch.tensor([s.tokens[s.num_cached:s.num_cached + n] + [0] * (T - n) if s else [0] * T
+        idx = torch.tensor([s.tokens_between(s.num_cached, s.num_cached + n) + [0] * (T - n) if s else [0] * T
                             for s, n in batch], device=dev)
         counts_t = torch.tensor(counts, device=dev)
         keys = torch.arange(max(S, MIN_KEYS) if self.batch_invariant else S, device=dev)

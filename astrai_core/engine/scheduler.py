@@ -16,7 +16,7 @@ import torch
 
 from astrai_core.engine.block_manager import BlockManager
 from astrai_core.engine.sequence import Sequence, Status, TokenLogprob
-from astrai_core.generate import sample_next
+from astrai_core.generate import sample_rows
 
 
 class Scheduler:
@@ -65,35 +65,39 @@ class Scheduler:
         (already out of the batch, blocks released); seq.output_ids grows by the sampled tokens, and
         seq.pending_logprobs by the logprobs asked for. every: the logits at every computed position (Runner.run's
         every_position), needed for the rows that compute more than one prompt token with prompt_logprobs."""
-        finished = []
-        # Greedy rows in one call (one call per row took about 4% of a 16-row decode step); the rows are picked out
-        # only when some sample (the copy took 8 us of a 4-row decode step's 40 us here).
-        rows = [i for i, (s, _) in enumerate(batch) if s.params.temperature <= 0]
-        greedy = iter(sample_next(logits if len(rows) == len(batch) else logits[rows]).tolist())
         for i, (seq, n) in enumerate(batch):
-            p = seq.params
-            if p.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_ids):
+            if seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_ids):
                 assert n == 1 or every is not None, "prompt logprobs need the logits of every position"
                 add_prompt_logprobs(seq, n, logits[i:i + 1] if n == 1 else every[i, :n])
             seq.num_cached += n
             self.blocks.commit(seq)
-            token = next(greedy) if p.temperature <= 0 else None  # consumed in row order, ready or not
+        # The rows whose prompt is complete sample, all in one call and one host read (a seeded row draws only
+        # here, so chunked prefill or a recompute after preemption never shifts its draws).
+        rows = [i for i, (seq, _) in enumerate(batch) if not seq.num_to_compute and seq.params.max_tokens > 0]
+        picked = logits if len(rows) == len(batch) else logits[rows]
+        params = [batch[i][0].params for i in rows]
+        tokens = sample_rows(picked, [p.temperature for p in params], [p.top_k for p in params],
+                             [p.top_p for p in params], [batch[i][0].generator for i in rows]).tolist() if rows else []
+        asked = [j for j, p in enumerate(params) if p.logprobs is not None]
+        logprobs = dict(zip(asked, token_logprobs(picked[asked], [tokens[j] for j in asked],
+                                                  [params[j].logprobs for j in asked]))) if asked else {}
+        sampled = dict(zip(rows, range(len(rows))))
+        finished = []
+        for i, (seq, _) in enumerate(batch):
             if seq.num_to_compute:  # more of the prompt to fill
                 continue
-            if p.max_tokens == 0:  # the prompt's logprobs were all it asked for
+            p = seq.params
+            if i not in sampled:  # max_tokens 0: the prompt's logprobs were all it asked for
                 seq.finish_reason = "length"
-                self.finish(seq)
-                finished.append(seq)
-                continue
-            if token is None:
-                token = int(sample_next(logits[i:i + 1], p.temperature, p.top_k, p.top_p, seq.generator)[0])
-            seq.output_ids.append(token)
-            if p.logprobs is not None:
-                seq.pending_logprobs += token_logprobs(logits[i:i + 1], [token], p.logprobs)
-            if token in p.stop_token_ids:
-                seq.finish_reason = "stop"
-            elif len(seq.output_ids) >= p.max_tokens or len(seq) >= self.context_length:
-                seq.finish_reason = "length"
+            else:
+                j = sampled[i]
+                seq.output_ids.append(tokens[j])
+                if j in logprobs:
+                    seq.pending_logprobs.append(logprobs[j])
+                if tokens[j] in p.stop_token_ids:
+                    seq.finish_reason = "stop"
+                elif len(seq.output_ids) >= p.max_tokens or len(seq) >= self.context_length:
+                    seq.finish_reason = "length"
             if seq.finish_reason is not None:
                 self.finish(seq)
                 finished.append(seq)
@@ -109,15 +113,17 @@ class Scheduler:
         seq.status = Status.FINISHED
 
 
-def token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+def token_logprobs(logits: torch.Tensor, targets: list[int], k: int | list[int]) -> list[TokenLogprob]:
     """(N, vocab) logits of N positions -> the log-probability of each position's target token, with the k most
-    likely tokens there. log_softmax works on each row alone, so a row's values do not depend on the others."""
+    likely tokens there (k: one for all positions, or one each). One host read for all positions. log_softmax
+    works on each row alone, so a row's values do not depend on the others."""
+    ks = k if isinstance(k, list) else [k] * len(targets)
     logp = torch.log_softmax(logits.float(), dim=-1)
     chosen = logp[torch.arange(len(targets)), torch.tensor(targets)].tolist()
-    if k == 0:
+    if max(ks) == 0:
         return [TokenLogprob(t, lp, ()) for t, lp in zip(targets, chosen)]
-    values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
-    return [TokenLogprob(t, lp, tuple(zip(i, v))) for t, lp, i, v in zip(targets, chosen, ids.tolist(), values.tolist())]
+    values, ids = (x.tolist() for x in logp.topk(min(max(ks), logp.shape[-1]), dim=-1))
+    return [TokenLogprob(t, lp, tuple(zip(i[:n], v[:n]))) for t, lp, i, v, n in zip(targets, chosen, ids, values, ks)]
 
 
 def add_prompt_logprobs(seq: Sequence, n: int, logits: torch.Tensor) -> None:

@@ -90,6 +90,15 @@ class Sequence:
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """tokens[start:end] without building the whole list (a decode step needs one token of a long context)."""
+        P = len(self.prompt_ids)
+        if end <= P:
+            return self.prompt_ids[start:end]
+        if start >= P:
+            return self.output_ids[start - P:end - P]
+        return self.prompt_ids[start:] + self.output_ids[:end - P]
+
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
