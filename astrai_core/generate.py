@@ -38,7 +38,8 @@ def sample_next(
 
 
 # top-k / top-p read the most likely tokens first (torch.topk: on 2 CPU cores 0.09 ms for a row of 49,152 logits,
-# against 3 ms for a full sort); a row whose kept set reaches past them is sorted whole.
+# against 3 ms for a full sort); a row whose kept set reaches past them is sorted whole. A vocabulary of at most
+# 4 x CANDIDATES is sorted whole at once (cheaper than asking twice when a nucleus is wide).
 CANDIDATES = 256
 
 
@@ -64,7 +65,7 @@ def sample_rows(
     ks = [k if k is not None and k < V else V for k in top_k]
     ps = [p if p is not None and p < 1.0 else 2.0 for p in top_p]  # 2.0: a mass never reached
     if min(ks) < V or min(ps) < 2.0:
-        candidates = min(V, max([CANDIDATES, *(k for k in ks if k < V)]))
+        candidates = V if V <= 4 * CANDIDATES else min(V, max([CANDIDATES, *(k for k in ks if k < V)]))
         ks_t, ps_t = torch.tensor(ks, device=dev), torch.tensor(ps, device=dev)
         floor, covered = kept_floor(logits, ks_t, ps_t, candidates, min(ks) < V)
         if candidates < V and not covered.all():
