@@ -18,8 +18,8 @@ POOL ?= astrai-local
 # slower than 2: pytest 30 min 34 s against 27 min 48 s (`bash .ci/run` on fresh clones, the AVX-512 BF16 kind).
 TEST_WORKERS ?= 2
 
-.PHONY: setup demo test pipeline repro serve server worker deploy run-deployment stop mlflow-ui mlflow-server \
-  team-services team-services-stop bench llama-cpp clean
+.PHONY: setup demo test pipeline repro serve server worker deploy run-deployment deployment-name stop mlflow-ui \
+  mlflow-server team-services team-services-stop bench llama-cpp clean
 
 # uv installs the lock in about a quarter of pip's time (1 min against 3.7 on 2 cores). It reads no pip.conf, so it
 # gets pip's configured find-links (where a machine keeps local wheels, e.g. a CPU build of torch).
@@ -70,17 +70,32 @@ worker: setup
 	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api nohup $(BIN)/prefect worker start --pool $(POOL) > $(PREFECT_HOME)/worker.log 2>&1 & echo $$! > $(PREFECT_HOME)/worker.pid
 	@echo "worker for pool $(POOL) started (log: $(PREFECT_HOME)/worker.log)"
 
-# deploy registers with the Prefect server PREFECT_API_URL names (the team's, after `eval "$(astrai services env DIR)"`),
-# else the local one of `make server`.
-deploy: setup
-	ASTRAI_PROJECT_DIR=$(CURDIR) PREFECT_API_URL=$${PREFECT_API_URL:-http://127.0.0.1:$(PREFECT_PORT)/api} \
+# The deployment's name is this checkout's own: every checkout registers astrai-pipeline/DEPLOYMENT, pointing at its
+# own directory, so one server holds a deployment per checkout and a run goes where its deployment was made (one
+# name for all, the last checkout to deploy took everyone's runs). Default: user, folder and a short hash of the
+# folder's path (two folders named alike stay apart); `make deploy DEPLOYMENT=NAME` picks another.
+DEPLOYMENT ?= $(shell id -un)-$(notdir $(CURDIR))-$(shell printf %s '$(CURDIR)' | sha256sum | cut -c1-6)
+# The Prefect server: PREFECT_API_URL's (the team's, after `eval "$$(astrai services env DIR)"`), else make server's.
+API_URL = $${PREFECT_API_URL:-http://127.0.0.1:$(PREFECT_PORT)/api}
+
+deploy: setup  ## register astrai-pipeline/DEPLOYMENT (this checkout's) with the Prefect server
+	@case '$(DEPLOYMENT)' in ''|*[/%\&\<\>]*) echo "astrai: error: Makefile: DEPLOYMENT='$(DEPLOYMENT)': a deployment \
+	name must be non-empty and have none of / % & < >" >&2; exit 2;; esac
+	ASTRAI_PROJECT_DIR=$(CURDIR) ASTRAI_DEPLOYMENT='$(DEPLOYMENT)' PREFECT_API_URL=$(API_URL) \
 	$(BIN)/prefect --no-prompt deploy --all
+	@echo "run it: PREFECT_API_URL=$(API_URL) $(BIN)/prefect deployment run 'astrai-pipeline/$(DEPLOYMENT)' --watch" \
+	  "(or: make run-deployment)"
 
 # Without a server, prefect would print a traceback ("Timed out while attempting to connect ..."): say it in one line.
-run-deployment:
-	@curl -sf http://127.0.0.1:$(PREFECT_PORT)/api/health >/dev/null || { echo "astrai: error: Makefile: no Prefect \
-	server on http://127.0.0.1:$(PREFECT_PORT); start one, a worker and the deployment with: make server worker deploy" >&2; exit 1; }
-	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(BIN)/prefect deployment run 'astrai-pipeline/default' --watch
+run-deployment:  ## run this checkout's deployment and watch it: `make run-deployment PROFILE=quick`
+	@curl -sf $(API_URL)/health >/dev/null || { echo "astrai: error: Makefile: no Prefect server at $(API_URL); \
+	start one, a worker and the deployment with: make server worker deploy" >&2; exit 1; }
+	PREFECT_API_URL=$(API_URL) $(BIN)/prefect deployment run 'astrai-pipeline/$(DEPLOYMENT)' \
+	  $(if $(PROFILE),-p profile=$(PROFILE)) --watch
+
+# The deployment's name alone, for a `prefect deployment run` with other parameters.
+deployment-name:
+	@echo 'astrai-pipeline/$(DEPLOYMENT)'
 
 # An idle worker passes SIGTERM on to its process worker as a SIGINT that it does not act on; a second signal makes
 # it end that process (measured: TERM alone still running after 30 s; TERM, then INT 2 s later: gone in ~3 s).

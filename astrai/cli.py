@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-import logging
 import math
 import os
 import sys
@@ -19,7 +19,7 @@ from astrai_core import env
 env.apply()  # before Prefect, MLflow or DVC is imported
 
 from tasks.registry.models import REFERENCE_HELP  # noqa: E402
-from astrai_core.errors import AstraiError  # noqa: E402
+from astrai_core.errors import AstraiError, Interrupted  # noqa: E402
 from tasks.run.log import command_log, crash_line, log_file, shown  # noqa: E402
 try:
     from tasks.run.table import STAGES  # noqa: E402
@@ -75,14 +75,17 @@ def pipeline(
                 typer.echo(f"{note} (left by an interrupted run)")
             resolved = params_of_run(Path(), str(params), overrides, profile)  # a bad key stops here, before Prefect
             check_cluster(resolved.params, Path.cwd(), str(params))  # and what launcher slurm needs of this machine
-            if not os.environ.get("PREFECT_API_URL") and (why := prefect_home_problem()):
-                _fail(why)
-            from flows.pipeline import pipeline as flow
+            server = contextlib.nullcontext()
+            if not os.environ.get("PREFECT_API_URL"):
+                if why := prefect_home_problem():
+                    _fail(why)
+                from astrai.services import temporary_prefect_server
 
-            # The temporary server stops at exit, after the error line, which must stay the last: its "Stopping
-            # temporary server" line (logger "prefect") is left out.
-            logging.getLogger("prefect").addFilter(lambda r: not r.getMessage().startswith("Stopping temporary server"))
-            result = flow(params_path=str(params), overrides=overrides or None, profile=profile, resolved=resolved)
+                server = temporary_prefect_server(prefect_home())
+            with server:
+                from flows.pipeline import pipeline as flow
+
+                result = flow(params_path=str(params), overrides=overrides or None, profile=profile, resolved=resolved)
     except AstraiError as e:
         _fail(str(e))
     except typer.Exit:
@@ -109,12 +112,16 @@ def prefect_outage(e: Exception) -> str | None:
             "; once it answers again, run the pipeline again (finished stages are not repeated)")
 
 
+def prefect_home() -> Path:
+    return Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser().absolute()
+
+
 def prefect_home_problem() -> str | None:
     """Why a temporary Prefect server could not keep its database in PREFECT_HOME (default ~/.prefect), or None.
     Checked just before `astrai pipeline` starts one, by making PREFECT_HOME (as Prefect would a moment later) and a
     file in it: otherwise the run waits out the start-up timeout and ends on Prefect's "Timed out while attempting to
     connect", which does not say where. (Permission bits alone do not tell: root may write anywhere but /proc.)"""
-    home = Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser().absolute()
+    home = prefect_home()
     try:
         home.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=home).close()
@@ -628,6 +635,10 @@ def main() -> None:
         typer.echo(f"astrai: error: {e.format_message()}{where}", err=True)
         sys.exit(2)
     except typer.Abort:  # Ctrl-C at a prompt
+        sys.exit(130)
+    except (KeyboardInterrupt, Interrupted):  # Ctrl-C: on the way here what the command started was stopped
+        typer.echo("astrai: interrupted (SIGINT); what it had started is stopped (a pipeline: its flow run is "
+                   "Cancelled, finished stages are kept)", err=True)
         sys.exit(130)
     except AstraiError as e:
         typer.echo(f"astrai: error: {e}", err=True)

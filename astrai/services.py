@@ -15,6 +15,7 @@ read and write them over HTTP (`mlflow-artifacts:/` URIs) and need no shared pat
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -114,6 +115,36 @@ def _spawn(d: Path, name: str, cmd: list[str], env: dict[str, str]) -> int:
     proc = subprocess.Popen([str(c) for c in cmd], env=env, stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, start_new_session=True, cwd=d)
     return proc.pid
+
+
+@contextlib.contextmanager
+def temporary_prefect_server(home: Path):
+    """A Prefect server (API only) for one `astrai pipeline` run without PREFECT_API_URL, on a free port of 127.0.0.1,
+    its database and log (temporary-server.log) in PREFECT_HOME `home`; PREFECT_API_URL names it while the run lasts.
+
+    Why not Prefect's own temporary server: Prefect starts it as a plain child, in the terminal's process group, so
+    Ctrl-C stopped it at once; the flow could then not record how it ended (it stayed RUNNING) and retried for 76 s
+    ("All connection attempts failed"). This one has a session of its own: it outlives the Ctrl-C until the run has
+    ended its flow run, and is stopped on leaving (recorded too, for the next run to stop if this one is killed)."""
+    from astrai_core.proc import record, start_ticks
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/api"
+    pid = _spawn(home, "temporary-server", [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                                            "--port", str(port), "--no-ui", "--no-services"], dict(os.environ))
+    record({"pid": pid, "start": start_ticks(pid), "group": True, "what": "prefect temporary server"})
+    try:
+        wait_healthy(f"{url}/health", pid, home / "temporary-server.log",
+                     float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 120)))
+        os.environ["PREFECT_API_URL"] = url
+        yield url
+    finally:
+        if "prefect.logging.handlers" in sys.modules:  # the run's last log lines go to the server before it stops
+            sys.modules["prefect.logging.handlers"].APILogWorker.drain_all(timeout=5)  # (not at exit, retrying 70 s)
+        os.environ.pop("PREFECT_API_URL", None)
+        _stop_pid(pid, signal.SIGTERM)
 
 
 def _run(cmd: list, env: dict[str, str], what: str) -> None:

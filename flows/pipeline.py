@@ -41,7 +41,7 @@ from prefect.runtime import flow_run  # noqa: E402
 from prefect.states import Cancelled, Failed, State  # noqa: E402
 
 from astrai_core.callbacks import duration  # noqa: E402
-from astrai_core.errors import AstraiError  # noqa: E402
+from astrai_core.errors import AstraiError, Interrupted  # noqa: E402
 from astrai_core.io import write_json  # noqa: E402
 from astrai_core.proc import record, stream_process  # noqa: E402
 from tasks.registry.gate import versions_with_weights  # noqa: E402
@@ -218,6 +218,8 @@ def pipeline(params_path: str = "params.yaml", overrides: dict[str, Any] | None 
                 return _run_stages(root, params, log)
     except AstraiError as e:  # the one line (astrai pipeline prints it), no traceback in Prefect's log
         return Failed(message=str(e), data=e)
+    except KeyboardInterrupt:  # Ctrl-C of `astrai pipeline`: the stage was stopped; the run ends as a cancel does
+        return Cancelled(message="interrupted (SIGINT)", data=Interrupted("interrupted (SIGINT)"))
     except Exception as e:  # noqa: BLE001 - a bug: one line naming where, the traceback in the run's log
         line = crash_line(e, log)
         return Failed(message=line, data=AstraiError(line))

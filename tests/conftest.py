@@ -2,6 +2,7 @@
 
 # --- pipeline (end-to-end tests): a throwaway git + DVC project ------------------------------------------------
 
+import contextlib as _contextlib
 import os as _os
 import shutil as _shutil
 import subprocess as _subprocess
@@ -84,6 +85,20 @@ def make_project(repo: _Path, remote: _Path, model_name: str, post_training: boo
 
 
 
+def make_deploy(repo: _Path, env: dict, *prefix: str) -> str:
+    """`make deploy` in `repo` (a make_project checkout) with this checkout's Makefile and venv, as a user runs it in
+    theirs (prefix: e.g. a network namespace's command to run it in); returns the deployment it printed the command
+    for, astrai-pipeline/NAME."""
+    import re
+
+    venv = VENV_BIN.parent
+    out = run_ok([*prefix, "make", "-s", "-f", PROJECT_ROOT / "Makefile", f"VENV={venv}", "-o", venv / "bin/astrai",
+                  "deploy"], repo, env)
+    printed = re.search(r"prefect deployment run '(astrai-pipeline/[^']+)' --watch", out)
+    assert printed, f"make deploy printed no command to run the deployment:\n{out}"
+    return printed[1]
+
+
 def make_quick_project(tmp_path: _Path) -> tuple[_Path, dict]:
     """A project for `astrai pipeline --profile quick`: the real params.yaml and profiles/, MLflow in tmp_path, a
     temporary Prefect server per run. Returns (repo, env)."""
@@ -141,6 +156,23 @@ def stop_group(proc: _subprocess.Popen, timeout: float = 30) -> None:
     except _subprocess.TimeoutExpired:
         _os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+@_contextlib.contextmanager
+def prefect_server(home: _Path, port: int, env: dict):
+    """`prefect server start` on 127.0.0.1:PORT in its own process group, healthy (its log: home/server.log);
+    stopped on leaving."""
+    from astrai.services import wait_healthy
+
+    home.mkdir(parents=True, exist_ok=True)
+    server = _subprocess.Popen([VENV_BIN / "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                               cwd=home, env=env, stdout=open(home / "server.log", "w"), stderr=_subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/api/health", server.pid, home / "server.log")
+        yield server
+    finally:
+        stop_group(server)
 
 
 def lines_until(proc: _subprocess.Popen, marker: str, timeout: float) -> list[str]:

@@ -1,5 +1,6 @@
-"""`prefect deployment run 'astrai-pipeline/default'` against a real Prefect server and process worker, started
-and stopped with the commands the README documents (the Makefile's `server`, `worker`, `deploy`, `stop`)."""
+"""`prefect deployment run 'astrai-pipeline/NAME'` (the checkout's own deployment) against a real Prefect server and
+process worker, started and stopped with the commands the README documents (the Makefile's `server`, `worker`,
+`deploy`, `stop`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ import urllib.request
 import mlflow
 import pytest
 
-from astrai.services import wait_healthy
-from conftest import VENV_BIN, free_port, make_project, run_ok
+from conftest import PROJECT_ROOT, VENV_BIN, free_port, make_deploy, make_project, prefect_server, run_ok
 
 pytestmark = pytest.mark.integration
 
@@ -38,28 +38,24 @@ def test_deployment_run_on_server_and_process_worker(tmp_path):
     env = make_project(repo, tmp_path / "remote", "astrai-deploy-test", post_training=False)
     port = free_port()
     env.update({"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-                "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "ASTRAI_PROJECT_DIR": str(repo)})
+                "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"})
     prefect = str(VENV_BIN / "prefect")
-    server = subprocess.Popen([prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], cwd=repo,
-                              env=env, stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT,
-                              start_new_session=True)
     worker = None
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}/api/health", server.pid, tmp_path / "server.log")
-        run_ok([prefect, "work-pool", "create", "astrai-local", "--type", "process", "--overwrite"], repo, env)
-        worker = subprocess.Popen([prefect, "worker", "start", "--pool", "astrai-local"], cwd=repo, env=env,
-                                  stdout=open(tmp_path / "worker.log", "w"), stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-        run_ok([prefect, "--no-prompt", "deploy", "--all"], repo, env)
-        out = subprocess.run([prefect, "deployment", "run", "astrai-pipeline/default", "--watch",
-                              "--watch-timeout", "600"], cwd=repo, env=env, capture_output=True, text=True)
-        worker_log = (tmp_path / "worker.log").read_text()
-        assert out.returncode == 0, f"{out.stdout}\n{out.stderr}\n--- worker log ---\n{worker_log[-5000:]}"
-        assert "Completed" in out.stdout + out.stderr
-    finally:
-        if worker is not None:
-            stop(worker, signal.SIGTERM, signal.SIGINT)  # a worker needs SIGTERM then SIGINT
-        stop(server, signal.SIGTERM)
+    with prefect_server(tmp_path, port, env) as server:
+        try:
+            run_ok([prefect, "work-pool", "create", "astrai-local", "--type", "process", "--overwrite"], repo, env)
+            worker = subprocess.Popen([prefect, "worker", "start", "--pool", "astrai-local"], cwd=repo, env=env,
+                                      stdout=open(tmp_path / "worker.log", "w"), stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+            deployment = make_deploy(repo, env)
+            out = subprocess.run([prefect, "deployment", "run", deployment, "--watch", "--watch-timeout", "600"],
+                                 cwd=repo, env=env, capture_output=True, text=True)
+            worker_log = (tmp_path / "worker.log").read_text()
+            assert out.returncode == 0, f"{out.stdout}\n{out.stderr}\n--- worker log ---\n{worker_log[-5000:]}"
+            assert "Completed" in out.stdout + out.stderr
+        finally:
+            if worker is not None:
+                stop(worker, signal.SIGTERM, signal.SIGINT)  # a worker needs SIGTERM then SIGINT
 
     # The deployment ran in this project: DVC's record is complete and the model is registered.
     assert "up to date" in run_ok([VENV_BIN / "dvc", "status"], repo, env)
@@ -71,12 +67,37 @@ def test_deployment_run_on_server_and_process_worker(tmp_path):
     assert worker.poll() is not None and server.poll() is not None
 
 
+def test_two_checkouts_deploy_each_its_own_deployment(tmp_path):
+    """`make deploy` in two checkouts of one user, in folders of the same name, against one Prefect server: two
+    deployments, each running the flow in its own checkout, under the names `make deploy` printed. (One name for
+    every checkout, the later `make deploy` took the other's runs.) A name Prefect refuses fails in one line."""
+    port = free_port()
+    deployed = {}
+    with prefect_server(tmp_path, port, {**os.environ, "PREFECT_HOME": str(tmp_path / "server")}):
+        for who in ("a", "b"):
+            repo = tmp_path / who / "project"
+            env = make_project(repo, tmp_path / who / "remote", "unused", post_training=False)
+            env.update({"PREFECT_HOME": str(tmp_path / who / "prefect"),
+                        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"})
+            if not deployed:
+                run_ok([VENV_BIN / "prefect", "work-pool", "create", "astrai-local", "--type", "process"], repo, env)
+            deployed[make_deploy(repo, env)] = str(repo)
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/api/deployments/filter", data=b"{}",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as r:
+            deployments = json.loads(r.read())
+    on_server = {f"astrai-pipeline/{d['name']}": d["pull_steps"][0]["prefect.deployments.steps.set_working_directory"]
+                 ["directory"] for d in deployments}
+    assert len(deployed) == 2 and on_server == deployed, (deployed, on_server)
+
+    out = subprocess.run(["make", "-s", "deploy", "DEPLOYMENT=a/b"], cwd=PROJECT_ROOT, capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.splitlines()[0].startswith("astrai: error: Makefile: DEPLOYMENT='a/b'")
+
+
 def test_make_stop_ends_the_worker_and_the_server_it_started(tmp_path):
     """`make server`, `make worker`, then `make stop`: nothing of either is left. An idle worker ignores SIGTERM
     alone (the Makefile used to wait 30 s for it before sending SIGINT); stop sends SIGINT 2 s later, so the bound
     below is about which signals it sends, not a speed measurement."""
-    from conftest import PROJECT_ROOT
-
     port = free_port()
     home = tmp_path / "prefect"
     make = ["make", "-s", "-C", str(PROJECT_ROOT), f"PREFECT_HOME={home}", f"PREFECT_PORT={port}"]
@@ -99,8 +120,6 @@ def test_make_stop_ends_the_worker_and_the_server_it_started(tmp_path):
 
 def test_make_server_on_another_port_serves_a_ui_that_calls_that_port(tmp_path):
     """`make server PREFECT_PORT=P`: the UI's settings (what its pages call) name P's API, not 4200's."""
-    from conftest import PROJECT_ROOT
-
     port = free_port()
     make = ["make", "-s", "-C", str(PROJECT_ROOT), f"PREFECT_HOME={tmp_path / 'prefect'}", f"PREFECT_PORT={port}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "PREFECT_UI", "PREFECT_SERVER_UI"))}

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import TINY_PARAMS, VENV_BIN, lines_until, make_project, run_ok, served_completion, stop_group
+from conftest import (TINY_PARAMS, VENV_BIN, lines_until, make_deploy, make_project, run_ok, served_completion,
+                      stop_group)
 from netns_cluster import NetnsCluster, missing
 from test_slurm import assert_bitwise_equal, set_params, stage, weights
 
@@ -154,13 +155,13 @@ def test_the_pipeline_as_a_deployment_run_trains_on_both_nodes_registers_and_ser
     from tasks.run.table import MODEL_STAGES, model_dir
 
     repo, env = project
-    env = {**env, "PREFECT_HOME": str(tmp_path / "prefect"), "ASTRAI_PROJECT_DIR": str(repo)}
+    env = {**env, "PREFECT_HOME": str(tmp_path / "prefect")}
     prefect, name = VENV_BIN / "prefect", "netns-pipeline"
     overrides = {**{f"cluster.{k}": v for k, v in TWO_NODES.items()}, **{f"{s}.nproc": 1 for s in MODEL_STAGES}}
     user_params = (repo / "params.yaml").read_text()
-    run_ok([*cluster.enter("login"), prefect, "--no-prompt", "deploy", "--all"], repo, env)
+    deployment = make_deploy(repo, env, *cluster.enter("login"))
     t = time.monotonic()
-    out = cluster.run("login", [prefect, "deployment", "run", "astrai-pipeline/default", "--params",
+    out = cluster.run("login", [prefect, "deployment", "run", deployment, "--params",
                                 json.dumps({"overrides": overrides}), "--flow-run-name", name, "--watch",
                                 "--watch-timeout", "1500"], cwd=repo, env=env, capture_output=True, text=True,
                       timeout=1600)

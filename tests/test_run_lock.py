@@ -143,3 +143,52 @@ def test_a_killed_pipeline_is_cleaned_up_by_the_next_start(tmp_path):
     from tasks.run.params import params_of_run
 
     assert_lock_records(repo, env, params_of_run(repo, "params.yaml", POST_TRAINING_OFF, "quick").text.encode())
+
+
+def test_ctrl_c_stops_the_pipeline_in_seconds_and_cancels_its_flow_run(tmp_path):
+    """Ctrl-C in the terminal (SIGINT to the whole foreground process group) while pretrain trains: `astrai pipeline`
+    exits 130 within 30 s with one line naming the signal, no process of the run is left (torchrun, its ranks, dvc,
+    the temporary Prefect server), and the flow run ended Cancelled. Before, Prefect's temporary server was in the
+    terminal's group as well: Ctrl-C stopped it first, the run took 76 s to give up on it ("All connection attempts
+    failed") and the flow run stayed RUNNING."""
+    import urllib.request
+
+    from conftest import free_port, prefect_server
+
+    repo, env = make_quick_project(tmp_path)
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")  # the temporary server's database: read again below
+    record = repo / ".astrai/run.record"
+    # A terminal's foreground job: a process group of its own, SIGINT not ignored (a test runner in the background
+    # of a non-interactive shell may start it ignored).
+    proc = subprocess.Popen(astrai("pipeline", "--profile", "quick", "--set", "pretrain.max_steps=100000"), cwd=repo,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        wait_for(lambda: "torchrun" in (record.read_text() if record.exists() else ""), proc, "torchrun")
+        time.sleep(3)  # training
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        start = time.monotonic()
+        err = proc.communicate(timeout=120)[1]
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 130 and lines[-1].startswith("astrai: interrupted (SIGINT)"), err[-4000:]
+    assert took < 30, (took, err[-4000:])
+    left = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and os.readlink(f"/proc/{pid}/cwd").startswith(str(tmp_path)):
+                left.append(open(f"/proc/{pid}/cmdline").read().replace("\0", " "))
+        except OSError:
+            continue
+    assert not left, left  # what ran in the checkout (the stage) or in PREFECT_HOME (the server) is gone
+
+    port = free_port()
+    with prefect_server(tmp_path / "prefect", port, env):
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/api/flow_runs/filter", data=b"{}",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as r:
+            states = [run["state_type"] for run in json.loads(r.read())]
+    assert states == ["CANCELLED"], states

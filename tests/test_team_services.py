@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PROJECT_ROOT, VENV_BIN, free_port, make_project, run_ok, served_completion, stop_group
+from conftest import PROJECT_ROOT, VENV_BIN, free_port, make_deploy, make_project, run_ok, served_completion, stop_group
 
 pytestmark = pytest.mark.integration
 
@@ -149,11 +149,11 @@ def test_a_second_team_on_the_same_ports_is_refused(services):
 def deployment_runs(services, tmp_path_factory):
     """Two people's quick pipelines started together as `prefect deployment run` on the services' worker, each from
     a checkout of its own that knows the services by environment alone (MLFLOW_TRACKING_URI, PREFECT_API_URL,
-    ASTRAI_REGISTRY_LOCK_URI) and has a deployment of its own; b's pretrain seed differs, so its weights do. Both
-    register under MODEL-quick."""
+    ASTRAI_REGISTRY_LOCK_URI) and has a deployment of its own (`make deploy` names it after the checkout); b's
+    pretrain seed differs, so its weights do. Both register under MODEL-quick."""
     prefect = str(VENV_BIN / "prefect")
     checkouts = {}
-    for who, deployment, seed in (("a", "default", None), ("b", "b", 1338)):
+    for who, seed in (("a", None), ("b", 1338)):
         root = tmp_path_factory.mktemp(f"team-{who}")
         repo = root / "project"
         env = make_project(repo, root / "remote", MODEL)
@@ -161,14 +161,11 @@ def deployment_runs(services, tmp_path_factory):
         if seed is not None:
             params = (repo / "params.yaml").read_text()
             (repo / "params.yaml").write_text(params.replace("  seed: 1337\n", f"  seed: {seed}\n", 1))
-            spec = (repo / "prefect.yaml").read_text()
-            (repo / "prefect.yaml").write_text(spec.replace("  - name: default\n", f"  - name: {deployment}\n", 1))
         run_ok(["git", "add", "-A"], repo, env)
         run_ok(["git", "commit", "-q", "-m", "profiles"], repo, env)
         env.update(services["env"])
-        env.update({"PREFECT_HOME": str(root / "prefect"), "ASTRAI_PROJECT_DIR": str(repo)})
-        run_ok([prefect, "--no-prompt", "deploy", "--all"], repo, env)
-        checkouts[who] = {"repo": repo, "env": env, "deployment": f"astrai-pipeline/{deployment}"}
+        env["PREFECT_HOME"] = str(root / "prefect")
+        checkouts[who] = {"repo": repo, "env": env, "deployment": make_deploy(repo, env)}
     t0 = time.time()
     procs = {who: subprocess.Popen([prefect, "deployment", "run", c["deployment"], "-p", "profile=quick", "--watch",
                                     "--watch-timeout", "2400"], cwd=c["repo"], env=c["env"], stdout=subprocess.PIPE,
