@@ -28,8 +28,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from astrai_core import env as astrai_env
-from astrai_core.errors import AstraiError
+from astrai_core.runtime import env as astrai_env
+from astrai_core.runtime.errors import AstraiError
 
 PG_BIN = Path(os.environ.get("ASTRAI_PG_BIN", "/usr/lib/postgresql/15/bin"))  # Debian's postgresql-15
 PG_USER = "postgres"  # PostgreSQL refuses to run as root: as root, the trial server runs as this system user

@@ -2,5 +2,5 @@
 training loop (train.py) with its strategies, losses and callbacks, checkpoints, generation, evaluation.
 
 Imports neither Prefect nor DVC nor the pipeline (tasks/, flows/); talks to MLflow only through
-`astrai_core.metric_log` (rank 0).
+`astrai_core.training.metric_log` (rank 0).
 """

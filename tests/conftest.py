@@ -9,7 +9,7 @@ import sys as _sys
 import threading as _threading
 from pathlib import Path as _Path
 
-from astrai_core import env as _env
+from astrai_core.runtime import env as _env
 
 if _os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs the modules on 2 workers (pytest-xdist, Makefile)
     # A Prefect home per worker: two workers' temporary Prefect servers never share one SQLite database.
@@ -222,7 +222,7 @@ DATA_SAMPLE_TEXTS = {
 @pytest.fixture(scope="session")
 def data_tokenizer():
     """A small byte-level BPE trained on mixed-script text (well under a second)."""
-    from astrai_core.bpe import train_tokenizer
+    from astrai_core.tokenizer.bpe import train_tokenizer
 
     return train_tokenizer(list(DATA_SAMPLE_TEXTS.values()) * 20, vocab_size=320, min_frequency=2)
 
@@ -256,7 +256,7 @@ def _core_text(n_sentences: int, seed: int) -> str:
 
 def _core_write_packed(path, ids, *, tokenizer_sha256: str, vocab_size: int, split: str = "train") -> Path:
     """Write token ids as a packed HDF5 file (one document)."""
-    from astrai_core.data import PackedWriter
+    from astrai_core.data.packed import PackedWriter
 
     with PackedWriter(path, vocab_size=vocab_size, tokenizer_sha256=tokenizer_sha256,
                       source_manifest_sha256="0" * 64, split=split) as w:
@@ -275,7 +275,7 @@ def core_tiny_data(tmp_path_factory) -> dict:
     """A byte-level BPE tokenizer (vocab 300) and train/val packed files: {"tokenizer", "train", "val", "vocab_size"}."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from astrai_core.io import sha256_file
+    from astrai_core.runtime.io import sha256_file
 
     root = tmp_path_factory.mktemp("core_data")
     vocab_size = 300
@@ -303,8 +303,8 @@ def sharp_random_model(**cfg):
     so greedy outputs compared across code paths differ only if the arithmetic does."""
     import torch
 
-    from astrai_core.config import ModelConfig
-    from astrai_core.model import Transformer
+    from astrai_core.model.config import ModelConfig
+    from astrai_core.model.transformer import Transformer
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**cfg)).eval()
@@ -339,8 +339,8 @@ class Collector:
 def tiny_trained(core_tiny_data, tmp_path_factory) -> Path:
     """A checkpoint the training core trained for 15 steps on core_tiny_data (Qwen3-like: qk_norm), trained once per
     session for the tests that register or export a trained model; copy it before writing beside it."""
-    from astrai_core.config import TrainConfig
-    from astrai_core.train import train
+    from astrai_core.training.config import TrainConfig
+    from astrai_core.training.train import train
 
     out = tmp_path_factory.mktemp("tiny_trained") / "pretrain"
     cfg = TrainConfig.model_validate(dict(

@@ -1,4 +1,4 @@
-"""The speedrun architecture options of ModelConfig (astrai_core/model.py): mlp relu2, logit_softcap,
+"""The speedrun architecture options of ModelConfig (astrai_core/model/transformer.py): mlp relu2, logit_softcap,
 zero_init_out, value_embeds, x0_scalars. Each is off by default, trains, and the options that only add learnt
 scalars start as the default model. Export, the engine, LoRA and tensor parallelism with each option are tested
 with the other variants in test_hf.py, test_engine.py, test_lora.py and test_tensor_parallel.py.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from astrai_core.config import ModelConfig
-from astrai_core.model import Transformer, cross_entropy_loss
+from astrai_core.model.config import ModelConfig
+from astrai_core.model.transformer import Transformer, cross_entropy_loss
 
 TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 OPTIONS = {
@@ -119,7 +119,7 @@ def test_default_model_is_bit_for_bit_the_one_before_the_options(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    shown = subprocess.run(["git", "-C", str(root), "show", f"{BEFORE_OPTIONS}:astrai_core/model.py"],
+    shown = subprocess.run(["git", "-C", str(root), "show", f"{BEFORE_OPTIONS}:astrai_core/model/transformer.py"],
                            capture_output=True, text=True)
     if shown.returncode:
         pytest.skip(f"git history without {BEFORE_OPTIONS} (a shallow clone): {shown.stderr.strip()}")
@@ -142,8 +142,8 @@ def test_training_loop_with_every_option_and_muon_learns_and_its_checkpoint_load
                                                                                      monkeypatch):
     """The real training core (train(), as the pretrain stage runs it) with every option on and Muon: it learns,
     the final checkpoint loads (strictly: every tensor the options add is in it) and its learnt scalars moved."""
-    from astrai_core.model_dir import load_model
-    from astrai_core.train import train
+    from astrai_core.checkpoint.model_dir import load_model
+    from astrai_core.training.train import train
     from test_resume import MODEL, make_cfg
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
