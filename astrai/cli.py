@@ -248,10 +248,10 @@ def generate(model: str = typer.Option(..., help=f"The model: {REFERENCE_HELP}."
     import torch
 
     from tasks.registry.models import resolve_model
-    from astrai_core.tokenizer.chat import load_chat
-    from astrai_core.runtime.device import resolve_device
-    from astrai_core.generate import generate, generate_text
     from astrai_core.checkpoint.model_dir import load_model
+    from astrai_core.generate import generate, generate_text
+    from astrai_core.runtime.device import resolve_device
+    from astrai_core.tokenizer.chat import load_chat
 
     with tempfile.TemporaryDirectory(prefix="astrai-generate-") as tmp:  # a registry download, gone once loaded
         try:
@@ -324,8 +324,8 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
     import tempfile
 
     from tasks.registry.models import alias_version, resolve_model
-    from astrai_core.runtime.device import resolve_device
     from astrai_core.engine import EngineConfig
+    from astrai_core.runtime.device import resolve_device
     from serving.auth import check_hosts_option
     from serving import launch
     from serving.model import AliasWatch
@@ -533,8 +533,9 @@ def promote(source: str = typer.Argument(..., help="The version: models:/NAME@AL
     from tasks.registry.promote import promote as run
 
     # A tracking server that accepts and does not answer (its database down) held each request for MLflow's default
-    # 120 s, tried 7 times (astrai_core/runtime/env.defaults): promote's requests are small (versions, tags, the gate's items
-    # as one JSON), so 15 s each bounds the whole wait at about 3 minutes, the retries for a restarting server kept.
+    # 120 s, tried 7 times (astrai_core/runtime/env.defaults): promote's requests are small (versions, tags, the gate's
+    # items as one JSON), so 15 s each bounds the whole wait at about 3 minutes, the retries for a
+    # restarting server kept.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
     params = use_tracking_store()
     try:

@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from astrai_core.model.config import ModelConfig
 from astrai_core.engine import Engine, EngineConfig, SamplingParams
 from astrai_core.generate import generate
+from astrai_core.model.config import ModelConfig
 from astrai_core.model.transformer import Transformer
 
 ARCHS = {

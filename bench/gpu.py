@@ -9,8 +9,8 @@ soon as it is done, so a run cut short keeps what it measured.
 
 * peak: a bf16 8192^3 matmul's FLOP/s (the denominator of MFU);
 * training, at the demo's shape and a GPT-2-small-like one (vocab 32,768, dim 768, 12 layers, 12/4 heads, seq 1,024,
-  batch 16): astrai_core.training.train.train eager and compiled, against Hugging Face's LlamaForCausalLM of the same shape
-  (SDPA, tied embeddings, SwiGLU: both models use ModelConfig's default MLP here) eager and torch.compile'd in a
+  batch 16): astrai_core.training.train.train eager and compiled, against Hugging Face's LlamaForCausalLM of the same
+  shape (SDPA, tied embeddings, SwiGLU: both models use ModelConfig's default MLP here) eager and torch.compile'd in a
   plain loop, bf16 autocast and fused AdamW for all; two rounds, the variants interleaved, medians. MFU =
   tokens/s x (6N + 12 L d T) / peak (nanoGPT's count);
 * distributed: torchrun (nccl on a GPU) run twice (bitwise equal?) and stopped by SIGTERM after a checkpoint then
@@ -41,10 +41,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from astrai_core.model.config import ModelConfig  # noqa: E402
-from astrai_core.training.config import TrainConfig  # noqa: E402
 from astrai_core.data.packed import PackedWriter  # noqa: E402
+from astrai_core.model.config import ModelConfig  # noqa: E402
 from astrai_core.runtime.io import sha256_file  # noqa: E402
+from astrai_core.training.config import TrainConfig  # noqa: E402
 
 DEMO = dict(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256)  # params.yaml's model
 GPT2 = dict(vocab_size=32768, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, max_seq_len=1024)

@@ -6,12 +6,12 @@
 
 What is measured, in one run on one machine: the pretrain stage's run config with profiles/quick.yaml over
 params.yaml (a small model whose short steps make logging weigh more; `--configs demo` takes params.yaml as is,
-~4x longer steps with log_every 10) trained in this process on synthetic packed tokens (astrai_core.training.train.train, one rank,
-every core) for 40 and 10 logging intervals (INTERVALS), three ways: "off" (no MLFLOW_RUN_ID:
-metrics.jsonl only); "tracked" (MLFLOW_RUN_ID set to a run on the MLflow server: rank 0's MetricLogger sends what
-was logged with one log_batch over HTTP every SEND_EVERY_S from its sender thread, the server writes it to
-PostgreSQL; MLflow's system metrics sampled as in every run); "tracked_every_step" (the same, one log_batch per
-logged step, as before: MetricLogger.send_every = 0). steps/s is taken from metrics.jsonl's own time stamps, from
+~4x longer steps with log_every 10) trained in this process on synthetic packed tokens
+(astrai_core.training.train.train, one rank, every core) for 40 and 10 logging intervals (INTERVALS), three ways: "off"
+(no MLFLOW_RUN_ID: metrics.jsonl only); "tracked" (MLFLOW_RUN_ID set to a run on the MLflow server: rank 0's
+MetricLogger sends what was logged with one log_batch over HTTP every SEND_EVERY_S from its sender thread, the server
+writes it to PostgreSQL; MLflow's system metrics sampled as in every run); "tracked_every_step" (the same, one log_batch
+per logged step, as before: MetricLogger.send_every = 0). steps/s is taken from metrics.jsonl's own time stamps, from
 the first logged step to the last: what the run sees (the loop's tokens_per_sec leaves the logging out). The runs
 of a repeat go in a rotating order, so load drift on this shared machine hits every side alike; the report gives
 each side's median and its ratio to off, the median time the training thread spent in MetricLogger.log per call,

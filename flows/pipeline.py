@@ -40,10 +40,10 @@ from prefect.exceptions import TerminationSignal  # noqa: E402
 from prefect.runtime import flow_run  # noqa: E402
 from prefect.states import Cancelled, Failed, State  # noqa: E402
 
-from astrai_core.runtime.progress import duration  # noqa: E402
 from astrai_core.runtime.errors import AstraiError  # noqa: E402
 from astrai_core.runtime.io import write_json  # noqa: E402
 from astrai_core.runtime.proc import record, stream_process  # noqa: E402
+from astrai_core.runtime.progress import duration  # noqa: E402
 from tasks.registry.gate import versions_with_weights  # noqa: E402
 from tasks.run.checks import check_cluster  # noqa: E402
 from tasks.run.lock import checkout_lock, note_prefect_server  # noqa: E402

@@ -57,7 +57,9 @@ def make_project(repo: _Path, remote: _Path, model_name: str, post_training: boo
     for name in ("dvc.yaml", ".gitignore", "prefect.yaml"):
         _shutil.copy(PROJECT_ROOT / name, repo / name)
     for pkg in ("astrai_core", "tasks", "flows", "evals"):  # dvc.yaml lists code files (and the lm-eval tasks) as deps
-        _shutil.copytree(PROJECT_ROOT / pkg, repo / pkg, ignore=_shutil.ignore_patterns("__pycache__", "data"))
+        # evals/: not the lm-eval data a run writes there (astrai_core/data/ is source)
+        skip = ("__pycache__", "data") if pkg == "evals" else ("__pycache__",)
+        _shutil.copytree(PROJECT_ROOT / pkg, repo / pkg, ignore=_shutil.ignore_patterns(*skip))
     params = yaml.safe_load((PROJECT_ROOT / "params.yaml").read_text())
     # Registered by test bits/char: a model this tiny scores 0 on the tasks, and chosen by a task metric it would stay
     # candidate (tasks/stages/register.py no_skill); these projects test the registry and serving, which need a

@@ -43,11 +43,11 @@ def work(tmp_path_factory, core_tiny_data):
     """A tiny checkpoint, its Hugging Face export, a train config on packed files, a project with params.yaml; and
     copies of each broken one way."""
     from astrai_core.checkpoint.checkpointer import save_resumable
-    from astrai_core.model.config import ModelConfig
-    from astrai_core.training.config import TrainConfig
-    from astrai_core.convert.hf import export_hf
-    from astrai_core.model.transformer import Transformer
     from astrai_core.checkpoint.model_dir import save_checkpoint
+    from astrai_core.convert.hf import export_hf
+    from astrai_core.model.config import ModelConfig
+    from astrai_core.model.transformer import Transformer
+    from astrai_core.training.config import TrainConfig
 
     root = tmp_path_factory.mktemp("bad_input")
     cfg = ModelConfig(**MODEL)

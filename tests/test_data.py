@@ -651,8 +651,8 @@ def test_an_id_outside_the_vocabulary_is_refused_naming_the_file(core_tiny_data,
 
     import pytest
 
-    from astrai_core.training.config import TrainConfig
     from astrai_core.runtime.errors import AstraiError
+    from astrai_core.training.config import TrainConfig
     from astrai_core.training.train import check_train_inputs
 
     bad = tmp_path / "train.h5"

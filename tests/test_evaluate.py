@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from astrai_core.scoring.statistics import Z95, paired_difference, pass_at_k, summarize, unigram_nll, wilson_interval
 from astrai_core.scoring.metrics import sequence_nll
+from astrai_core.scoring.statistics import Z95, paired_difference, pass_at_k, summarize, unigram_nll, wilson_interval
 from tasks.stages.evaluate import pass_metrics
 from tasks.stages.evaluate import Check, evaluation_markdown, flag_tags, grpo_why, stage_checks
 from test_posttrain import MODEL, chat_setup  # noqa: F401  (a module fixture: tokenizer, chat files, random model)

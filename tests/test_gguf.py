@@ -24,12 +24,12 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from astrai_core.model.config import ModelConfig
-from astrai_core.runtime.errors import AstraiError
-from astrai_core.generate import generate
-from astrai_core.convert.gguf_export import export_gguf, rope_adjacent_pairs
-from astrai_core.model.transformer import apply_rope, rope_tables
 from astrai_core.checkpoint.model_dir import load_model, save_checkpoint
+from astrai_core.convert.gguf_export import export_gguf, rope_adjacent_pairs
+from astrai_core.generate import generate
+from astrai_core.model.config import ModelConfig
+from astrai_core.model.transformer import apply_rope, rope_tables
+from astrai_core.runtime.errors import AstraiError
 from conftest import PROJECT_ROOT, _core_text, sharp_random_model
 
 BUILD_SCRIPT = PROJECT_ROOT / "scripts" / "build_llama_cpp.sh"
@@ -88,8 +88,8 @@ def tokenizer_path(tmp_path_factory) -> Path:
 def trained(tmp_path_factory, tokenizer_path, core_write_packed) -> dict:
     """A model trained here for a few seconds, its f32 and Q8_0 exports: {"ckpt", "f32", "q8_0"}."""
 
-    from astrai_core.training.config import TrainConfig
     from astrai_core.runtime.io import sha256_file
+    from astrai_core.training.config import TrainConfig
     from astrai_core.training.train import train
 
     root = tmp_path_factory.mktemp("gguf_trained")

@@ -16,10 +16,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from astrai_core.model.config import ModelConfig
-from astrai_core.training.config import TrainConfig
-from astrai_core.model.transformer import losses
 from astrai_core.model.losses import token_loss_sum
+from astrai_core.model.transformer import losses
 from astrai_core.model.transformer import Transformer
+from astrai_core.training.config import TrainConfig
 from astrai_core.training.train import train
 
 

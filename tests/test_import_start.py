@@ -14,13 +14,13 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only
 transformers = pytest.importorskip("transformers")
 
-from astrai_core.tokenizer.chat import load_chat  # noqa: E402
-from astrai_core.runtime.errors import AstraiError  # noqa: E402
-from astrai_core.generate import generate  # noqa: E402
+from astrai_core.checkpoint.model_dir import load_model  # noqa: E402
 from astrai_core.convert.hf import export_hf, import_hf  # noqa: E402
+from astrai_core.generate import generate  # noqa: E402
+from astrai_core.runtime.errors import AstraiError  # noqa: E402
 from astrai_core.runtime.io import sha256_file  # noqa: E402
 from astrai_core.tokenizer.bpe import SPECIAL_TOKENS, load_tokenizer  # noqa: E402
-from astrai_core.checkpoint.model_dir import load_model  # noqa: E402
+from astrai_core.tokenizer.chat import load_chat  # noqa: E402
 
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=64, rms_norm_eps=1e-6)

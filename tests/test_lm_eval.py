@@ -25,13 +25,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from astrai_core.checkpoint.model_dir import load_model, save_checkpoint
+from astrai_core.generate import generate_batch
+from astrai_core.model.config import ModelConfig
+from astrai_core.model.transformer import Transformer
+from astrai_core.scoring.metrics import continuation_logprobs, sequence_nll
 from astrai_core.tokenizer.bpe import special_id, train_tokenizer
 from astrai_core.tokenizer.chat import ChatFormat
-from astrai_core.model.config import ModelConfig
-from astrai_core.generate import generate_batch
-from astrai_core.model.transformer import Transformer
-from astrai_core.checkpoint.model_dir import load_model, save_checkpoint
-from astrai_core.scoring.metrics import continuation_logprobs, sequence_nll
 from tasks.chat.demo_tasks import items as family_items
 from tasks.evaluation.lm_eval_data import FILES
 from tasks.chat.plays import parse_play

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from astrai_core.model.losses import (IGNORE_INDEX, dpo_loss, full_kl_sum, group_advantages, grpo_token_loss, k3_kl, sequence_logps, token_logps)
+from astrai_core.model.losses import (IGNORE_INDEX, dpo_loss, full_kl_sum, group_advantages, grpo_token_loss, k3_kl,
+                                      sequence_logps, token_logps)
 
 
 def test_token_logps_and_sequence_logps_skip_masked_targets():

@@ -13,9 +13,9 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from astrai_core.model.config import ModelConfig
+from astrai_core.model.transformer import Transformer
 from astrai_core.training.config import OptimConfig
 from astrai_core.training.distributed import run_torchrun
-from astrai_core.model.transformer import Transformer
 from astrai_core.training.optim import Chain, build_optimizer
 from astrai_core.training.train import default_callbacks, train
 from test_resume import SigtermAt, make_cfg, weights_sha

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from astrai_core.runtime.errors import AstraiError
-from astrai_core.convert.hf import export_hf, import_hf
-from astrai_core.runtime.io import OUTPUT_MARK, atomic_path, written_by
 from astrai_core.checkpoint.model_dir import save_checkpoint, verify_checkpoint
+from astrai_core.convert.hf import export_hf, import_hf
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import OUTPUT_MARK, atomic_path, written_by
 from conftest import PROJECT_ROOT
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,9 +24,9 @@ def checkpoint(tmp_path_factory):
     """A tiny astrai checkpoint (what `astrai export-hf` reads)."""
     import torch
 
-    from astrai_core.tokenizer.bpe import train_tokenizer
     from astrai_core.model.config import ModelConfig
     from astrai_core.model.transformer import Transformer
+    from astrai_core.tokenizer.bpe import train_tokenizer
 
     root = tmp_path_factory.mktemp("ckpt")
     tok = root / "tokenizer.json"

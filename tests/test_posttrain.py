@@ -12,20 +12,20 @@ import numpy as np
 import pytest
 import torch
 
-from astrai_core.tokenizer.chat import DEFAULT_TEMPLATE, load_chat
-from astrai_core.model.config import ModelConfig
-from astrai_core.training.config import TrainConfig
-from astrai_core.runtime.errors import AstraiError
 from astrai_core.checkpoint.model_dir import load_model, save_checkpoint
-from astrai_core.scoring.metrics import answer_questions, masked_token_loss
-from astrai_core.runtime.io import sha256_file
-from astrai_core.model.losses import IGNORE_INDEX, token_logps
-from astrai_core.model.transformer import Transformer
-from astrai_core.training.rewards import REWARDS
 from astrai_core.data.batches import Batch, Documents, PackedRows
 from astrai_core.data.packed import PackedWriter
+from astrai_core.model.config import ModelConfig
+from astrai_core.model.losses import IGNORE_INDEX, token_logps
+from astrai_core.model.transformer import Transformer
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import sha256_file
 from astrai_core.scoring.dpo_reference import reference_logps, save_reference_logps
+from astrai_core.scoring.metrics import answer_questions, masked_token_loss
 from astrai_core.tokenizer.bpe import train_tokenizer
+from astrai_core.tokenizer.chat import DEFAULT_TEMPLATE, load_chat
+from astrai_core.training.config import TrainConfig
+from astrai_core.training.rewards import REWARDS
 from astrai_core.training.train import default_callbacks, train
 from tasks.run.params import parse_params
 from tasks.stages.chat_data import pack_chat

@@ -34,9 +34,9 @@ def registry(tmp_path_factory, core_tiny_data) -> dict:
     import mlflow
     import torch
 
+    from astrai_core.checkpoint.model_dir import save_checkpoint
     from astrai_core.model.config import ModelConfig
     from astrai_core.model.transformer import Transformer
-    from astrai_core.checkpoint.model_dir import save_checkpoint
     from astrai_core.scoring.statistics import wilson_interval
     from tasks.run.schema import Params
     from tasks.run.table import model_dir

@@ -310,7 +310,8 @@ def test_the_quick_profile_runs_the_whole_chain(tmp_path):
 def test_make_clean_removes_every_output(tmp_path):
     import subprocess
 
-    for name in ("Makefile", "astrai_core/runtime/env.defaults", "data/README.md"):  # the Makefile includes env.defaults
+    # the Makefile includes env.defaults
+    for name in ("Makefile", "astrai_core/runtime/env.defaults", "data/README.md"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(PROJECT_ROOT / name, tmp_path / name)
     for out in ("corpus", "chat", "sft", "dpo_reference", "dpo", "grpo", "pretrain.ckpts", "evaluate"):
@@ -655,8 +656,8 @@ def test_a_killed_stage_run_is_marked_failed_by_the_next_one(tmp_path, monkeypat
 
 def test_a_prefect_home_in_a_missing_directory_is_made(tmp_path):
     """PREFECT_HOME two directories below one that exists (as `make test` gives each test worker): the temporary
-    Prefect server an entry point starts answers (Prefect makes only the last directory; without astrai_core/runtime/env.py
-    making the rest, its database cannot open and the client waits 120 s, then times out)."""
+    Prefect server an entry point starts answers (Prefect makes only the last directory; without
+    astrai_core/runtime/env.py making the rest, its database cannot open and the client waits 120 s, then times out)."""
     import os
     import subprocess
     import sys

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from astrai_core.training.callbacks import Callback
 from astrai_core.checkpoint.checkpointer import find_resumable, save_resumable
 from astrai_core.model.config import ModelConfig
-from astrai_core.training.config import TrainConfig
-from astrai_core.runtime.io import sha256_file
 from astrai_core.model.transformer import Transformer
+from astrai_core.runtime.io import sha256_file
+from astrai_core.training.callbacks import Callback
+from astrai_core.training.config import TrainConfig
 from astrai_core.training.train import train
 from conftest import free_port
 
@@ -81,8 +81,8 @@ def test_resumable_checkpoints_keep_k_and_skip_corrupt(tmp_path, core_tiny_data)
 
 def test_sharded_checkpoints_hash_every_shard_file_and_skip_corrupt(tmp_path, core_tiny_data):
     from astrai_core.checkpoint.checkpointer import load_sharded, save_sharded
-    from astrai_core.runtime.errors import AstraiError
     from astrai_core.checkpoint.model_dir import load_model, verify_checkpoint
+    from astrai_core.runtime.errors import AstraiError
 
     cfg = ModelConfig(**MODEL)
     model = Transformer(cfg)

@@ -34,12 +34,12 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from astrai_core.tokenizer.chat import load_chat
-from astrai_core.model.config import ModelConfig
+from astrai_core.checkpoint.model_dir import load_model, save_checkpoint
 from astrai_core.generate import generate
+from astrai_core.model.config import ModelConfig
 from astrai_core.model.transformer import Transformer
 from astrai_core.tokenizer.bpe import special_id, train_tokenizer
-from astrai_core.checkpoint.model_dir import load_model, save_checkpoint
+from astrai_core.tokenizer.chat import load_chat
 from astrai.cli import app
 from conftest import free_port
 

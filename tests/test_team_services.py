@@ -421,11 +421,11 @@ def test_champion_decisions_are_one_step_under_the_lock(services, monkeypatch):
 
 def test_a_stage_logging_through_a_postgres_restart(services, data_tokenizer, core_write_packed, tmp_path):
     """PostgreSQL stopped for 5 s and started again under `astrai stage pretrain` (a tiny model, 300 steps, rank 0
-    logging every step to the stage's run on the MLflow server): with the retries astrai_core/runtime/env.py sets, the stage
-    finishes, its run is FINISHED and holds every step's metrics once. Without retries
-    (MLFLOW_HTTP_REQUEST_MAX_RETRIES=0) an outage that lasts until the stage ends fails it with one line; its run, which it could not
-    end while the database was down, is left RUNNING, and the stage run again marks it FAILED (its process is gone)
-    and finishes."""
+    logging every step to the stage's run on the MLflow server): with the retries astrai_core/runtime/env.py sets, the
+    stage finishes, its run is FINISHED and holds every step's metrics once. Without retries
+    (MLFLOW_HTTP_REQUEST_MAX_RETRIES=0) an outage that lasts until the stage ends fails it with one line; its run, which
+    it could not end while the database was down, is left RUNNING, and the stage run again marks it FAILED (its process
+    is gone) and finishes."""
     import urllib.parse
 
     import mlflow

@@ -15,14 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from astrai_core.training.config import TrainConfig
-from astrai_core.training.distributed import resolve_nproc, run_torchrun
-from astrai_core.runtime.errors import AstraiError
-from astrai_core.runtime.io import sha256_file
-from astrai_core.training.metric_log import MetricLogger, flatten
-from astrai_core.training.strategies import seq as strategies_module
 from astrai_core.data.batches import WindowSampler, open_tokens, read_windows
 from astrai_core.model.losses import IGNORE_INDEX, token_loss_sum
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import sha256_file
+from astrai_core.training.config import TrainConfig
+from astrai_core.training.distributed import resolve_nproc, run_torchrun
+from astrai_core.training.metric_log import MetricLogger, flatten
+from astrai_core.training.strategies import seq as strategies_module
 from astrai_core.training.train import train
 
 MODEL = dict(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
@@ -481,7 +481,8 @@ def test_compiled_kernels_are_cached_per_cpu_instruction_set(tmp_path, monkeypat
     # torch held to AVX2 kernels (as on the slow kind of machine), and as it is here
     for name, env in (("avx2", {**native, "ATEN_CPU_CAPABILITY": "avx2"}), ("native", native)):
         folders[name] = subprocess.run(
-            [sys.executable, "-c", "from astrai_core.training.parallel import compile_cache_dir; print(compile_cache_dir('k'))"],
+            [sys.executable, "-c",
+             "from astrai_core.training.parallel import compile_cache_dir; print(compile_cache_dir('k'))"],
             env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert folders["avx2"].endswith("/k/avx2")
     assert folders["native"].endswith(f"/k/{isa}")

@@ -30,10 +30,10 @@ from test_posttrain import make_cfg as post_cfg
 from test_resume import kill_run, make_cfg, read_until, torchrun, wait_ok, weights_sha
 
 from astrai_core.checkpoint.checkpointer import find_resumable
+from astrai_core.checkpoint.model_dir import verify_checkpoint
+from astrai_core.runtime.errors import AstraiError
 from astrai_core.runtime.io import OUTPUT_MARK
 from astrai_core.training.config import TrainConfig
-from astrai_core.runtime.errors import AstraiError
-from astrai_core.checkpoint.model_dir import verify_checkpoint
 from astrai_core.training.train import train
 from tasks.run.params import parse_params
 

@@ -39,11 +39,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from pydantic import BaseModel
 
-from astrai_core.runtime.errors import AstraiError
-from astrai_core.runtime.io import OUTPUT_MARK, atomic_path, sha256_file
+from astrai_core.checkpoint.model_dir import load_weights, read_model_config, save_checkpoint, verify_checkpoint
 from astrai_core.model.transformer import Transformer
 from astrai_core.runtime.device import DataGroup, Dist
-from astrai_core.checkpoint.model_dir import load_weights, read_model_config, save_checkpoint, verify_checkpoint
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import OUTPUT_MARK, atomic_path, sha256_file
 
 
 STEP_DIR = re.compile(r"^step_(\d{8,})$")

@@ -36,11 +36,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from astrai_core.tokenizer.bpe import SPECIALS_FILE, read_tokenizer
 from astrai_core.model.config import ModelConfig
+from astrai_core.model.transformer import Transformer, estimated_params
 from astrai_core.runtime.errors import AstraiError
 from astrai_core.runtime.io import CHECKPOINT, atomic_path, sha256_file, write_json
-from astrai_core.model.transformer import Transformer, estimated_params
+from astrai_core.tokenizer.bpe import SPECIALS_FILE, read_tokenizer
 
 REQUIRED_FILES = ("config.json", "tokenizer.json")
 WEIGHT_FILES = ("model.safetensors", "dcp/.metadata")  # a checkpoint has one: full or sharded

@@ -174,9 +174,10 @@ def export_gguf(ckpt_dir: str | os.PathLike, out: str | os.PathLike, out_type: s
     import gguf
 
     from astrai_core.tokenizer.chat import DEFAULT_TEMPLATE, TEMPLATE_FILE
-    from astrai_core.convert.hf import rope_parameters, special_token_ids  # NTK folded into the base as model/transformer.py does
-    from astrai_core.runtime.io import atomic_path, check_output
+    # NTK folded into the base as model/transformer.py does
     from astrai_core.checkpoint.model_dir import load_model
+    from astrai_core.convert.hf import rope_parameters, special_token_ids
+    from astrai_core.runtime.io import atomic_path, check_output
 
     if out_type not in TYPES:
         raise AstraiError(f"--type {out_type!r}: expected one of {', '.join(TYPES)}")

@@ -1,10 +1,10 @@
-"""GGUF import: a llama.cpp model file -> a Hugging Face model directory, which astrai_core.convert.hf.import_hf takes in
-(import_gguf does both).
+"""GGUF import: a llama.cpp model file -> a Hugging Face model directory, which astrai_core.convert.hf.import_hf takes
+in (import_gguf does both).
 
     astrai import-hf SmolLM2-135M-Instruct.Q4_1.gguf ckpt    # what `pretrain.init_from: FILE.gguf` does too
 
-The reverse of astrai_core/convert/gguf_export.py, with the same tensor names. Read with the `gguf` package (llama.cpp's own
-reader); every tensor is dequantized to float32 by its `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
+The reverse of astrai_core/convert/gguf_export.py, with the same tensor names. Read with the `gguf` package (llama.cpp's
+own reader); every tensor is dequantized to float32 by its `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
 Q5_0, Q5_1, Q2_K ... Q6_K), and q_proj/k_proj rows go back from llama.cpp's adjacent RoPE pairs to rotate-half
 (gguf_export.rope_adjacent_pairs, inverted). The tokenizer (tokens, merges, pre-tokenizer, special tokens, chat
 template) is transformers' GGUF converter's, so `transformers` must be installed for a GGUF file (it is, with the
@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from astrai_core.runtime.errors import AstraiError
 from astrai_core.convert.gguf_export import ADJACENT_ROPE, BLOCK_TENSORS, TOP_TENSORS
+from astrai_core.runtime.errors import AstraiError
 from astrai_core.runtime.io import write_json
 
 # GGUF architecture -> the Hugging Face model it is (qwen2: q/k/v biases, half-split RoPE: nothing to permute)
@@ -68,7 +68,8 @@ def import_model(path: str | os.PathLike, out_dir: str | os.PathLike, force: boo
 
 def import_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False) -> Path:
     """Write an astrai checkpoint directory `out_dir` from the GGUF file `path` (`astrai import-hf FILE.gguf OUT`):
-    converted to a Hugging Face folder in a temporary directory, then imported as one (astrai_core.convert.hf.import_hf)."""
+    converted to a Hugging Face folder in a temporary directory, then imported as one
+    (astrai_core.convert.hf.import_hf)."""
     from astrai_core.convert.hf import IMPORT, import_hf
     from astrai_core.runtime.io import check_output
 

@@ -37,11 +37,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from astrai_core.tokenizer.bpe import SPECIALS_FILE
-from astrai_core.tokenizer.chat import DEFAULT_TEMPLATE
 from astrai_core.model.config import ModelConfig
 from astrai_core.runtime.errors import AstraiError
 from astrai_core.runtime.io import atomic_path, check_output, write_json
+from astrai_core.tokenizer.bpe import SPECIALS_FILE
+from astrai_core.tokenizer.chat import DEFAULT_TEMPLATE
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -92,7 +92,7 @@ def hf_model_type(cfg: ModelConfig) -> str:
 
 
 def rope_parameters(cfg: ModelConfig) -> dict:
-    """The RoPE settings of `cfg` as Hugging Face writes them (config.json's rope_parameters), read by the GGUF export too."""
+    """`cfg`'s RoPE settings as Hugging Face writes them (config.json's rope_parameters); the GGUF export's too."""
     if cfg.rope_scaling == "ntk":  # folded into the base: identical inverse frequencies (see rope_tables)
         d = cfg.rope_head_dim
         return {"rope_type": "default", "rope_theta": cfg.rope_theta * cfg.rope_factor ** (d / (d - 2))}
@@ -428,14 +428,14 @@ def export_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, force: bo
 def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, force: bool = False,
               source: str | os.PathLike | None = None) -> Path:
     """Write an astrai checkpoint directory `out_dir` from the HF model directory `hf_dir` (`source`: what it was
-    converted from, a GGUF file: astrai_core/convert/gguf_import.py). An existing `out_dir` is replaced only if it holds an
-    earlier import, or with `force`; never the HF directory itself.
+    converted from, a GGUF file: astrai_core/convert/gguf_import.py). An existing `out_dir` is replaced only if it holds
+    an earlier import, or with `force`; never the HF directory itself.
 
     A model that brings a chat template stays itself: its tokenizer byte for byte, nothing added, and its own special
     tokens (where it stops) in special_tokens.json. A model without one (a base model) gets astrai's special tokens
     and its default template, as the stages' own models have."""
-    from astrai_core.model.transformer import Transformer
     from astrai_core.checkpoint.model_dir import check_fits_in_memory, save_checkpoint
+    from astrai_core.model.transformer import Transformer
 
     hf_dir = Path(hf_dir)
     source = Path(source or hf_dir)
@@ -510,8 +510,8 @@ def _chat_template(hf_dir: Path) -> str | None:
 
 
 def _own_special_tokens(hf_dir: Path, hf: dict, tok) -> dict:
-    """The model's own special tokens as texts (special_tokens.json, astrai_core/tokenizer/bpe.py): where it stops (the eos
-    ids of generation_config.json, else config.json's: often a list), its end of text, bos and pad; AstraiError
+    """The model's own special tokens as texts (special_tokens.json, astrai_core/tokenizer/bpe.py): where it stops (the
+    eos ids of generation_config.json, else config.json's: often a list), its end of text, bos and pad; AstraiError
     naming the file and key for an id or token the tokenizer lacks."""
     files = {name: _read_hf_config(hf_dir / name) if (hf_dir / name).is_file() else {}
              for name in ("generation_config.json", "tokenizer_config.json")}

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from astrai_core.runtime.errors import AstraiError
+from astrai_core.data.packed import PackedTokens
 from astrai_core.model.losses import IGNORE_INDEX
 from astrai_core.model.transformer import document_mask
-from astrai_core.data.packed import PackedTokens
+from astrai_core.runtime.errors import AstraiError
 
 
 @dataclass

@@ -27,9 +27,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from astrai_core.model.transformer import Experts
 from astrai_core.runtime.errors import AstraiError
 from astrai_core.runtime.io import atomic_path
-from astrai_core.model.transformer import Experts
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

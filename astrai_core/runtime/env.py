@@ -1,7 +1,8 @@
 """The environment every entry point sets before Prefect, MLflow or DVC is imported: `apply()`, first thing, in the
 `astrai` command (astrai/cli.py), the pipeline flow's module (flows/pipeline.py, which a Prefect worker imports) and
-the training ranks (astrai_core/training/train.py main). The values are written once, in astrai_core/runtime/env.defaults, which the
-Makefile includes too; they live here, in the core, because the ranks run the core alone."""
+the training ranks (astrai_core/training/train.py main). The values are written once, in
+astrai_core/runtime/env.defaults, which the Makefile includes too; they live here, in the core, because the ranks run
+the core alone."""
 
 import os
 import re

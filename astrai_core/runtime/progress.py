@@ -97,6 +97,8 @@ class Progress:
         _open.remove(self)
 
 
+# ---- durations as text: this line's, the training progress bar's (training/callbacks.py), the flow's -------------
+
 def eta(steps_left: int, steps_done: int, seconds: float) -> str:
     """Time left at the measured rate, as 1h02m, 3m05s or 42s."""
     return duration(steps_left * seconds / max(steps_done, 1))

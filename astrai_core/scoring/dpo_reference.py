@@ -14,11 +14,11 @@ import numpy as np
 import torch
 
 from astrai_core.data.batches import Documents, pair_batch
+from astrai_core.model.losses import sequence_logps
+from astrai_core.model.transformer import Transformer
+from astrai_core.runtime.device import model_device, uses_bf16
 from astrai_core.runtime.errors import AstraiError
 from astrai_core.runtime.io import atomic_path, sha256_file
-from astrai_core.model.losses import sequence_logps
-from astrai_core.runtime.device import model_device, uses_bf16
-from astrai_core.model.transformer import Transformer
 from astrai_core.runtime.progress import advance, expect
 
 

@@ -1,8 +1,6 @@
-"""Held-out metrics: language modeling (loss, perplexity and bits per character, with a unigram baseline) and the
-chat models' (held-out SFT loss, preference accuracy, task accuracy, pass@k); `token_loss_total` is also what
-training validates with. And their uncertainty: the 95% intervals (Wilson's for an accuracy or a mean
-per-item score, Newcombe's paired interval for the difference of two models' accuracies on the same items), the one
-place they are computed.
+"""Held-out metrics of a model: language modeling (loss and bits per character; the unigram baseline and the
+intervals are statistics.py's) and the chat models' (held-out SFT loss, preference margins, answers to questions for
+task accuracy and pass@k); `token_loss_total` is also what training validates with.
 
 Bits per character (total negative log-likelihood in bits / number of characters) compares models with
 different tokenizers; per-token loss does not.
@@ -18,10 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from astrai_core.data.batches import Batch, Documents, PackedRows
-from astrai_core.runtime.device import model_device
-from astrai_core.scoring.dpo_reference import reference_logps
 from astrai_core.model.losses import IGNORE_INDEX, token_loss_sum
+from astrai_core.runtime.device import model_device
 from astrai_core.runtime.progress import advance, expect
+from astrai_core.scoring.dpo_reference import reference_logps
 
 
 @torch.no_grad()

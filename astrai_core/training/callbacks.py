@@ -1,5 +1,5 @@
-"""Callbacks: observers of the training loop (astrai_core/training/train.py), the extension point for users, and RunState,
-the loop's counters and decisions they observe.
+"""Callbacks: observers of the training loop (astrai_core/training/train.py), the extension point for users, and
+RunState, the loop's counters and decisions they observe.
 
 The loop calls every callback's hook in list order at each point of its lifecycle, passing the RunState:
 

@@ -2,7 +2,8 @@
 
 These pydantic models are validated once at the edge (the `astrai train` CLI, the pipeline's params.yaml, whose
 training sections are RunSettings plus their strategy's settings) and saved as JSON next to every checkpoint.
-Every cross-field check lives here, so params.yaml is checked by the same code when it is parsed. Unknown keys are errors, so a typo never silently falls back to a default.
+Every cross-field check lives here, so params.yaml is checked by the same code when it is parsed. Unknown keys are
+errors, so a typo never silently falls back to a default.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from typing import Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
-from astrai_core.runtime.errors import AstraiError
 from astrai_core.model.config import ModelConfig, Strict, check_tensor_parallel
+from astrai_core.runtime.errors import AstraiError
 
 
 # ---- what a parallel layout needs (checked when a config is read; astrai_core/training/parallel.py applies it) ----
@@ -29,8 +30,8 @@ def check_ranks(parallel: str, tp_size: int, world_size: int) -> None:
 
 
 class OptimConfig(Strict):
-    """The optimizer and the learning-rate schedule (astrai_core/training/optim.py). adamw: AdamW on every weight (decay on
-    matrices only). muon: Muon (orthogonalized momentum) on the decoder blocks' weight matrices, AdamW on the
+    """The optimizer and the learning-rate schedule (astrai_core/training/optim.py). adamw: AdamW on every weight (decay
+    on matrices only). muon: Muon (orthogonalized momentum) on the decoder blocks' weight matrices, AdamW on the
     embeddings, the head, norm gains and biases; its learning rate is scaled to match AdamW's update size
     (torch's adjust_lr_fn "match_rms_adamw"), so `lr` carries over. Schedules:
     cosine = linear warmup then cosine decay to min_lr; sgdr = warmup then cosine warm restarts, the first cycle
@@ -62,8 +63,8 @@ class OptimConfig(Strict):
 
 
 class LoRAConfig(Strict):
-    """Low-rank adapters (astrai_core/model/lora.py): only they train; the final checkpoint is the merged plain model and
-    the adapters are also saved on their own (adapter/ in the output directory)."""
+    """Low-rank adapters (astrai_core/model/lora.py): only they train; the final checkpoint is the merged plain model
+    and the adapters are also saved on their own (adapter/ in the output directory)."""
 
     rank: PositiveInt = 8
     alpha: PositiveFloat = 16.0
@@ -163,8 +164,9 @@ class RunSettings(Strict):
     # None: torch's default (30 min under gloo, 10 under nccl). launcher: slurm sets cluster.peer_timeout.
     peer_timeout: PositiveInt | None = None
     # ddp: replicas; fsdp: FSDP2 fully_shard per decoder block (models too big for one device); tp: tensor
-    # parallelism, each layer split across tp_size ranks (layers too wide for one device; astrai_core/training/parallel.py);
-    # fsdp+tp: FSDP2 across TP groups of tp_size ranks (the ranks / tp_size groups each see their own batches).
+    # parallelism, each layer split across tp_size ranks (layers too wide for one device;
+    # astrai_core/training/parallel.py); fsdp+tp: FSDP2 across TP groups of tp_size ranks (the ranks / tp_size groups
+    # each see their own batches).
     parallel: Literal["ddp", "fsdp", "tp", "fsdp+tp"] = "ddp"
     tp_size: PositiveInt = 1  # ranks one model is split across (tp: all of them; fsdp+tp: a divisor of the ranks)
     seed: int = 1337

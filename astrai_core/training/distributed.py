@@ -1,4 +1,5 @@
-"""Distributed setup in one place: the rank's view (init_distributed/cleanup) and the launcher (run_torchrun).
+"""Distributed setup in one place: the rank's view (init_distributed/cleanup; the Dist it returns and the device
+helpers are astrai_core/runtime/device.py) and the launcher (run_torchrun).
 
 Inside a rank, torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) says who we are; without
 torchrun the same code runs as a single process with world_size 1 and no process group.
@@ -33,10 +34,10 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.rendezvous import rendezvous
 
+from astrai_core.runtime.device import Dist, resolve_device
 from astrai_core.runtime.errors import TrainingError
 from astrai_core.runtime.io import write_json
 from astrai_core.runtime.proc import stream_process
-from astrai_core.runtime.device import Dist, resolve_device
 
 if TYPE_CHECKING:
     from astrai_core.training.config import TrainConfig
@@ -160,12 +161,13 @@ def run_torchrun(
     on_line: Callable[[str], None] = print,
     max_restarts: int = 0,
 ) -> None:
-    """Run `astrai_core.training.train --config config_path` on `nproc` local ranks; stream every output line to on_line.
+    """Run `astrai_core.training.train --config config_path` on `nproc` local ranks; stream every output
+    line to on_line.
 
     `env` entries are added to this process's environment. With max_restarts > 0 torchrun restarts the whole
     group when a rank dies (the config's `resume: auto` makes the new group continue from the last checkpoint).
-    Raises TrainingError (the first error line a rank printed) if any rank fails for good; on any exception while waiting
-    (including KeyboardInterrupt) the whole process group is killed.
+    Raises TrainingError (the first error line a rank printed) if any rank fails for good; on any exception while
+    waiting (including KeyboardInterrupt) the whole process group is killed.
     """
     # One node, so nothing needs to listen beyond this host. --standalone would have the agent host two TCPStores
     # on every interface (torch gives them no bind address): here the agent's rendezvous meets in a file, the agent

@@ -54,8 +54,8 @@ class MetricLogger:
     at step `resume_step` keeps the lines up to that step and appends after them. The file is written in the
     call; MLflow gets the metrics from a sender thread, in order: the first logged step at once,
     then everything logged since the last send every `send_every` seconds. `flush` sends the rest and waits for it.
-    A send that fails (after the MLflow client's retries, astrai_core/runtime/env.defaults) is raised by the next `log` or
-    `flush`, so the run fails as if it had failed in the step.
+    A send that fails (after the MLflow client's retries, astrai_core/runtime/env.defaults) is raised by the next `log`
+    or `flush`, so the run fails as if it had failed in the step.
     """
 
     send_every = SEND_EVERY_S  # 0: a log_batch per logged step, as before (bench/tracking_overhead.py compares)

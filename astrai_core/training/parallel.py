@@ -56,13 +56,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 from astrai_core.checkpoint.checkpointer import load_initial_weights
-from astrai_core.training.config import TrainConfig, check_ranks
 from astrai_core.model.config import check_tensor_parallel
+from astrai_core.model.lora import apply_lora, count_trainable
+from astrai_core.model.transformer import Attention, Transformer
 from astrai_core.runtime.device import DataGroup, Dist, uses_bf16
 from astrai_core.runtime.errors import AstraiError
 from astrai_core.runtime.io import sha256_file
-from astrai_core.model.lora import apply_lora, count_trainable
-from astrai_core.model.transformer import Attention, Transformer
+from astrai_core.training.config import TrainConfig, check_ranks
 from astrai_core.training.optim import Chain, build_optimizer
 from astrai_core.training.strategies import STRATEGIES, Strategy
 

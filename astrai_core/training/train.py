@@ -28,9 +28,9 @@ One step: the strategy's micro-batches -> forward and backward over the accumula
 checkpoints, naming the first bad step) -> clipping -> optimizer and schedule -> validation and early stopping ->
 metrics -> a resumable checkpoint when due. Callbacks (astrai_core/training/callbacks.py) observe each point; the run's
 counters live in RunState, which a checkpoint keeps with the model, optimizer, schedule, data position and RNGs.
-What the loop trains is built for its parallel layout by astrai_core/training/parallel.py (build), the strategy behind its
-contract in astrai_core/training/strategies/, and checkpoints are written and resumed by astrai_core/checkpoint/checkpointer.py
-(Checkpointer).
+What the loop trains is built for its parallel layout by astrai_core/training/parallel.py (build), the strategy behind
+its contract in astrai_core/training/strategies/, and checkpoints are written and resumed by
+astrai_core/checkpoint/checkpointer.py (Checkpointer).
 
 Stopping and resuming: SIGTERM asks for a stop; the current step (all its micro-steps) finishes, the ranks agree
 by an all-reduce, a resumable checkpoint is written and the process exits 0. A killed run (SIGKILL, a lost node)
@@ -56,15 +56,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from astrai_core.runtime import env
-from astrai_core.training.callbacks import Callback, ProgressBar, RunState
 from astrai_core.checkpoint.checkpointer import Checkpointer, load_train_state, resumable_checkpoint
-from astrai_core.training.config import TrainConfig
 from astrai_core.data.batches import open_checked
+from astrai_core.runtime import env
 from astrai_core.runtime.device import DataGroup, Dist
-from astrai_core.training.distributed import cleanup, init_distributed, lost_peers, report_error
 from astrai_core.runtime.errors import AstraiError, TrainingError
 from astrai_core.runtime.io import sha256_file
+from astrai_core.training.callbacks import Callback, ProgressBar, RunState
+from astrai_core.training.config import TrainConfig
+from astrai_core.training.distributed import cleanup, init_distributed, lost_peers, report_error
 from astrai_core.training.metric_log import MetricLogger, system_metrics
 from astrai_core.training.parallel import Trainee, build, grad_sync, total_grad_norm
 

@@ -15,9 +15,10 @@ read, written from the corpus stage's test split at run time (the plays' text is
 
 The first two are plain text in the corpus's own layout (a speaker's name in capitals with a period, then the
 lines, a blank line between speeches): what a pretrained model has learnt to continue, no chat template. The
-families' prompts are rendered with astrai's default chat template (astrai_core/tokenizer/chat.py), so `local-completions`
-sends exactly the tokens `astrai generate --chat` would; a model with its own template (an imported one) is asked
-in astrai's. Each file is deterministic in (corpus, seed); `limit` items per task, drawn evenly from every play.
+families' prompts are rendered with astrai's default chat template (astrai_core/tokenizer/chat.py), so
+`local-completions` sends exactly the tokens `astrai generate --chat` would; a model with its own template (an imported
+one) is asked in astrai's. Each file is deterministic in (corpus, seed); `limit` items per task, drawn evenly from every
+play.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import random
 from pathlib import Path
 from typing import Iterable
 
-from astrai_core.tokenizer.chat import compile_template
 from astrai_core.runtime.errors import AstraiError
 from astrai_core.runtime.io import atomic_path, check_output
+from astrai_core.tokenizer.chat import compile_template
 from tasks.chat.demo_tasks import TASKS as FAMILIES, items as family_items, passage_text
 from tasks.chat.plays import Speech, read_plays
 

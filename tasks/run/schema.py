@@ -15,9 +15,9 @@ from typing import Any, Literal
 
 from pydantic import Field, PositiveInt, create_model, field_validator, model_validator
 
+from astrai_core.model.config import ModelConfig, Strict
 from astrai_core.tokenizer.bpe import MIN_VOCAB_SIZE
 from astrai_core.training.config import DPOSettings, GRPOConfig, RunSettings, TwoStageConfig
-from astrai_core.model.config import ModelConfig, Strict
 from tasks.evaluation.metrics import METRICS
 from tasks.run.table import MODEL_STAGES, TRAINING, check_table
 
@@ -175,7 +175,8 @@ class RegisterParams(Strict):
     # The profile the run's params came from: `astrai pipeline --profile NAME` writes it into the run's params
     # (params_of_run), and the register stage reads it from there like any other setting.
     profile: str = "default"
-    # Also attach the model as one GGUF file for llama.cpp (astrai_core/convert/gguf_export.py) of this type; null: none.
+    # Also attach the model as one GGUF file for llama.cpp (astrai_core/convert/gguf_export.py) of this type;
+    # null: none.
     gguf: Literal["f32", "q8_0"] | None = None
 
     @field_validator("model_name")

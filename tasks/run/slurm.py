@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from astrai_core.training.config import TrainConfig
-from astrai_core.training.distributed import ERROR_FILE, rank_error
 from astrai_core.runtime.errors import TrainingError
 from astrai_core.runtime.io import write_json
+from astrai_core.training.config import TrainConfig
+from astrai_core.training.distributed import ERROR_FILE, rank_error
 from tasks.run.schema import ClusterParams
 
 POLL_SECONDS = 1.0
@@ -89,7 +89,8 @@ def batch_script(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
         'export ASTRAI_RDZV=$(node_addr "$head"):$((20000 + SLURM_JOB_ID % 20000)) ASTRAI_RDZV_NODE=$head',
         'echo "astrai: rendezvous at $ASTRAI_RDZV"',
         f"export OMP_NUM_THREADS={threads} PYTHONUNBUFFERED=1",
-        "# each failing rank also appends its error line here, on the shared directory (astrai_core.training.distributed)",
+        "# each failing rank also appends its error line here, on the shared directory",
+        "# (astrai_core.training.distributed)",
         f"export {ERROR_FILE}=" + '"$SLURM_JOB_ID"'.join(map(shlex.quote, str(errors_path(log_path)).split("%j"))),
         f"export PYTHONPATH={shlex.quote(str(Path(__file__).resolve().parents[2]))}${{PYTHONPATH:+:$PYTHONPATH}}",
         # one task per node: SLURM_PROCID is the node's rank; the agent's arguments are expanded on its node

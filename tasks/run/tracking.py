@@ -23,10 +23,10 @@ import mlflow
 import yaml
 from mlflow.exceptions import MlflowException
 
-from astrai_core.training.config import TrainConfig
 from astrai_core.runtime.errors import AstraiError
-from astrai_core.training.metric_log import mlflow_params as flatten  # the MLflow params of a config tree
 from astrai_core.runtime.proc import record
+from astrai_core.training.config import TrainConfig
+from astrai_core.training.metric_log import mlflow_params as flatten  # the MLflow params of a config tree
 from tasks.run.schema import Params
 from tasks.run.table import MODEL_STAGES
 

@@ -33,11 +33,11 @@ import yaml
 from mlflow.exceptions import MlflowException
 
 import astrai_core
-from astrai_core.runtime.errors import AstraiError
+from astrai_core.checkpoint.model_dir import read_model_config
 from astrai_core.convert.gguf_export import export_gguf
 from astrai_core.convert.hf import export_hf
+from astrai_core.runtime.errors import AstraiError
 from astrai_core.runtime.io import sha256_file, write_json
-from astrai_core.checkpoint.model_dir import read_model_config
 from astrai_core.runtime.progress import advance, expect
 from tasks.evaluation.metrics import METRICS, better
 from tasks.registry.gate import (FORGETTING, GATE_ITEMS, PENDING, REGISTRATION, champion_record, gate, gate_record,

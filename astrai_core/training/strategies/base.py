@@ -11,7 +11,7 @@ and divides the losses by the step's unit count (Batch.count: target tokens, pai
 over all micro-batches and ranks. Besides these: setup(model) once the starting weights are loaded,
 validate(...) for held-out metrics, `epoch` for the loop's epoch callbacks, and state_dict()/load_state_dict() for
 checkpoints. A strategy never sees or writes the loop's state, and its collective operations run on the data group
-`dp` the loop passes. Its data order is a pure function of the step (astrai_core/data/packed.py samplers): its position
+`dp` the loop passes. Its data order is a pure function of the step (astrai_core/data/batches.py samplers): its position
 (samples drawn so far) and anything else it carries across steps are in state_dict(), so every strategy resumes
 exactly.
 """
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from astrai_core.data.batches import Batch, IndexSampler
-from astrai_core.runtime.device import DataGroup
 from astrai_core.model.losses import token_loss_sum
 from astrai_core.model.transformer import Transformer
+from astrai_core.runtime.device import DataGroup
 from astrai_core.scoring.metrics import token_loss_total
 
 if TYPE_CHECKING:

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from astrai_core.data.batches import Batch, Documents, IndexSampler, pair_batch
-from astrai_core.scoring.dpo_reference import load_reference_logps
-from astrai_core.runtime.errors import AstraiError
 from astrai_core.model.losses import IGNORE_INDEX, dpo_loss, sequence_logps
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.scoring.dpo_reference import load_reference_logps
 from astrai_core.training.strategies.base import BaseStrategy
 
 if TYPE_CHECKING:

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 
 from astrai_core.data.batches import Batch, IndexSampler, pad_rows, row_targets
-from astrai_core.runtime.device import DataGroup
-from astrai_core.runtime.errors import AstraiError
 from astrai_core.model.losses import IGNORE_INDEX, group_advantages, grpo_token_loss, token_logps
 from astrai_core.model.transformer import Transformer
+from astrai_core.runtime.device import DataGroup
+from astrai_core.runtime.errors import AstraiError
 from astrai_core.training.strategies.base import BaseStrategy, frozen_copy
 
 if TYPE_CHECKING:

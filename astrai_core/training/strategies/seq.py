@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from astrai_core.data.batches import Batch, WindowSampler, open_tokens, read_windows, to_device
-from astrai_core.runtime.errors import AstraiError
 from astrai_core.model.losses import IGNORE_INDEX, full_kl_sum, token_loss_sum
 from astrai_core.model.transformer import Transformer
+from astrai_core.runtime.errors import AstraiError
 from astrai_core.training.strategies.base import BaseStrategy, frozen_copy
 
 if TYPE_CHECKING:
