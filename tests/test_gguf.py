@@ -108,7 +108,7 @@ def trained(tmp_path_factory, tokenizer_path, core_write_packed) -> dict:
 # ---- no llama.cpp needed ----
 
 def test_rope_permutation_gives_the_same_attention_scores():
-    """model.py rotates pairs (i, i + d/2); llama.cpp's llama rotates (2i, 2i + 1). q.k after rotation is the same
+    """transformer.py rotates pairs (i, i + d/2); llama.cpp's llama rotates (2i, 2i + 1). q.k after rotation is the same
     once q_proj's and k_proj's rows are permuted per head (rope_adjacent_pairs): the scores llama.cpp computes."""
     torch.manual_seed(0)
     n_heads, d, dim, T = 4, 16, 32, 10

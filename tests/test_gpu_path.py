@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from astrai_core.model import losses
 from astrai_core.model.config import ModelConfig
 from astrai_core.model.losses import token_loss_sum
-from astrai_core.model.transformer import losses
 from astrai_core.model.transformer import Transformer
 from astrai_core.training.config import TrainConfig
 from astrai_core.training.train import train

@@ -665,7 +665,7 @@ def test_a_prefect_home_in_a_missing_directory_is_made(tmp_path):
     home = tmp_path / "a" / "b" / "prefect"
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(home), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="30")
-    code = ("from astrai_core import env; env.apply()\n"
+    code = ("from astrai_core.runtime import env; env.apply()\n"
             "from prefect.client.orchestration import get_client\n"
             "with get_client(sync_client=True) as client: print(client.api_healthcheck() is None)")
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=PROJECT_ROOT, capture_output=True, text=True,

@@ -11,7 +11,7 @@ ModelConfig becomes (gguf_arch); anything else is refused by name, never exporte
     qk_norm, qkv_bias, attn_gate, mla, experts, logit_softcap, value_embeds, x0_scalars -> refused
 
 Two conversions, both also in llama.cpp's convert_hf_to_gguf.py for Llama:
-* RoPE. model.py rotates half-split pairs (i, i + d/2) (HF's convention); llama.cpp's llama and arcee rotate
+* RoPE. transformer.py rotates half-split pairs (i, i + d/2) (HF's convention); llama.cpp's llama and arcee rotate
   adjacent pairs (2i, 2i + 1). Permuting the rows of q_proj and k_proj within each head so that row i + j*d/2
   becomes row 2i + j gives the same attention scores (q.k is a sum over the same pairs, just reordered).
 * The tokenizer. llama.cpp's `gpt2` vocabulary is byte-level BPE: the same token strings and merges as
@@ -37,7 +37,7 @@ from astrai_core.runtime.errors import AstraiError
 TYPES = ("f32", "q8_0")
 EXPORT = "astrai export-gguf"  # what atomic_path records as the writer of a GGUF file
 
-# model.py parameter -> GGUF tensor (gguf.TENSOR_NAMES spells the same names). lm_head is absent when tied:
+# transformer.py parameter -> GGUF tensor (gguf.TENSOR_NAMES spells the same names). lm_head is absent when tied:
 # llama.cpp then uses token_embd for the output too.
 TOP_TENSORS = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
                "lm_head.weight": "output.weight"}

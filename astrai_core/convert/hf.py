@@ -19,7 +19,7 @@ config.json and *.safetensors: no `transformers` needed at run time; the tests u
 The stages need astrai's special tokens (astrai_core/tokenizer/bpe.py): import adds the ones the HF tokenizer lacks
 (reusing any it has, e.g. Llama-3's <|begin_of_text|>), growing the vocabulary if needed (see _init_new_rows);
 summary.json records what was added, and the logits of the original vocabulary are unchanged.
-The names in model.py already are HF's (without `model.`); the only rewrites are the MoE experts (stacked here,
+The names in transformer.py already are HF's (without `model.`); the only rewrites are the MoE experts (stacked here,
 one tensor per expert on disk) and MLA's RoPE part (rotate-half here, interleaved pairs in DeepSeek-V2).
 NTK-aware RoPE has no static HF type: it is exported as rope_theta = theta * factor ** (d / (d - 2)), the same
 frequencies, and imports back as plain RoPE with that base.
@@ -59,7 +59,7 @@ def hf_model_type(cfg: ModelConfig) -> str:
         return AstraiError(f"cannot export to Hugging Face: {why}; no transformers architecture computes the same "
                            "function, so nothing was written")
 
-    # The speedrun options (model.py) with no transformers counterpart. logit_softcap: Gemma 2/3 have
+    # The speedrun options (transformer.py) with no transformers counterpart. logit_softcap: Gemma 2/3 have
     # final_logit_softcapping, but also sandwich norms, a scaled embedding and (1 + w) norm gains.
     for option in ("logit_softcap", "value_embeds", "x0_scalars"):
         if getattr(cfg, option):

@@ -63,7 +63,7 @@ class TrainingStage(Stage):
     its params.yaml section (tasks/run/configs.py train_config). It reads every model before it in the chain (it
     starts from the last enabled one) and writes its model to `out`."""
 
-    strategy: str = "sft"  # astrai_core/strategies STRATEGIES
+    strategy: str = "sft"  # astrai_core/training/strategies STRATEGIES
     train_data: str | None = None  # what it trains on (None: the strategy's own, tasks/run/configs.py)
     val_data: str | None = None  # its held-out loss's data (None: none)
     target: str | None = None  # the held-out metric (tasks/evaluation/metrics.py) it must raise over its start
