@@ -8,8 +8,9 @@ BIN := $(VENV)/bin
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 export PREFECT_HOME ?= $(CURDIR)/.prefect
 # What every entry point sets (telemetry off, MLflow's retries, ...), for the prefect, mlflow and dvc commands run
-# here too: the one file astrai_core/env.py reads; its `export KEY ?= VALUE` lines keep a value the caller has set.
-include astrai_core/env.defaults
+# here too: the one file astrai_core/runtime/env.py reads; its `export KEY ?= VALUE` lines keep a value the caller
+# has set.
+include astrai_core/runtime/env.defaults
 PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 POOL ?= astrai-local

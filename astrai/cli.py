@@ -14,12 +14,12 @@ from typing import Optional
 
 import typer
 
-from astrai_core import env
+from astrai_core.runtime import env
 
 env.apply()  # before Prefect, MLflow or DVC is imported
 
 from tasks.registry.models import REFERENCE_HELP  # noqa: E402
-from astrai_core.errors import AstraiError, Interrupted  # noqa: E402
+from astrai_core.runtime.errors import AstraiError, Interrupted  # noqa: E402
 from tasks.run.log import command_log, crash_line, log_file, shown  # noqa: E402
 try:
     from tasks.run.table import STAGES  # noqa: E402
@@ -204,16 +204,16 @@ def tracking_outage(e: Exception) -> str | None:
 
 
 @app.command()
-def train(config: Path = typer.Option(..., help="TrainConfig JSON or YAML (see astrai_core/config.py)."),
+def train(config: Path = typer.Option(..., help="TrainConfig JSON or YAML (see astrai_core/training/config.py)."),
           nproc: str = typer.Option("auto", help="Processes per node for torchrun (auto: every GPU, else every CPU core).")) -> None:
     """Run the training core on its own under torchrun (no Prefect, DVC or MLflow run needed)."""
     if nproc != "auto" and not (nproc.isdigit() and int(nproc) >= 1):
         _fail(f"--nproc {nproc}: expected auto or a number of processes >= 1")
     from pydantic import ValidationError
 
-    from astrai_core.config import TrainConfig
-    from astrai_core.distributed import launch, resolve_nproc
-    from astrai_core.train import check_train_inputs
+    from astrai_core.training.config import TrainConfig
+    from astrai_core.training.distributed import launch, resolve_nproc
+    from astrai_core.training.train import check_train_inputs
     from tasks.run.params import load_raw, validation_message
 
     try:
@@ -255,10 +255,10 @@ def generate(model: str = typer.Option(..., help=f"The model: {REFERENCE_HELP}."
     import torch
 
     from tasks.registry.models import resolve_model
-    from astrai_core.chat import load_chat
-    from astrai_core.distributed import resolve_device
+    from astrai_core.checkpoint.model_dir import load_model
     from astrai_core.generate import generate, generate_text
-    from astrai_core.model_dir import load_model
+    from astrai_core.runtime.device import resolve_device
+    from astrai_core.tokenizer.chat import load_chat
 
     with tempfile.TemporaryDirectory(prefix="astrai-generate-") as tmp:  # a registry download, gone once loaded
         try:
@@ -333,8 +333,8 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
     import tempfile
 
     from tasks.registry.models import alias_version, resolve_model
-    from astrai_core.distributed import resolve_device
     from astrai_core.engine import EngineConfig
+    from astrai_core.runtime.device import resolve_device
     from serving.auth import check_hosts_option
     from serving import launch
     from serving.model import AliasWatch
@@ -402,7 +402,7 @@ def export_hf(model: str = typer.Argument(..., help=f"The model: {REFERENCE_HELP
 
     from tasks.registry.model_card import card_of
     from tasks.registry.models import resolve_model
-    from astrai_core.hf import export_hf as export
+    from astrai_core.convert.hf import export_hf as export
 
     with tempfile.TemporaryDirectory(prefix="astrai-export-") as tmp:  # a registry download
         try:
@@ -427,7 +427,7 @@ def export_gguf(model: str = typer.Argument(..., help=f"The model: {REFERENCE_HE
     import tempfile
 
     from tasks.registry.models import resolve_model
-    from astrai_core.gguf_export import TYPES, export_gguf as export
+    from astrai_core.convert.gguf_export import TYPES, export_gguf as export
 
     if type_ not in TYPES:
         _fail(f"--type {type_}: expected one of {', '.join(TYPES)}")
@@ -449,7 +449,7 @@ def import_hf(hf_dir: Path = typer.Argument(..., help="A Hugging Face model dire
     point for any stage (safetensors weights and tokenizer.json needed; nothing is downloaded). A model with a chat
     template keeps its tokenizer, template and stop tokens as they are; to one without, astrai's special tokens that
     the tokenizer lacks are added (summary.json in OUT records them), growing vocab_size if needed."""
-    from astrai_core.gguf_import import import_model
+    from astrai_core.convert.gguf_import import import_model
 
     try:
         path = import_model(hf_dir, out, force=force)
@@ -544,8 +544,9 @@ def promote(source: str = typer.Argument(..., help="The version: models:/NAME@AL
     from tasks.registry.promote import promote as run
 
     # A tracking server that accepts and does not answer (its database down) held each request for MLflow's default
-    # 120 s, tried 7 times (astrai_core/env.defaults): promote's requests are small (versions, tags, the gate's items
-    # as one JSON), so 15 s each bounds the whole wait at about 3 minutes, the retries for a restarting server kept.
+    # 120 s, tried 7 times (astrai_core/runtime/env.defaults): promote's requests are small (versions, tags, the gate's
+    # items as one JSON), so 15 s each bounds the whole wait at about 3 minutes, the retries for a
+    # restarting server kept.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
     params = use_tracking_store()
     try:

@@ -29,8 +29,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from astrai_core import env as astrai_env
-from astrai_core.errors import AstraiError
+from astrai_core.runtime import env as astrai_env
+from astrai_core.runtime.errors import AstraiError
 
 PG_BIN = Path(os.environ.get("ASTRAI_PG_BIN", "/usr/lib/postgresql/15/bin"))  # Debian's postgresql-15
 PG_USER = "postgres"  # PostgreSQL refuses to run as root: as root, the trial server runs as this system user
@@ -126,7 +126,7 @@ def temporary_prefect_server(home: Path):
     Ctrl-C stopped it at once; the flow could then not record how it ended (it stayed RUNNING) and retried for 76 s
     ("All connection attempts failed"). This one has a session of its own: it outlives the Ctrl-C until the run has
     ended its flow run, and is stopped on leaving (recorded too, for the next run to stop if this one is killed)."""
-    from astrai_core.proc import record, start_ticks
+    from astrai_core.runtime.proc import record, start_ticks
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,6 +1,7 @@
-"""AstrAI training core: config, model, tokenizer, data (HDF5 files and what training reads from them), the
-training loop (train.py) with its strategies, losses and callbacks, checkpoints, generation, evaluation.
+"""AstrAI training core, one sub-package per part, each importing only those below it (docs/design.md, "The
+core"): runtime, tokenizer, model, data, checkpoint, scoring, convert, training; generate.py and engine/ (the decode
+path) beside them.
 
 Imports neither Prefect nor DVC nor the pipeline (tasks/, flows/); talks to MLflow only through
-`astrai_core.metric_log` (rank 0).
+`astrai_core.training.metric_log` (rank 0).
 """

@@ -20,7 +20,7 @@ from typing import Iterable
 import torch
 from tokenizers import Tokenizer
 
-from astrai_core.model import KVCache, Transformer, padding_mask, positions_from_mask
+from astrai_core.model.transformer import KVCache, Transformer, padding_mask, positions_from_mask
 
 
 def sample_next(

@@ -5,7 +5,7 @@
 Attention is the one part of the training step whose kernel we choose (matmuls are oneDNN's either way), so this
 measures, at each shape of bench/throughput.py (the demo's, 256 x 4 and 512 x 8 x 512), bf16 and fp32:
 
-* sdpa: F.scaled_dot_product_attention(is_causal=True, enable_gqa=True), what astrai_core/model.py calls;
+* sdpa: F.scaled_dot_product_attention(is_causal=True, enable_gqa=True), what astrai_core/model/transformer.py calls;
 * sdpa_fp32_inside: the same on q, k, v cast to fp32 (bf16 in and out), in case the fp32 kernel is faster;
 * sdpa_math: SDPA's unfused reference backend;
 * explicit: q @ k^T, fp32 masked softmax, @ v, in eager and under torch.compile.

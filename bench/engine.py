@@ -22,10 +22,10 @@ import time
 
 import torch
 
-from astrai_core.config import ModelConfig
 from astrai_core.engine import Engine, EngineConfig, SamplingParams
 from astrai_core.generate import generate
-from astrai_core.model import Transformer
+from astrai_core.model.config import ModelConfig
+from astrai_core.model.transformer import Transformer
 
 ARCHS = {
     "default": {},

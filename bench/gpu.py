@@ -9,8 +9,8 @@ soon as it is done, so a run cut short keeps what it measured.
 
 * peak: a bf16 8192^3 matmul's FLOP/s (the denominator of MFU);
 * training, at the demo's shape and a GPT-2-small-like one (vocab 32,768, dim 768, 12 layers, 12/4 heads, seq 1,024,
-  batch 16): astrai_core.train.train eager and compiled, against Hugging Face's LlamaForCausalLM of the same shape
-  (SDPA, tied embeddings, SwiGLU: both models use ModelConfig's default MLP here) eager and torch.compile'd in a
+  batch 16): astrai_core.training.train.train eager and compiled, against Hugging Face's LlamaForCausalLM of the same
+  shape (SDPA, tied embeddings, SwiGLU: both models use ModelConfig's default MLP here) eager and torch.compile'd in a
   plain loop, bf16 autocast and fused AdamW for all; two rounds, the variants interleaved, medians. MFU =
   tokens/s x (6N + 12 L d T) / peak (nanoGPT's count);
 * distributed: torchrun (nccl on a GPU) run twice (bitwise equal?) and stopped by SIGTERM after a checkpoint then
@@ -41,9 +41,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from astrai_core.config import ModelConfig, TrainConfig  # noqa: E402
-from astrai_core.data import PackedWriter  # noqa: E402
-from astrai_core.io import sha256_file  # noqa: E402
+from astrai_core.data.packed import PackedWriter  # noqa: E402
+from astrai_core.model.config import ModelConfig  # noqa: E402
+from astrai_core.runtime.io import sha256_file  # noqa: E402
+from astrai_core.training.config import TrainConfig  # noqa: E402
 
 DEMO = dict(vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=256)  # params.yaml's model
 GPT2 = dict(vocab_size=32768, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, max_seq_len=1024)
@@ -84,7 +85,7 @@ def matmul_peak(n: int, device: torch.device, dtype: torch.dtype) -> float:
 
 
 def flops_per_token(model: dict, seq_len: int) -> float:
-    from astrai_core.model import Transformer
+    from astrai_core.model.transformer import Transformer
 
     with torch.device("meta"):
         n = Transformer(ModelConfig(**model)).num_params()
@@ -110,8 +111,8 @@ def train_config(shape: dict, data: dict, out_dir: Path, steps: int, **kw) -> Tr
 
 
 def ours(shape: dict, data: dict, root: Path, steps: int, compile: bool) -> float:
-    """tokens/s of astrai_core.train.train (the loop's own count, its first step excluded)."""
-    from astrai_core.train import train
+    """tokens/s of astrai_core.training.train.train (the loop's own count, its first step excluded)."""
+    from astrai_core.training.train import train
 
     out = root / f"ours_{uuid.uuid4().hex[:8]}"
     return train(train_config(shape, data, out, steps + 1, compile=compile), callbacks=[])["tokens_per_sec"]
@@ -189,7 +190,7 @@ def _torchrun(config: Path, nproc: int) -> subprocess.Popen:
     rdzv = tempfile.mkdtemp(prefix="astrai-rdzv-", dir=config.parent)  # removed with the bench's temporary folder
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv}/store", "--rdzv-conf=store_type=file",
-           f"--rdzv-id={uuid.uuid4().hex}", "--local-addr=127.0.0.1", "-m", "astrai_core.train",
+           f"--rdzv-id={uuid.uuid4().hex}", "--local-addr=127.0.0.1", "-m", "astrai_core.training.train",
            "--config", str(config)]
     CHILDREN.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True,
@@ -239,7 +240,7 @@ def distributed(device: torch.device, root: Path) -> dict:
 def engine(cfg: dict, device: torch.device) -> dict:
     from astrai_core.engine import Engine, EngineConfig, SamplingParams
     from astrai_core.generate import generate
-    from astrai_core.model import Transformer
+    from astrai_core.model.transformer import Transformer
 
     out = {}
     for name, shape in cfg["engine"].items():

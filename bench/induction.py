@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from astrai_core.model_dir import load_model  # noqa: E402
+from astrai_core.checkpoint.model_dir import load_model  # noqa: E402
 
 
 def induction(ckpt: Path, rows: int = 32, length: int = 60, seed: int = 0) -> dict:

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from astrai_core.model import Transformer  # noqa: E402
-from astrai_core.optim import build_optimizer  # noqa: E402
+from astrai_core.model.transformer import Transformer  # noqa: E402
+from astrai_core.training.optim import build_optimizer  # noqa: E402
 from tasks.run.configs import train_config  # noqa: E402
 from tasks.run.params import load_params  # noqa: E402
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from astrai_core.losses import IGNORE_INDEX, _CrossEntropySum  # noqa: E402
+from astrai_core.model.losses import IGNORE_INDEX, _CrossEntropySum  # noqa: E402
 
 
 def median_ms(fn, vocab: int, rows: int, dtype: torch.dtype, runs: int = 7) -> float:

@@ -40,9 +40,10 @@ VARIANTS = {
 
 
 def run_variant(name: str, overrides: dict, steps: int, nproc: int, tmp: Path) -> dict:
-    from astrai_core.config import ModelConfig, TrainConfig
-    from astrai_core.distributed import run_torchrun
-    from astrai_core.model import Transformer
+    from astrai_core.model.config import ModelConfig
+    from astrai_core.model.transformer import Transformer
+    from astrai_core.training.config import TrainConfig
+    from astrai_core.training.distributed import run_torchrun
     from tasks.run.params import load_params
 
     params = load_params(ROOT / "params.yaml")

@@ -89,7 +89,7 @@ def main() -> None:
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT))
-    from astrai_core.bpe import train_tokenizer
+    from astrai_core.tokenizer.bpe import train_tokenizer
 
     pack_params = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.pack)}
     codes = {"this checkout": ROOT, **({f"before ({args.before})": args.before} if args.before else {})}

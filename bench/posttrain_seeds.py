@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.engine import cpu_name  # noqa: E402
 from tasks.run.table import CHAT, CORPUS, EVALUATE, PACKED, TOKENIZER, TRAINING  # noqa: E402
-from astrai_core.errors import AstraiError  # noqa: E402
+from astrai_core.runtime.errors import AstraiError  # noqa: E402
 from tasks.run.params import load_params  # noqa: E402
 
 # what every seed starts from, linked, never written

@@ -63,10 +63,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from astrai_core.bpe import train_tokenizer  # noqa: E402
+from astrai_core.checkpoint.model_dir import load_model, save_checkpoint  # noqa: E402
 from astrai_core.engine import Engine, SamplingParams  # noqa: E402
-from astrai_core.model import Transformer  # noqa: E402
-from astrai_core.model_dir import load_model, save_checkpoint  # noqa: E402
+from astrai_core.model.transformer import Transformer  # noqa: E402
+from astrai_core.tokenizer.bpe import train_tokenizer  # noqa: E402
 from tasks.run.params import load_params  # noqa: E402
 
 WORDS = ("the king queen lord lady fool ghost speaks loves follows betrays crown horse night brother people "

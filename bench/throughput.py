@@ -9,9 +9,10 @@
 What is measured, in one run on one machine:
 
 * peak: a large matmul's FLOP/s in fp32 and bf16 with every core (the denominator of MFU);
-* ours: the real training loop (astrai_core.train.train on synthetic packed tokens, fused AdamW, grad clipping),
-  fp32 and bf16 autocast, eager and with torch.compile (kernels cached in .cache/torchinductor, so only the first
-  run of a shape compiles; compilation falls in the untimed first step), on 1 rank using every core and on
+* ours: the real training loop (astrai_core.training.train.train on synthetic packed tokens, fused AdamW,
+  grad clipping), fp32 and bf16 autocast, eager and with torch.compile (kernels cached in .cache/torchinductor,
+  so only the first run of a shape compiles; compilation falls in the untimed first step), on 1 rank using every
+  core and on
   2 torchrun ranks (DDP, gloo, one core each) with the same global batch; eager only, the same global batch:
   FSDP2 on 2 ranks, tensor parallelism on 2 ranks (parallel tp, tp_size 2) and the 2-D mesh on 4 ranks (fsdp+tp,
   2 x tp 2; on this 2-core machine its ranks share cores, so it measures the overhead, not a speed-up);
@@ -45,10 +46,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from astrai_core.config import ModelConfig, TrainConfig  # noqa: E402
-from astrai_core.data import PackedWriter  # noqa: E402
-from astrai_core.distributed import run_torchrun  # noqa: E402
-from astrai_core.io import sha256_file  # noqa: E402
+from astrai_core.data.packed import PackedWriter  # noqa: E402
+from astrai_core.model.config import ModelConfig  # noqa: E402
+from astrai_core.runtime.io import sha256_file  # noqa: E402
+from astrai_core.training.config import TrainConfig  # noqa: E402
+from astrai_core.training.distributed import run_torchrun  # noqa: E402
 from tasks.run.params import load_params  # noqa: E402
 
 _DEMO = load_params(ROOT / "params.yaml")
@@ -92,7 +94,7 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    from astrai_core.model import Transformer
+    from astrai_core.model.transformer import Transformer
 
     with torch.device("meta"):
         n = Transformer(cfg).num_params()
@@ -121,7 +123,7 @@ def ours(shape: str, dtype: str, nproc: int, compile: bool, steps: int, data: di
                       eval_every=0, compile=compile, compile_cache_dir=str(ROOT / ".cache" / "torchinductor"),
                       parallel=parallel, tp_size=tp_size)
     if nproc == 1:
-        from astrai_core.train import train
+        from astrai_core.training.train import train
 
         return train(cfg)["tokens_per_sec"]
     path = root / "cfg.json"

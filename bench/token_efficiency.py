@@ -30,11 +30,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from astrai_core.data import PackedTokens  # noqa: E402
-from astrai_core.distributed import resolve_nproc, run_torchrun  # noqa: E402
-from astrai_core.io import sha256_file, write_json  # noqa: E402
-from astrai_core.model_dir import load_model  # noqa: E402
-from astrai_core.scoring import sequence_nll, summarize, unigram_nll  # noqa: E402
+from astrai_core.checkpoint.model_dir import load_model  # noqa: E402
+from astrai_core.data.packed import PackedTokens  # noqa: E402
+from astrai_core.runtime.io import sha256_file, write_json  # noqa: E402
+from astrai_core.scoring.metrics import sequence_nll  # noqa: E402
+from astrai_core.scoring.statistics import summarize, unigram_nll  # noqa: E402
+from astrai_core.training.distributed import resolve_nproc, run_torchrun  # noqa: E402
 from tasks.run.configs import train_config  # noqa: E402
 from tasks.run.params import load_params  # noqa: E402
 from tasks.stages.pack import pack  # noqa: E402

@@ -6,12 +6,12 @@
 
 What is measured, in one run on one machine: the pretrain stage's run config with profiles/quick.yaml over
 params.yaml (a small model whose short steps make logging weigh more; `--configs demo` takes params.yaml as is,
-~4x longer steps with log_every 10) trained in this process on synthetic packed tokens (astrai_core.train.train, one rank,
-every core) for 40 and 10 logging intervals (INTERVALS), three ways: "off" (no MLFLOW_RUN_ID:
-metrics.jsonl only); "tracked" (MLFLOW_RUN_ID set to a run on the MLflow server: rank 0's MetricLogger sends what
-was logged with one log_batch over HTTP every SEND_EVERY_S from its sender thread, the server writes it to
-PostgreSQL; MLflow's system metrics sampled as in every run); "tracked_every_step" (the same, one log_batch per
-logged step, as before: MetricLogger.send_every = 0). steps/s is taken from metrics.jsonl's own time stamps, from
+~4x longer steps with log_every 10) trained in this process on synthetic packed tokens
+(astrai_core.training.train.train, one rank, every core) for 40 and 10 logging intervals (INTERVALS), three ways: "off"
+(no MLFLOW_RUN_ID: metrics.jsonl only); "tracked" (MLFLOW_RUN_ID set to a run on the MLflow server: rank 0's
+MetricLogger sends what was logged with one log_batch over HTTP every SEND_EVERY_S from its sender thread, the server
+writes it to PostgreSQL; MLflow's system metrics sampled as in every run); "tracked_every_step" (the same, one log_batch
+per logged step, as before: MetricLogger.send_every = 0). steps/s is taken from metrics.jsonl's own time stamps, from
 the first logged step to the last: what the run sees (the loop's tokens_per_sec leaves the logging out). The runs
 of a repeat go in a rotating order, so load drift on this shared machine hits every side alike; the report gives
 each side's median and its ratio to off, the median time the training thread spent in MetricLogger.log per call,
@@ -38,11 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from astrai_core import env  # noqa: E402
+from astrai_core.runtime import env  # noqa: E402
 
 env.apply()  # telemetry off, the MLflow client's retries: as every astrai command has them
 
-from astrai_core.metric_log import flatten  # noqa: E402
+from astrai_core.training.metric_log import flatten  # noqa: E402
 from tasks.run.configs import train_config  # noqa: E402
 from tasks.run.params import load_params, load_profile  # noqa: E402
 from throughput import machine, synthetic_data  # noqa: E402
@@ -107,8 +107,8 @@ def steps_per_sec(cfg, data: dict, out: Path, steps: int, run_id: str | None, ev
     MetricLogger.log call took."""
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-    from astrai_core.metric_log import MetricLogger
-    from astrai_core.train import train
+    from astrai_core.training.metric_log import MetricLogger
+    from astrai_core.training.train import train
 
     log, send, every = MetricLogger.log, MetricLogger._send, MetricLogger.send_every
     monitor = SystemMetricsMonitor.monitor
@@ -170,7 +170,7 @@ def main() -> None:
     import torch
 
     from astrai import services
-    from astrai_core.metric_log import SEND_EVERY_S
+    from astrai_core.training.metric_log import SEND_EVERY_S
 
     torch.set_num_threads(os.cpu_count() or 1)
     report = {"machine": machine(), "method": __doc__.split("What is measured", 1)[1].strip(),

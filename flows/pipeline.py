@@ -27,11 +27,11 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-import astrai_core.env
+import astrai_core.runtime.env
 
 # Before MLflow and DVC are imported: a Prefect worker runs the deployment by importing this module, no astrai command
 # above it. (Prefect read its own settings before; the worker's environment has them: `make worker` exports them.)
-astrai_core.env.apply()
+astrai_core.runtime.env.apply()
 
 import mlflow  # noqa: E402
 from prefect import flow, get_run_logger, task  # noqa: E402
@@ -40,10 +40,10 @@ from prefect.exceptions import TerminationSignal  # noqa: E402
 from prefect.runtime import flow_run  # noqa: E402
 from prefect.states import Cancelled, Failed, State  # noqa: E402
 
-from astrai_core.callbacks import duration  # noqa: E402
-from astrai_core.errors import AstraiError, Interrupted  # noqa: E402
-from astrai_core.io import write_json  # noqa: E402
-from astrai_core.proc import record, stream_process  # noqa: E402
+from astrai_core.runtime.errors import AstraiError, Interrupted  # noqa: E402
+from astrai_core.runtime.io import write_json  # noqa: E402
+from astrai_core.runtime.proc import record, stream_process  # noqa: E402
+from astrai_core.runtime.progress import duration  # noqa: E402
 from tasks.registry.gate import versions_with_weights  # noqa: E402
 from tasks.run.checks import check_cluster  # noqa: E402
 from tasks.run.lock import checkout_lock, note_prefect_server  # noqa: E402

@@ -22,9 +22,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from astrai_core.chat import ChatFormat, load_chat
+from astrai_core.checkpoint.model_dir import load_model
 from astrai_core.engine import Engine, EngineClient, EngineConfig, EngineProcess
-from astrai_core.model_dir import load_model
+from astrai_core.tokenizer.chat import ChatFormat, load_chat
 from serving.app import create_app
 from serving.auth import Hosts
 from serving.model import AliasWatch

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator, Sequence
 
-from astrai_core.chat import ChatFormat
 from astrai_core.engine import EngineClient, SamplingParams
-from astrai_core.errors import AstraiError
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.tokenizer.chat import ChatFormat
 from serving.errors import ApiError
 from serving.metrics import metrics_registry
 from serving.protocol.anthropic import MessagesBody

@@ -10,7 +10,7 @@ import sys as _sys
 import threading as _threading
 from pathlib import Path as _Path
 
-from astrai_core import env as _env
+from astrai_core.runtime import env as _env
 
 if _os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs the modules on 2 workers (pytest-xdist, Makefile)
     # A Prefect home per worker: two workers' temporary Prefect servers never share one SQLite database.
@@ -58,7 +58,9 @@ def make_project(repo: _Path, remote: _Path, model_name: str, post_training: boo
     for name in ("dvc.yaml", ".gitignore", "prefect.yaml"):
         _shutil.copy(PROJECT_ROOT / name, repo / name)
     for pkg in ("astrai_core", "tasks", "flows", "evals"):  # dvc.yaml lists code files (and the lm-eval tasks) as deps
-        _shutil.copytree(PROJECT_ROOT / pkg, repo / pkg, ignore=_shutil.ignore_patterns("__pycache__", "data"))
+        # evals/: not the lm-eval data a run writes there (astrai_core/data/ is source)
+        skip = ("__pycache__", "data") if pkg == "evals" else ("__pycache__",)
+        _shutil.copytree(PROJECT_ROOT / pkg, repo / pkg, ignore=_shutil.ignore_patterns(*skip))
     params = yaml.safe_load((PROJECT_ROOT / "params.yaml").read_text())
     # Registered by test bits/char: a model this tiny scores 0 on the tasks, and chosen by a task metric it would stay
     # candidate (tasks/stages/register.py no_skill); these projects test the registry and serving, which need a
@@ -254,7 +256,7 @@ DATA_SAMPLE_TEXTS = {
 @pytest.fixture(scope="session")
 def data_tokenizer():
     """A small byte-level BPE trained on mixed-script text (well under a second)."""
-    from astrai_core.bpe import train_tokenizer
+    from astrai_core.tokenizer.bpe import train_tokenizer
 
     return train_tokenizer(list(DATA_SAMPLE_TEXTS.values()) * 20, vocab_size=320, min_frequency=2)
 
@@ -288,7 +290,7 @@ def _core_text(n_sentences: int, seed: int) -> str:
 
 def _core_write_packed(path, ids, *, tokenizer_sha256: str, vocab_size: int, split: str = "train") -> Path:
     """Write token ids as a packed HDF5 file (one document)."""
-    from astrai_core.data import PackedWriter
+    from astrai_core.data.packed import PackedWriter
 
     with PackedWriter(path, vocab_size=vocab_size, tokenizer_sha256=tokenizer_sha256,
                       source_manifest_sha256="0" * 64, split=split) as w:
@@ -307,7 +309,7 @@ def core_tiny_data(tmp_path_factory) -> dict:
     """A byte-level BPE tokenizer (vocab 300) and train/val packed files: {"tokenizer", "train", "val", "vocab_size"}."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from astrai_core.io import sha256_file
+    from astrai_core.runtime.io import sha256_file
 
     root = tmp_path_factory.mktemp("core_data")
     vocab_size = 300
@@ -335,8 +337,8 @@ def sharp_random_model(**cfg):
     so greedy outputs compared across code paths differ only if the arithmetic does."""
     import torch
 
-    from astrai_core.config import ModelConfig
-    from astrai_core.model import Transformer
+    from astrai_core.model.config import ModelConfig
+    from astrai_core.model.transformer import Transformer
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**cfg)).eval()
@@ -371,8 +373,8 @@ class Collector:
 def tiny_trained(core_tiny_data, tmp_path_factory) -> Path:
     """A checkpoint the training core trained for 15 steps on core_tiny_data (Qwen3-like: qk_norm), trained once per
     session for the tests that register or export a trained model; copy it before writing beside it."""
-    from astrai_core.config import TrainConfig
-    from astrai_core.train import train
+    from astrai_core.training.config import TrainConfig
+    from astrai_core.training.train import train
 
     out = tmp_path_factory.mktemp("tiny_trained") / "pretrain"
     cfg = TrainConfig.model_validate(dict(

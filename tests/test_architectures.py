@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from astrai_core.config import ModelConfig
-from astrai_core.model import MLP, Transformer, cross_entropy_loss, rope_tables
+from astrai_core.model.config import ModelConfig
+from astrai_core.model.transformer import MLP, Transformer, cross_entropy_loss, rope_tables
 
 TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 MLA = dict(attention="mla", mla_kv_rank=16, mla_rope_dim=8)
@@ -252,7 +252,7 @@ def test_defaults_are_plain_llama():
 
 @pytest.mark.parametrize("name", OPTIONS)
 def test_cached_decoding_equals_full_forward(name):
-    from astrai_core.model import KVCache
+    from astrai_core.model.transformer import KVCache
 
     model = tiny(**OPTIONS[name]).eval()
     x = torch.randint(0, 64, (2, 12))
@@ -264,7 +264,7 @@ def test_cached_decoding_equals_full_forward(name):
 
 
 def test_mla_cache_holds_the_compressed_latent():
-    from astrai_core.model import KVCache
+    from astrai_core.model.transformer import KVCache
 
     sizes = {}
     for name, kw in {"mha": dict(n_kv_heads=4), "gqa": {}, "mla": MLA}.items():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from astrai_core.io import sha256_file
+from astrai_core.runtime.io import sha256_file
 from conftest import PROJECT_ROOT
 
 ASTRAI = [sys.executable, "-m", "astrai.cli"]
@@ -42,11 +42,12 @@ def broken_copy(src: Path, dst: Path, name: str, content: bytes | None = None, *
 def work(tmp_path_factory, core_tiny_data):
     """A tiny checkpoint, its Hugging Face export, a train config on packed files, a project with params.yaml; and
     copies of each broken one way."""
-    from astrai_core.checkpoint import save_resumable
-    from astrai_core.config import ModelConfig, TrainConfig
-    from astrai_core.hf import export_hf
-    from astrai_core.model import Transformer
-    from astrai_core.model_dir import save_checkpoint
+    from astrai_core.checkpoint.checkpointer import save_resumable
+    from astrai_core.checkpoint.model_dir import save_checkpoint
+    from astrai_core.convert.hf import export_hf
+    from astrai_core.model.config import ModelConfig
+    from astrai_core.model.transformer import Transformer
+    from astrai_core.training.config import TrainConfig
 
     root = tmp_path_factory.mktemp("bad_input")
     cfg = ModelConfig(**MODEL)
@@ -177,8 +178,8 @@ def test_bad_input_is_one_line_naming_it(work, case):
 def test_the_parameter_estimate_is_the_models_count():
     """check_fits_in_memory's estimate: every matrix and embedding of each variant, short of the model's own count
     by only its norm gains, biases and scalars."""
-    from astrai_core.config import ModelConfig
-    from astrai_core.model import Transformer, estimated_params
+    from astrai_core.model.config import ModelConfig
+    from astrai_core.model.transformer import Transformer, estimated_params
 
     variants = [{}, {"tie_embeddings": False, "qkv_bias": True}, {"qk_norm": True, "attn_gate": True},
                 {"attention": "mla", "n_experts": 4, "n_shared_experts": 1}, {"n_experts": 4, "moe_ffn_dim": 32},

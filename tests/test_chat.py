@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from astrai_core.chat import DEFAULT_TEMPLATE, ChatFormat, load_chat
-from astrai_core.errors import AstraiError
-from astrai_core.bpe import train_tokenizer
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.tokenizer.bpe import train_tokenizer
+from astrai_core.tokenizer.chat import DEFAULT_TEMPLATE, ChatFormat, load_chat
 
 CONVERSATION = [
     {"role": "system", "content": "You know the plays."},

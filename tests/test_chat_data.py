@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from astrai_core.errors import AstraiError
-from astrai_core.io import OUTPUT_MARK
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import OUTPUT_MARK
 from tasks.stages.chat_data import write_records
-from astrai_core.rewards import exact_answer as reward_exact
-from astrai_core.rewards import valid_option as reward_in_options
+from astrai_core.training.rewards import exact_answer as reward_exact
+from astrai_core.training.rewards import valid_option as reward_in_options
 from tasks.chat.demo_tasks import TASKS
 from tasks.chat.plays import parse_play, read_plays
 from tasks.chat.records import KINDS, check_record, read_records, rendered_chars

@@ -19,12 +19,12 @@ import h5py
 import numpy as np
 import pytest
 
-import astrai_core.data as data_mod
+import astrai_core.data.packed as data_mod
 import tasks.stages.corpus as corpus_mod
-from astrai_core.data import FORMAT_VERSION, PackedTokens, PackedWriter
-from astrai_core.errors import AstraiError
-from astrai_core.io import OUTPUT_MARK, sha256_file
-from astrai_core.bpe import SPECIAL_TOKENS, load_tokenizer, piece_bounds, special_id, train_tokenizer
+from astrai_core.data.packed import FORMAT_VERSION, PackedTokens, PackedWriter
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import OUTPUT_MARK, sha256_file
+from astrai_core.tokenizer.bpe import SPECIAL_TOKENS, load_tokenizer, piece_bounds, special_id, train_tokenizer
 from conftest import PROJECT_ROOT
 from tasks.run.schema import CorpusParams, PackParams, TokenizerParams
 from tasks.stages.corpus import assign_splits, build_corpus
@@ -651,9 +651,9 @@ def test_an_id_outside_the_vocabulary_is_refused_naming_the_file(core_tiny_data,
 
     import pytest
 
-    from astrai_core.config import TrainConfig
-    from astrai_core.errors import AstraiError
-    from astrai_core.train import check_train_inputs
+    from astrai_core.runtime.errors import AstraiError
+    from astrai_core.training.config import TrainConfig
+    from astrai_core.training.train import check_train_inputs
 
     bad = tmp_path / "train.h5"
     shutil.copy(core_tiny_data["train"], bad)

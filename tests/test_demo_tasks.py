@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from astrai_core.rewards import exact_answer
+from astrai_core.training.rewards import exact_answer
 from tasks.chat.demo_tasks import TASKS, Item, items, passage_text, passages
 from tasks.chat.plays import Speech
 

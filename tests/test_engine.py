@@ -16,7 +16,7 @@ from astrai_core.engine.runner import gemm_invariant_rows
 from astrai_core.engine.scheduler import Scheduler
 from astrai_core.engine.sequence import Sequence
 from astrai_core.generate import generate
-from astrai_core.model import KVCache, Transformer
+from astrai_core.model.transformer import KVCache, Transformer
 from conftest import Collector, sharp_random_model
 
 VARIANTS = {

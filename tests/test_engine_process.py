@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from astrai_core.bpe import train_tokenizer
+from astrai_core.checkpoint.model_dir import save_checkpoint
 from astrai_core.engine import EngineClient, EngineConfig, EngineProcess, QueueFull, SamplingParams
 from astrai_core.generate import generate
-from astrai_core.model_dir import save_checkpoint
+from astrai_core.tokenizer.bpe import train_tokenizer
 from conftest import Collector, sharp_random_model
 
 SHAPE = {"vocab_size": 300, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64}

@@ -1,6 +1,7 @@
-"""The environment of astrai_core/env.py (telemetry off, MLflow's HTTP retries, Prefect's temporary-server start-up
-timeout) is set by every process entry point before Prefect, MLflow or DVC is imported, and the Makefile exports the
-same values (it includes astrai_core/env.defaults), so neither can drift from the one place they are written."""
+"""The environment of astrai_core/runtime/env.py (telemetry off, MLflow's HTTP retries, Prefect's temporary-server
+start-up timeout) is set by every process entry point before Prefect, MLflow or DVC is imported, and the Makefile
+exports the same values (it includes astrai_core/runtime/env.defaults), so neither can drift from the one place they are
+written."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 import pytest
 import yaml
 
-from astrai_core import env
+from astrai_core.runtime import env
 from conftest import PROJECT_ROOT
 
 # Each process entry point: how a process starts it (the module run as __main__ with these arguments, or imported,
@@ -21,7 +22,8 @@ from conftest import PROJECT_ROOT
 ENTRIES = {
     "astrai.cli": ("run", ["--help"]),  # `astrai` ([project.scripts]), and so every stage dvc.yaml runs
     "flows.pipeline": ("import", []),  # the deployment's entrypoint (prefect.yaml), imported by a Prefect worker
-    "astrai_core.train": ("run", ["--help"]),  # what torchrun starts on every rank (astrai_core/distributed.py)
+    # what torchrun starts on every rank (astrai_core/training/distributed.py)
+    "astrai_core.training.train": ("run", ["--help"]),
 }
 
 # Runs one entry in a fresh interpreter and prints, last, the defaults' keys as the environment had them when Prefect,

@@ -72,7 +72,8 @@ def test_console_filter_hides_tracebacks_and_torchruns_report_until_the_next_err
     lines = ["pretrain: step 1/10 loss 5.0", "[rank0]:Traceback (most recent call last):", '  File "x.py", line 1',
              "ValueError: 4 validation errors", "train_data", "  Field required", "[rank0]:error: ValueError: bad",
              "E1126 00:07:23 api.py:1002] failed (exitcode: 2)", "Traceback (most recent call last):",
-             "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "=" * 60, "astrai_core.train FAILED",
+             "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "=" * 60,
+             "astrai_core.training.train FAILED",
              "Failures:", "  <NO_OTHER_FAILURES>", "=" * 60]
     assert [line for line in lines if keep(line)] == ["pretrain: step 1/10 loss 5.0", "[rank0]:error: ValueError: bad",
                                                       "E1126 00:07:23 api.py:1002] failed (exitcode: 2)"]
@@ -108,8 +109,8 @@ def test_a_failing_rank_also_appends_its_error_line_to_the_error_file(tmp_path):
     env = {**os.environ, "ASTRAI_ERROR_FILE": str(errors)}
     lines = []
     for name in ("missing-a.json", "missing-b.json"):
-        out = _run([VENV_BIN / "python", "-m", "astrai_core.train", "--config", tmp_path / name], PROJECT_ROOT, env,
-                   timeout=120)
+        out = _run([VENV_BIN / "python", "-m", "astrai_core.training.train", "--config", tmp_path / name], PROJECT_ROOT,
+                   env, timeout=120)
         assert out.returncode == 2, out.stderr
         lines.append(out.stderr.strip().splitlines()[-1])
         assert lines[-1].startswith("error: ") and name in lines[-1], out.stderr

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from astrai_core.scoring import (Z95, paired_difference, pass_at_k, sequence_nll, summarize, unigram_nll,
-                                  wilson_interval)
+from astrai_core.scoring.metrics import sequence_nll
+from astrai_core.scoring.statistics import Z95, paired_difference, pass_at_k, summarize, unigram_nll, wilson_interval
 from tasks.stages.evaluate import pass_metrics
 from tasks.stages.evaluate import Check, evaluation_markdown, flag_tags, grpo_why, stage_checks
 from test_posttrain import MODEL, chat_setup  # noqa: F401  (a module fixture: tokenizer, chat files, random model)
@@ -198,7 +198,7 @@ def tiny_chain(chat_setup, core_write_packed, tmp_path):
     """A project whose sft model is the pretrained model unchanged (so SFT cannot beat it) and dpo/grpo disabled."""
     from tokenizers import Tokenizer
 
-    from astrai_core.io import sha256_file
+    from astrai_core.runtime.io import sha256_file
     from tasks.run.table import CHAT, PACKED, model_dir
 
     root = tmp_path / "project"
@@ -331,7 +331,7 @@ def test_plots_label_every_axis_draw_no_empty_panel_and_show_the_reference_lines
 
 
 def test_an_unknown_lm_eval_task_is_refused_by_name():
-    from astrai_core.errors import AstraiError
+    from astrai_core.runtime.errors import AstraiError
     from tasks.run.params import parse_params
 
     with pytest.raises(AstraiError, match=r"evaluate\.lm_eval_tasks: unknown lm-eval task 'nope'; one of: "
@@ -342,7 +342,7 @@ def test_an_unknown_lm_eval_task_is_refused_by_name():
 def test_each_prompts_sample_has_its_own_draws(tmp_path):
     """Issue 50 (21): the samples of two prompts ended in the same words (one seed for every prompt: the same draws).
     The same prompt twice: two sampled texts that differ (greedy ones stay equal), and the same file on a rerun."""
-    from astrai_core.bpe import train_tokenizer
+    from astrai_core.tokenizer.bpe import train_tokenizer
     from conftest import _core_text, sharp_random_model
     from tasks.run.schema import Params
     from tasks.stages.evaluate import _samples

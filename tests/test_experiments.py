@@ -40,9 +40,9 @@ def _fake_upstream(repo, tokenizer) -> None:
     stages, evaluate's metrics.json with METRICS, placeholders for the rest (register reads none of them)."""
     import torch
 
-    from astrai_core.config import ModelConfig
-    from astrai_core.model import Transformer
-    from astrai_core.model_dir import save_checkpoint
+    from astrai_core.checkpoint.model_dir import save_checkpoint
+    from astrai_core.model.config import ModelConfig
+    from astrai_core.model.transformer import Transformer
 
     cfg = ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32)
     stages = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from astrai_core.generate import generate, generate_batch, sample_next, sample_rows
-from astrai_core.model import Transformer
+from astrai_core.model.transformer import Transformer
 from conftest import sharp_random_model
 
 VARIANTS = {

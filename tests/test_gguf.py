@@ -24,12 +24,12 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from astrai_core.config import ModelConfig
-from astrai_core.errors import AstraiError
+from astrai_core.checkpoint.model_dir import load_model, save_checkpoint
+from astrai_core.convert.gguf_export import export_gguf, rope_adjacent_pairs
 from astrai_core.generate import generate
-from astrai_core.gguf_export import export_gguf, rope_adjacent_pairs
-from astrai_core.model import apply_rope, rope_tables
-from astrai_core.model_dir import load_model, save_checkpoint
+from astrai_core.model.config import ModelConfig
+from astrai_core.model.transformer import apply_rope, rope_tables
+from astrai_core.runtime.errors import AstraiError
 from conftest import PROJECT_ROOT, _core_text, sharp_random_model
 
 BUILD_SCRIPT = PROJECT_ROOT / "scripts" / "build_llama_cpp.sh"
@@ -75,7 +75,7 @@ def run_llama(bin_dir: Path, tool: str, *args) -> bytes:
 @pytest.fixture(scope="module")
 def tokenizer_path(tmp_path_factory) -> Path:
     """astrai's tokenizer recipe (bpe.train_tokenizer: special tokens, GPT-2 split) on the training text."""
-    from astrai_core.bpe import train_tokenizer
+    from astrai_core.tokenizer.bpe import train_tokenizer
 
     path = tmp_path_factory.mktemp("gguf_tok") / "tokenizer.json"
     # The odd texts 20 times: merges across the places where other pre-tokenizers split (" 12345", "IT'S", "\n\n\n"),
@@ -88,9 +88,9 @@ def tokenizer_path(tmp_path_factory) -> Path:
 def trained(tmp_path_factory, tokenizer_path, core_write_packed) -> dict:
     """A model trained here for a few seconds, its f32 and Q8_0 exports: {"ckpt", "f32", "q8_0"}."""
 
-    from astrai_core.config import TrainConfig
-    from astrai_core.io import sha256_file
-    from astrai_core.train import train
+    from astrai_core.runtime.io import sha256_file
+    from astrai_core.training.config import TrainConfig
+    from astrai_core.training.train import train
 
     root = tmp_path_factory.mktemp("gguf_trained")
     ids = Tokenizer.from_file(str(tokenizer_path)).encode(_core_text(3000, 1)).ids
@@ -108,7 +108,7 @@ def trained(tmp_path_factory, tokenizer_path, core_write_packed) -> dict:
 # ---- no llama.cpp needed ----
 
 def test_rope_permutation_gives_the_same_attention_scores():
-    """model.py rotates pairs (i, i + d/2); llama.cpp's llama rotates (2i, 2i + 1). q.k after rotation is the same
+    """transformer.py rotates pairs (i, i + d/2); llama.cpp's llama rotates (2i, 2i + 1). q.k after rotation is the same
     once q_proj's and k_proj's rows are permuted per head (rope_adjacent_pairs): the scores llama.cpp computes."""
     torch.manual_seed(0)
     n_heads, d, dim, T = 4, 16, 32, 10
@@ -290,7 +290,7 @@ def test_qwen2_gguf_file_imports_back_to_the_same_model(tmp_path, tokenizer_path
     f32 and Q8_0, imports back as a qwen2 model with the same logits (Q8_0: within its rounding)."""
     import gguf
 
-    from astrai_core.gguf_import import import_gguf
+    from astrai_core.convert.gguf_import import import_gguf
 
     model = sharp_random_model(vocab_size=512, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
                                qkv_bias=True)  # room for what import adds to a tokenizer without a template

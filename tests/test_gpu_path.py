@@ -15,11 +15,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from astrai_core.config import ModelConfig, TrainConfig
-from astrai_core import losses
-from astrai_core.losses import token_loss_sum
-from astrai_core.model import Transformer
-from astrai_core.train import train
+from astrai_core.model import losses
+from astrai_core.model.config import ModelConfig
+from astrai_core.model.losses import token_loss_sum
+from astrai_core.model.transformer import Transformer
+from astrai_core.training.config import TrainConfig
+from astrai_core.training.train import train
 
 
 class Dispatched(TorchDispatchMode):
@@ -120,8 +121,8 @@ def test_every_stage_resolves_its_device_in_one_place(tmp_path):
     import subprocess
     import sys
 
-    from astrai_core.distributed import resolve_device
-    from astrai_core.errors import AstraiError
+    from astrai_core.runtime.device import resolve_device
+    from astrai_core.runtime.errors import AstraiError
     from conftest import PROJECT_ROOT
 
     assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")

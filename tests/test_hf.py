@@ -12,12 +12,12 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only; without it Llama loading probes the hub
 transformers = pytest.importorskip("transformers")
 
-from astrai_core.config import ModelConfig  # noqa: E402
-from astrai_core.errors import AstraiError  # noqa: E402
+from astrai_core.checkpoint.model_dir import load_model, save_checkpoint  # noqa: E402
+from astrai_core.convert.hf import export_hf, hf_model_type, import_hf  # noqa: E402
 from astrai_core.generate import generate  # noqa: E402
-from astrai_core.hf import export_hf, hf_model_type, import_hf  # noqa: E402
-from astrai_core.model import Transformer  # noqa: E402
-from astrai_core.model_dir import load_model, save_checkpoint  # noqa: E402
+from astrai_core.model.config import ModelConfig  # noqa: E402
+from astrai_core.model.transformer import Transformer  # noqa: E402
+from astrai_core.runtime.errors import AstraiError  # noqa: E402
 
 TINY = dict(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
 MLA = dict(attention="mla", mla_kv_rank=16, mla_rope_dim=8)
@@ -42,7 +42,7 @@ EXPORTS = {
 @pytest.fixture(scope="module")
 def tokenizer_path(tmp_path_factory):
     """An astrai tokenizer (with the special tokens) trained on mixed-script text."""
-    from astrai_core.bpe import train_tokenizer
+    from astrai_core.tokenizer.bpe import train_tokenizer
 
     texts = ["ROMEO.\nBut soft, what light through yonder window breaks?\n", "  spaces\tand tabs\n\n",
              "中文测试：你好，世界。", "Emoji 👍🏽 and café, naïve."]

@@ -14,13 +14,13 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local directories only
 transformers = pytest.importorskip("transformers")
 
-from astrai_core.chat import load_chat  # noqa: E402
-from astrai_core.errors import AstraiError  # noqa: E402
+from astrai_core.checkpoint.model_dir import load_model  # noqa: E402
+from astrai_core.convert.hf import export_hf, import_hf  # noqa: E402
 from astrai_core.generate import generate  # noqa: E402
-from astrai_core.hf import export_hf, import_hf  # noqa: E402
-from astrai_core.io import sha256_file  # noqa: E402
-from astrai_core.bpe import SPECIAL_TOKENS, load_tokenizer  # noqa: E402
-from astrai_core.model_dir import load_model  # noqa: E402
+from astrai_core.runtime.errors import AstraiError  # noqa: E402
+from astrai_core.runtime.io import sha256_file  # noqa: E402
+from astrai_core.tokenizer.bpe import SPECIAL_TOKENS, load_tokenizer  # noqa: E402
+from astrai_core.tokenizer.chat import load_chat  # noqa: E402
 
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=64, rms_norm_eps=1e-6)
@@ -108,7 +108,7 @@ def test_import_adds_special_tokens_and_keeps_the_logits(tmp_path, name):
 
 def test_import_of_a_tokenizer_with_every_special_token_copies_it(tmp_path):
     """Nothing to add: the tokenizer file and vocab_size stay exactly the HF model's."""
-    from astrai_core.bpe import train_tokenizer
+    from astrai_core.tokenizer.bpe import train_tokenizer
 
     tok = train_tokenizer([TEXT] * 20, vocab_size=300)
     torch.manual_seed(0)
@@ -136,8 +136,8 @@ def test_cli_import_prints_what_was_added(tmp_path):
 
 
 def pack(tok, path, sha: str) -> str:
-    from astrai_core.data import PackedWriter
-    from astrai_core.bpe import special_id
+    from astrai_core.data.packed import PackedWriter
+    from astrai_core.tokenizer.bpe import special_id
 
     with PackedWriter(path, vocab_size=tok.get_vocab_size(), tokenizer_sha256=sha, source_manifest_sha256="test",
                       split="train") as w:
@@ -147,8 +147,8 @@ def pack(tok, path, sha: str) -> str:
 
 
 def test_imported_checkpoint_starts_pretraining_and_exports_back(tmp_path, monkeypatch):
-    from astrai_core.config import ModelConfig
-    from astrai_core.train import train
+    from astrai_core.model.config import ModelConfig
+    from astrai_core.training.train import train
     from tasks.run.configs import train_config
     from tasks.run.schema import Params
     from tasks.stages.tokenizer import copy_tokenizer
@@ -224,7 +224,7 @@ def test_params_yaml_defaults_keep_todays_behaviour():
 
     import yaml
 
-    from astrai_core.config import GRPOConfig
+    from astrai_core.training.config import GRPOConfig
 
     path = Path(__file__).resolve().parents[1] / "params.yaml"
     params = load_params(path)

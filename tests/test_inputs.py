@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from astrai_core.errors import AstraiError
+from astrai_core.runtime.errors import AstraiError
 from tasks.chat.records import KINDS
 from tasks.run.checks import check_inputs
 from tasks.run.schema import ChatDataParams, Params

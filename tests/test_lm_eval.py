@@ -1,7 +1,7 @@
 """lm-evaluation-harness 0.4.13 (the `eval` extra) against a real `astrai serve`: the project's local tasks
 (evals/lm_eval_tasks/, data from `astrai lm-eval-data`) run by the real `lm_eval` command through
 `local-completions` with the server's remote tokenizer, and the scores it reports equal the project's own offline
-scoring of the same items (astrai_core.scoring) on the same weights.
+scoring of the same items (astrai_core.scoring.metrics) on the same weights.
 
 The corpus is a tiny made-up "play" in the Gutenberg layout tasks/chat/plays.py parses (no Shakespeare text here); the
 model is trained on it for a few seconds, so that it is better than chance at who speaks next, and on the demo's
@@ -25,13 +25,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from astrai_core.bpe import special_id, train_tokenizer
-from astrai_core.chat import ChatFormat
-from astrai_core.config import ModelConfig
+from astrai_core.checkpoint.model_dir import load_model, save_checkpoint
 from astrai_core.generate import generate_batch
-from astrai_core.model import Transformer
-from astrai_core.model_dir import load_model, save_checkpoint
-from astrai_core.scoring import continuation_logprobs, sequence_nll
+from astrai_core.model.config import ModelConfig
+from astrai_core.model.transformer import Transformer
+from astrai_core.scoring.metrics import continuation_logprobs, sequence_nll
+from astrai_core.tokenizer.bpe import special_id, train_tokenizer
+from astrai_core.tokenizer.chat import ChatFormat
 from tasks.chat.demo_tasks import items as family_items
 from tasks.evaluation.lm_eval_data import FILES
 from tasks.chat.plays import parse_play
@@ -199,7 +199,7 @@ def test_in_process_lm_eval_equals_the_http_route(setup, http_run):
     """The evaluate stage's route (tasks/evaluation/lm_eval_adapter.py: lm-eval's simple_evaluate on an LM over the
     loaded model, no server) gives what `lm_eval --model local-completions` got from `astrai serve` on the same items:
     every request's loglikelihood, every document's, every greedy reply, and every reported score."""
-    from astrai_core.chat import ChatFormat
+    from astrai_core.tokenizer.chat import ChatFormat
     from tasks.evaluation.lm_eval_adapter import run_tasks, scores
 
     results, samples, _ = http_run

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from astrai_core.losses import (IGNORE_INDEX, dpo_loss, full_kl_sum, group_advantages, grpo_token_loss, k3_kl,
-                                sequence_logps, token_logps)
+from astrai_core.model.losses import (IGNORE_INDEX, dpo_loss, full_kl_sum, group_advantages, grpo_token_loss, k3_kl,
+                                      sequence_logps, token_logps)
 
 
 def test_token_logps_and_sequence_logps_skip_masked_targets():
@@ -160,7 +160,7 @@ def test_full_kl_by_hand_and_its_gradient_pulls_toward_the_reference():
 
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 def test_token_loss_sum_matches_cross_entropy_value_and_gradient(label_smoothing):
-    from astrai_core.losses import token_loss_sum
+    from astrai_core.model.losses import token_loss_sum
     import torch.nn.functional as F
 
     torch.manual_seed(0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from astrai_core.config import ModelConfig
-from astrai_core.model import Transformer, document_mask, padding_mask, positions_from_mask
+from astrai_core.model.config import ModelConfig
+from astrai_core.model.transformer import Transformer, document_mask, padding_mask, positions_from_mask
 
 SHAPE = {"vocab_size": 61, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32}
 VARIANTS = {"gqa": {}, "qk_norm": {"qk_norm": True}, "mla": {"attention": "mla", "mla_kv_rank": 16, "mla_rope_dim": 8}}

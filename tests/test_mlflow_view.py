@@ -62,7 +62,7 @@ def test_the_pipeline_run_carries_the_headline(store, tmp_path):
 
 
 def test_a_run_logs_the_settings_of_its_own_method_only():
-    from astrai_core.config import DPOConfig, TrainConfig
+    from astrai_core.training.config import DPOConfig, TrainConfig
 
     paths = dict(train_data="t.h5", tokenizer="tok.json", out_dir="out")
     assert not {"dpo", "grpo"} & set(TrainConfig(**paths).used())  # a seq run: no dpo.beta at its default
@@ -79,7 +79,7 @@ def test_a_training_stage_run_shows_system_metrics_and_each_setting_once(store, 
     import mlflow
     import yaml
 
-    from astrai_core.config import TrainConfig
+    from astrai_core.training.config import TrainConfig
     from tasks.run.schema import Params
     from tasks.run.tracking import stage_run
 
@@ -161,7 +161,7 @@ def test_a_run_shorter_than_the_sampling_interval_has_system_metrics(tmp_path, m
 
     import mlflow
 
-    from astrai_core.metric_log import system_metrics
+    from astrai_core.training.metric_log import system_metrics
 
     uri, previous = f"sqlite:///{tmp_path / 'mlflow.db'}", mlflow.get_tracking_uri()
     client = mlflow.MlflowClient(uri)

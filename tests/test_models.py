@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tasks.registry.models import resolve_model
-from astrai_core.errors import AstraiError
+from astrai_core.runtime.errors import AstraiError
 
 ROOT = Path(__file__).resolve().parents[1]
 ASTRAI = [str(Path(sys.executable).parent / "astrai")]
@@ -22,9 +22,9 @@ def test_a_registered_model_works_with_export_hf_and_generate_chat(tmp_path, dat
     import mlflow
     import torch
 
-    from astrai_core.config import ModelConfig
-    from astrai_core.model import Transformer
-    from astrai_core.model_dir import save_checkpoint
+    from astrai_core.checkpoint.model_dir import save_checkpoint
+    from astrai_core.model.config import ModelConfig
+    from astrai_core.model.transformer import Transformer
     from tasks.run.schema import Params
     from tasks.run.table import model_dir
     from tasks.stages.register import register
@@ -64,9 +64,9 @@ def test_a_registered_model_works_with_export_hf_and_generate_chat(tmp_path, dat
 
 
 def test_resolve_model_of_a_directory_and_of_nothing(tmp_path, core_tiny_data):
-    from astrai_core.config import ModelConfig
-    from astrai_core.model import Transformer
-    from astrai_core.model_dir import save_checkpoint
+    from astrai_core.checkpoint.model_dir import save_checkpoint
+    from astrai_core.model.config import ModelConfig
+    from astrai_core.model.transformer import Transformer
 
     cfg = ModelConfig(vocab_size=300, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32)
     save_checkpoint(tmp_path / "ckpt", Transformer(cfg), cfg, core_tiny_data["tokenizer"])

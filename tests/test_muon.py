@@ -12,11 +12,12 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from astrai_core.config import ModelConfig, OptimConfig
-from astrai_core.distributed import run_torchrun
-from astrai_core.model import Transformer
-from astrai_core.optim import Chain, build_optimizer
-from astrai_core.train import default_callbacks, train
+from astrai_core.model.config import ModelConfig
+from astrai_core.model.transformer import Transformer
+from astrai_core.training.config import OptimConfig
+from astrai_core.training.distributed import run_torchrun
+from astrai_core.training.optim import Chain, build_optimizer
+from astrai_core.training.train import default_callbacks, train
 from test_resume import SigtermAt, make_cfg, weights_sha
 
 MUON = dict(name="muon", lr=3e-3, min_lr=3e-4, warmup_steps=5)

@@ -151,7 +151,7 @@ def test_the_pipeline_as_a_deployment_run_trains_on_both_nodes_registers_and_ser
     curves and the registered champion are in MLflow's; `astrai serve --model models:/NAME@champion` started on
     node n2 pulls the weights through the MLflow server and answers a request sent over the bridge."""
     from astrai.services import database, wait_healthy, with_driver
-    from astrai_core.io import sha256_file
+    from astrai_core.runtime.io import sha256_file
     from tasks.run.table import MODEL_STAGES, model_dir
 
     repo, env = project

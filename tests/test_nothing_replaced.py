@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from astrai_core.errors import AstraiError
+from astrai_core.runtime.errors import AstraiError
 from tasks.run import table
 from tasks.run.schema import SECTIONS, Params
 from tasks.run.table import STAGES, Stage, TrainingStage, check_table, dvc_yaml
@@ -51,7 +51,7 @@ def test_dvc_yaml_never_replaces_a_dvc_yaml_it_did_not_write(tmp_path):
     out = run_astrai(repo, "dvc-yaml", pythonpath=repo)
     assert out.returncode == 2 and "not written by `astrai dvc-yaml`" in out.stderr, out.stderr
     assert (repo / "dvc.yaml").read_text() == hand
-    (repo / "dvc.yaml").write_text(dvc_yaml().replace("      - astrai_core/optim.py\n", "", 1))
+    (repo / "dvc.yaml").write_text(dvc_yaml().replace("      - astrai_core/training\n", "", 1))
     out = run_astrai(repo, "dvc-yaml", pythonpath=repo)
     assert out.returncode == 0 and (repo / "dvc.yaml").read_text() == dvc_yaml(), out.stderr
 
@@ -164,7 +164,7 @@ def test_a_full_disk_is_one_line_naming_the_output(tmp_path, core_tiny_data, com
     """Issue 50 (15): a full disk was a library's line (`safetensors/torch.py:323: SafetensorError: ... No space left
     on device`, `gguf_writer.py:469: OSError: 16384 requested and 14320 written`). One line naming the output and
     "disk full", exit 2, nothing left on the full disk. The disk: a 16 KiB tmpfs this test mounts (root)."""
-    from astrai_core.model_dir import save_checkpoint
+    from astrai_core.checkpoint.model_dir import save_checkpoint
     from conftest import sharp_random_model
 
     if os.geteuid() != 0:

@@ -1,5 +1,5 @@
 """Nothing lost (issue 32, item 1): a command writes over a folder only if that folder holds an earlier output of
-the same command (or --force), and never over its own input. One rule, astrai_core/io.py check_output, for every
+the same command (or --force), and never over its own input. One rule, astrai_core/runtime/io.py check_output, for every
 writer: the export and import commands, the stages, checkpoints."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from astrai_core.errors import AstraiError
-from astrai_core.hf import export_hf, import_hf
-from astrai_core.io import OUTPUT_MARK, atomic_path, written_by
-from astrai_core.model_dir import save_checkpoint, verify_checkpoint
+from astrai_core.checkpoint.model_dir import save_checkpoint, verify_checkpoint
+from astrai_core.convert.hf import export_hf, import_hf
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import OUTPUT_MARK, atomic_path, written_by
 from conftest import PROJECT_ROOT
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,9 +24,9 @@ def checkpoint(tmp_path_factory):
     """A tiny astrai checkpoint (what `astrai export-hf` reads)."""
     import torch
 
-    from astrai_core.bpe import train_tokenizer
-    from astrai_core.config import ModelConfig
-    from astrai_core.model import Transformer
+    from astrai_core.model.config import ModelConfig
+    from astrai_core.model.transformer import Transformer
+    from astrai_core.tokenizer.bpe import train_tokenizer
 
     root = tmp_path_factory.mktemp("ckpt")
     tok = root / "tokenizer.json"
@@ -216,8 +216,8 @@ def test_lm_eval_data_writes_only_a_folder_of_its_own(tmp_path):
 def _tiny_model():
     import torch
 
-    from astrai_core.config import ModelConfig
-    from astrai_core.model import Transformer
+    from astrai_core.model.config import ModelConfig
+    from astrai_core.model.transformer import Transformer
 
     torch.manual_seed(1)
     return Transformer(ModelConfig(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from astrai_core.errors import AstraiError
+from astrai_core.runtime.errors import AstraiError
 from tasks.run.params import load_params
 from tasks.run.schema import Params
 
@@ -33,7 +33,7 @@ def test_shipped_params_are_valid():
     ({"tokenizer.vocab_size": 4096}, "must be >= tokenizer.vocab_size (4096)"),
     ({"pretrain.dtype": "fp8"}, "pretrain.dtype"),
     ({"corpuss": {}}, "corpuss: unknown key"),
-    # cross-field checks of the core's configs, at parse time (astrai_core/config.py)
+    # cross-field checks of the core's configs, at parse time (astrai_core/training/config.py)
     ({"pretrain.optim.min_lr": 0.1}, "pretrain.optim: min_lr (0.1) exceeds lr (0.003)"),
     ({"sft.optim": {"lr": 0.001, "min_lr": 0.01}}, "sft.optim: min_lr (0.01) exceeds lr (0.001)"),
     ({"pretrain.seq_len": 300}, "pretrain: seq_len (300) exceeds model.max_seq_len (256)"),
@@ -78,7 +78,7 @@ def test_sections_resolve_into_the_core_configs():
     """Each training section is the core's RunSettings plus its method's `objective`: what it sets reaches the
     stage's TrainConfig, and what it leaves out takes the core's one default. model.vocab_size left out is the
     tokenizer's."""
-    from astrai_core.config import RunSettings
+    from astrai_core.training.config import RunSettings
     from tasks.run.configs import dpo_pairs, train_config
 
     p = load_params(ROOT / "params.yaml", {"sft.label_smoothing": 0.1, "dpo.objective.label_smoothing": 0.2,
@@ -190,7 +190,7 @@ def test_every_param_dvc_yaml_lists_is_written_in_params_yaml():
 def test_every_profile_merges_into_a_valid_params(profile):
     """profiles/*.yaml (quick, finetune, gpu) each give a valid run configuration over the real params.yaml (finetune
     with the model it starts from, which its command names; without one it says so)."""
-    from astrai_core.errors import AstraiError
+    from astrai_core.runtime.errors import AstraiError
     from tasks.run.params import load_profile, parse_params, run_params_text
 
     sets = {"pretrain.init_from": "models:/some-model@champion"} if profile == "finetune" else {}
@@ -231,7 +231,7 @@ def test_profile_args_give_dvc_the_profiles_params(profile, tmp_path):
 def test_profile_args_refuses_what_the_pipeline_refuses(tmp_path):
     """Issue 50 (18): `profile-args` printed an unknown key (-S +pretrain.nosuch=3, rc 0) that --profile refuses, left
     `*` for the shell to expand, and a non-UTF-8 profile was a bare UnicodeDecodeError."""
-    from astrai_core.errors import AstraiError
+    from astrai_core.runtime.errors import AstraiError
     from tasks.run.params import profile_overrides
 
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")

@@ -12,19 +12,21 @@ import numpy as np
 import pytest
 import torch
 
-from astrai_core.chat import DEFAULT_TEMPLATE, load_chat
-from astrai_core.config import ModelConfig, TrainConfig
-from astrai_core.errors import AstraiError
-from astrai_core.model_dir import load_model, save_checkpoint
-from astrai_core.scoring import answer_questions, masked_token_loss
-from astrai_core.io import sha256_file
-from astrai_core.losses import IGNORE_INDEX, token_logps
-from astrai_core.model import Transformer
-from astrai_core.rewards import REWARDS
-from astrai_core.data import Batch, Documents, PackedRows, PackedWriter
-from astrai_core.dpo_reference import reference_logps, save_reference_logps
-from astrai_core.bpe import train_tokenizer
-from astrai_core.train import default_callbacks, train
+from astrai_core.checkpoint.model_dir import load_model, save_checkpoint
+from astrai_core.data.batches import Batch, Documents, PackedRows
+from astrai_core.data.packed import PackedWriter
+from astrai_core.model.config import ModelConfig
+from astrai_core.model.losses import IGNORE_INDEX, token_logps
+from astrai_core.model.transformer import Transformer
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import sha256_file
+from astrai_core.scoring.dpo_reference import reference_logps, save_reference_logps
+from astrai_core.scoring.metrics import answer_questions, masked_token_loss
+from astrai_core.tokenizer.bpe import train_tokenizer
+from astrai_core.tokenizer.chat import DEFAULT_TEMPLATE, load_chat
+from astrai_core.training.config import TrainConfig
+from astrai_core.training.rewards import REWARDS
+from astrai_core.training.train import default_callbacks, train
 from tasks.run.params import parse_params
 from tasks.stages.chat_data import pack_chat
 from tasks.stages.dpo_reference import on_policy_pairs
@@ -157,7 +159,7 @@ def test_sft_lowers_held_out_assistant_loss(chat_setup, tmp_path):
 
 
 def test_sft_with_lora_trains_adapters_and_saves_the_merged_model(chat_setup, tmp_path):
-    from astrai_core.lora import load_adapters, merge_lora
+    from astrai_core.model.lora import load_adapters, merge_lora
 
     cfg = make_cfg(chat_setup, tmp_path / "lora", "sft", max_steps=10, lora={"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "down_proj"]})
     summary = train(cfg)
@@ -272,8 +274,8 @@ def test_grpo_skips_and_counts_the_groups_whose_reward_failed(chat_setup, tmp_pa
     the completions that were scored), the failures are counted in grpo/reward_errors, and training goes on."""
     import contextlib
 
-    from astrai_core.distributed import DataGroup
-    from astrai_core.strategies import GRPOStrategy
+    from astrai_core.runtime.device import DataGroup
+    from astrai_core.training.strategies import GRPOStrategy
 
     raised: set[int] = set()  # the records (objects) whose reward failed at least once
 
@@ -319,7 +321,7 @@ def test_grpo_resume_inside_a_rollout_batch_is_exact(chat_setup, tmp_path, monke
 
 
 def test_keep_groups_prefers_a_signal_in_sampling_order():
-    from astrai_core.strategies import keep_groups
+    from astrai_core.training.strategies import keep_groups
 
     signal = np.array([False, True, False, True, True, False])
     assert keep_groups(signal, 2).tolist() == [1, 3]  # the first two with a signal
@@ -335,8 +337,8 @@ def test_grpo_dynamic_sampling_keeps_groups_with_spread_first_on_every_rank(chat
     advantages are r - mean; clip_eps_high reaches the loss."""
     import contextlib
 
-    from astrai_core.distributed import DataGroup
-    from astrai_core.strategies import GRPOStrategy
+    from astrai_core.runtime.device import DataGroup
+    from astrai_core.training.strategies import GRPOStrategy
 
     G, calls = 4, [0]
     signal_prompts: set[str] = set()
@@ -444,7 +446,7 @@ def test_two_stage_resume_after_the_switch_is_exact(core_tiny_data, tmp_path, mo
 
 
 def test_reward_functions_by_hand():
-    from astrai_core.rewards import exact_answer, option_prefix, resolve_reward, valid_option
+    from astrai_core.training.rewards import exact_answer, option_prefix, resolve_reward, valid_option
 
     record = {"answer": "HAMLET", "options": ["HAMLET", "OPHELIA", "HORATIO"]}
     assert exact_answer(" HAMLET\n", record) == 1.0 and exact_answer("OPHELIA", record) == 0.0
@@ -452,13 +454,13 @@ def test_reward_functions_by_hand():
     assert option_prefix("HAM", record) == pytest.approx(3 / 6)  # half of HAMLET copied
     assert option_prefix("HORATIO!", record) == pytest.approx(7 / 8)  # extra characters cost
     assert option_prefix("xyz", record) == 0.0 and option_prefix("OPHELIA", record) == 1.0
-    assert resolve_reward("astrai_core.rewards:exact_answer") is exact_answer  # a user's own function by name
+    assert resolve_reward("astrai_core.training.rewards:exact_answer") is exact_answer  # a user's own function by name
     with pytest.raises(AstraiError, match="unknown reward 'nope'"):
         resolve_reward("nope")
 
 
 def test_dpo_pairs_count_only_response_tokens(chat_setup):
-    from astrai_core.data import pair_batch
+    from astrai_core.data.batches import pair_batch
 
     data = Documents(str(chat_setup["chat"] / "dpo_train.h5"), sha256_file(chat_setup["tokenizer"]), 320)
     batch = pair_batch(data, np.array([0, 3]), torch.device("cpu"))

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from astrai_core.proc import stream_process
+from astrai_core.runtime.proc import stream_process
 
 # A parent that starts a long-lived grandchild and prints its pid, then waits forever.
 PARENT = textwrap.dedent("""
@@ -58,7 +58,7 @@ def test_sigterm_to_the_caller_kills_the_group(tmp_path):
     script = tmp_path / "caller.py"
     script.write_text(textwrap.dedent(f"""
         import sys
-        from astrai_core.proc import stream_process
+        from astrai_core.runtime.proc import stream_process
         stream_process([sys.executable, "-c", {PARENT!r}], on_line=lambda l: print(l, flush=True))
     """))
     caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,

@@ -1,9 +1,9 @@
-"""The one progress helper (astrai_core/progress.py): counts, time so far and an eta, from whichever loop is
+"""The one progress helper (astrai_core/runtime/progress.py): counts, time so far and an eta, from whichever loop is
 running under a stage's Progress; the interval is a parameter (0: a line at every step), so nothing here is timed."""
 
 from __future__ import annotations
 
-from astrai_core.progress import Progress, advance, expect
+from astrai_core.runtime.progress import Progress, advance, expect
 
 
 def test_a_line_per_step_at_interval_zero_with_counts_and_eta():

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from astrai_core.errors import AstraiError
+from astrai_core.runtime.errors import AstraiError
 from conftest import PROJECT_ROOT, VENV_BIN, free_port
 
 N = 500  # items of the task, the same for every version
@@ -34,10 +34,10 @@ def registry(tmp_path_factory, core_tiny_data) -> dict:
     import mlflow
     import torch
 
-    from astrai_core.config import ModelConfig
-    from astrai_core.model import Transformer
-    from astrai_core.model_dir import save_checkpoint
-    from astrai_core.scoring import wilson_interval
+    from astrai_core.checkpoint.model_dir import save_checkpoint
+    from astrai_core.model.config import ModelConfig
+    from astrai_core.model.transformer import Transformer
+    from astrai_core.scoring.statistics import wilson_interval
     from tasks.run.schema import Params
     from tasks.run.table import model_dir
     from tasks.stages.register import register

@@ -15,13 +15,13 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from astrai_core.bpe import SPECIALS_FILE, load_tokenizer  # noqa: E402
-from astrai_core.chat import load_chat  # noqa: E402
-from astrai_core.errors import AstraiError  # noqa: E402
+from astrai_core.checkpoint.model_dir import load_model  # noqa: E402
+from astrai_core.convert.gguf_import import import_gguf  # noqa: E402
+from astrai_core.convert.hf import export_hf, import_hf  # noqa: E402
 from astrai_core.generate import generate  # noqa: E402
-from astrai_core.gguf_import import import_gguf  # noqa: E402
-from astrai_core.hf import export_hf, import_hf  # noqa: E402
-from astrai_core.model_dir import load_model  # noqa: E402
+from astrai_core.runtime.errors import AstraiError  # noqa: E402
+from astrai_core.tokenizer.bpe import SPECIALS_FILE, load_tokenizer  # noqa: E402
+from astrai_core.tokenizer.chat import load_chat  # noqa: E402
 
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
           "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
@@ -133,7 +133,7 @@ def test_the_template_masks_the_assistants_turns_only(imported):
 def test_gguf_file_imports_to_the_same_model(published, imported, tmp_path):
     """The gguf package writes the model (export-gguf: f32, and q8_0); import takes the file back: the same logits
     (f32) or close (q8_0), the same template and stop, nothing added."""
-    from astrai_core.gguf_export import export_gguf
+    from astrai_core.convert.gguf_export import export_gguf
 
     hf_model, _ = published
     model, _, _ = load_model(imported)
@@ -212,7 +212,7 @@ def test_bad_published_models_are_one_line(published, tmp_path):
     (bad / "chat_template.jinja").unlink(missing_ok=True)
     with pytest.raises(AstraiError, match=r"chat template: .*prefix"):
         import_hf(bad, tmp_path / "out2")
-    from astrai_core.gguf_export import export_gguf
+    from astrai_core.convert.gguf_export import export_gguf
 
     whole = export_gguf(import_hf(hf_dir, tmp_path / "good"), tmp_path / "whole.gguf")
     truncated = tmp_path / "t.gguf"
@@ -231,7 +231,7 @@ def test_llama_cpp_greedy_reply_equals_ours_and_stops_at_its_eos(imported, tmp_p
     prompt, stopping at its end of generation (<|im_end|>), is ours, byte for byte."""
     from test_gguf import llama_cpp_bin, llama_greedy, token_bytes
 
-    from astrai_core.gguf_export import export_gguf
+    from astrai_core.convert.gguf_export import export_gguf
 
     bin_dir = llama_cpp_bin()
     if bin_dir is None:

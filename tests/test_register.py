@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from astrai_core.errors import AstraiError
+from astrai_core.runtime.errors import AstraiError
 from tasks.stages.register import best_model
 
 
@@ -28,10 +28,10 @@ def test_register_picks_the_best_model_and_compares_the_champion_on_the_same_met
     import mlflow
     import torch
 
-    from astrai_core.config import ModelConfig
-    from astrai_core.io import sha256_file
-    from astrai_core.model import Transformer
-    from astrai_core.model_dir import save_checkpoint
+    from astrai_core.checkpoint.model_dir import save_checkpoint
+    from astrai_core.model.config import ModelConfig
+    from astrai_core.model.transformer import Transformer
+    from astrai_core.runtime.io import sha256_file
     from tasks.run.schema import Params
     from tasks.run.table import model_dir
     from tasks.stages.register import register
@@ -118,10 +118,10 @@ def test_champion_moves_only_beyond_the_paired_interval_and_without_regressing_b
     import mlflow
     import torch
 
-    from astrai_core.config import ModelConfig
-    from astrai_core.model import Transformer
-    from astrai_core.model_dir import save_checkpoint
-    from astrai_core.scoring import wilson_interval
+    from astrai_core.checkpoint.model_dir import save_checkpoint
+    from astrai_core.model.config import ModelConfig
+    from astrai_core.model.transformer import Transformer
+    from astrai_core.scoring.statistics import wilson_interval
     from tasks.run.schema import Params
     from tasks.run.table import model_dir
     from tasks.stages.register import register
@@ -191,9 +191,9 @@ def test_a_model_no_better_than_chance_on_every_task_is_never_champion(tmp_path,
     import mlflow
     import torch
 
-    from astrai_core.config import ModelConfig
-    from astrai_core.model import Transformer
-    from astrai_core.model_dir import save_checkpoint
+    from astrai_core.checkpoint.model_dir import save_checkpoint
+    from astrai_core.model.config import ModelConfig
+    from astrai_core.model.transformer import Transformer
     from tasks.run.schema import Params
     from tasks.run.table import model_dir
     from tasks.stages.register import no_skill, register
@@ -261,9 +261,9 @@ def test_a_registration_killed_after_the_version_is_created_is_finished_not_repe
     import mlflow
     import torch
 
-    from astrai_core.config import ModelConfig
-    from astrai_core.model import Transformer
-    from astrai_core.model_dir import save_checkpoint
+    from astrai_core.checkpoint.model_dir import save_checkpoint
+    from astrai_core.model.config import ModelConfig
+    from astrai_core.model.transformer import Transformer
     from conftest import PROJECT_ROOT
 
     shutil.copy(PROJECT_ROOT / "params.yaml", tmp_path / "params.yaml")

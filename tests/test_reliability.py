@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from astrai_core.errors import AstraiError
+from astrai_core.runtime.errors import AstraiError
 from conftest import PROJECT_ROOT
 from tasks.run.params import PARAMS_BACKUP, run_params
 from tasks.run.params import load_params
@@ -94,10 +94,10 @@ def test_a_sigkilled_writer_leaves_no_temporary_path_behind_the_next_one(tmp_pat
     import subprocess
     import sys
 
-    from astrai_core.io import _OWNER, atomic_path
+    from astrai_core.runtime.io import _OWNER, atomic_path
 
     target = tmp_path / "chat"
-    code = ("import os, signal; from astrai_core.io import atomic_path\n"
+    code = ("import os, signal; from astrai_core.runtime.io import atomic_path\n"
             f"with atomic_path({str(target)!r}, 'test') as tmp:\n"
             "    tmp.mkdir(); (tmp / 'half.jsonl').write_text('{')\n"
             "    os.kill(os.getpid(), signal.SIGKILL)\n")
@@ -310,7 +310,8 @@ def test_the_quick_profile_runs_the_whole_chain(tmp_path):
 def test_make_clean_removes_every_output(tmp_path):
     import subprocess
 
-    for name in ("Makefile", "astrai_core/env.defaults", "data/README.md"):  # the Makefile includes env.defaults
+    # the Makefile includes env.defaults
+    for name in ("Makefile", "astrai_core/runtime/env.defaults", "data/README.md"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(PROJECT_ROOT / name, tmp_path / name)
     for out in ("corpus", "chat", "sft", "dpo_reference", "dpo", "grpo", "pretrain.ckpts", "evaluate"):
@@ -324,7 +325,7 @@ def test_make_clean_removes_every_output(tmp_path):
 def test_make_pipeline_runs_the_pipeline_with_a_profile(tmp_path):
     import subprocess
 
-    for name in ("Makefile", "astrai_core/env.defaults", "pyproject.toml", "requirements.lock"):
+    for name in ("Makefile", "astrai_core/runtime/env.defaults", "pyproject.toml", "requirements.lock"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(PROJECT_ROOT / name, tmp_path / name)
     (tmp_path / ".venv/bin").mkdir(parents=True)
@@ -368,8 +369,8 @@ def test_a_checkpoint_beyond_max_steps_is_refused(core_tiny_data, tmp_path, monk
 
     import torch
 
-    from astrai_core.io import sha256_file
-    from astrai_core.train import train
+    from astrai_core.runtime.io import sha256_file
+    from astrai_core.training.train import train
     from test_train import make_cfg
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
@@ -460,7 +461,7 @@ def test_sigkill_of_the_launcher_group_kills_the_ranks(core_tiny_data, tmp_path)
     env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT), OMP_NUM_THREADS="1")
     env.pop("MLFLOW_RUN_ID", None)
     launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                 "-m", "astrai_core.train", "--config", str(cfg_path)], env=env,
+                                 "-m", "astrai_core.training.train", "--config", str(cfg_path)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     def ranks() -> list[int]:
@@ -500,7 +501,7 @@ def test_a_single_node_run_listens_on_loopback_only(core_tiny_data, tmp_path):
 
     import psutil
 
-    from astrai_core.distributed import run_torchrun
+    from astrai_core.training.distributed import run_torchrun
     from test_train import make_cfg
 
     cfg_path = tmp_path / "cfg.json"
@@ -655,8 +656,8 @@ def test_a_killed_stage_run_is_marked_failed_by_the_next_one(tmp_path, monkeypat
 
 def test_a_prefect_home_in_a_missing_directory_is_made(tmp_path):
     """PREFECT_HOME two directories below one that exists (as `make test` gives each test worker): the temporary
-    Prefect server an entry point starts answers (Prefect makes only the last directory; without astrai_core/env.py
-    making the rest, its database cannot open and the client waits 120 s, then times out)."""
+    Prefect server an entry point starts answers (Prefect makes only the last directory; without
+    astrai_core/runtime/env.py making the rest, its database cannot open and the client waits 120 s, then times out)."""
     import os
     import subprocess
     import sys
@@ -664,7 +665,7 @@ def test_a_prefect_home_in_a_missing_directory_is_made(tmp_path):
     home = tmp_path / "a" / "b" / "prefect"
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(home), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="30")
-    code = ("from astrai_core import env; env.apply()\n"
+    code = ("from astrai_core.runtime import env; env.apply()\n"
             "from prefect.client.orchestration import get_client\n"
             "with get_client(sync_client=True) as client: print(client.api_healthcheck() is None)")
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=PROJECT_ROOT, capture_output=True, text=True,

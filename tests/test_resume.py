@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from astrai_core.callbacks import Callback
-from astrai_core.checkpoint import find_resumable, save_resumable
-from astrai_core.config import ModelConfig, TrainConfig
-from astrai_core.io import sha256_file
-from astrai_core.model import Transformer
-from astrai_core.train import train
+from astrai_core.checkpoint.checkpointer import find_resumable, save_resumable
+from astrai_core.model.config import ModelConfig
+from astrai_core.model.transformer import Transformer
+from astrai_core.runtime.io import sha256_file
+from astrai_core.training.callbacks import Callback
+from astrai_core.training.config import TrainConfig
+from astrai_core.training.train import train
 from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,9 +80,9 @@ def test_resumable_checkpoints_keep_k_and_skip_corrupt(tmp_path, core_tiny_data)
 
 
 def test_sharded_checkpoints_hash_every_shard_file_and_skip_corrupt(tmp_path, core_tiny_data):
-    from astrai_core.checkpoint import load_sharded, save_sharded
-    from astrai_core.errors import AstraiError
-    from astrai_core.model_dir import load_model, verify_checkpoint
+    from astrai_core.checkpoint.checkpointer import load_sharded, save_sharded
+    from astrai_core.checkpoint.model_dir import load_model, verify_checkpoint
+    from astrai_core.runtime.errors import AstraiError
 
     cfg = ModelConfig(**MODEL)
     model = Transformer(cfg)
@@ -130,7 +131,7 @@ def test_sharded_checkpoints_hash_every_shard_file_and_skip_corrupt(tmp_path, co
 # A process that installs the training loop's SIGTERM handler and writes one byte each time it sees the flag set.
 FLAG_CHILD = """
 import os, signal
-from astrai_core.train import StopFlag
+from astrai_core.training.train import StopFlag
 stop = StopFlag()
 signal.signal(signal.SIGTERM, stop.set)
 os.write(1, b"r")
@@ -175,7 +176,7 @@ class SigtermAt(Callback):
 
 
 def test_sigterm_inside_accumulation_window_then_resume_is_exact(core_tiny_data, tmp_path, monkeypatch):
-    from astrai_core.train import default_callbacks
+    from astrai_core.training.train import default_callbacks
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     ref = make_cfg(core_tiny_data, tmp_path / "ref" / "out", grad_accum=3, checkpoint_every=0)
@@ -226,7 +227,7 @@ def rank_env() -> dict[str, str]:
 
 
 def torchrun(cfg: TrainConfig, *args: str, nproc: int = 2) -> subprocess.Popen:
-    """Start `torchrun ... -m astrai_core.train --config CFG --resume auto` in its own process group."""
+    """Start `torchrun ... -m astrai_core.training.train --config CFG --resume auto` in its own process group."""
     cfg_path = Path(cfg.out_dir).parent / f"{Path(cfg.out_dir).name}.cfg.json"
     cfg_path.parent.mkdir(parents=True, exist_ok=True)
     cfg_path.write_text(cfg.model_dump_json())
@@ -234,7 +235,7 @@ def torchrun(cfg: TrainConfig, *args: str, nproc: int = 2) -> subprocess.Popen:
         args = ("--standalone", *args)
     env = rank_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *args,
-           "-m", "astrai_core.train", "--config", str(cfg_path), "--resume", "auto"]
+           "-m", "astrai_core.training.train", "--config", str(cfg_path), "--resume", "auto"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -343,7 +344,7 @@ def test_dead_rank_restarts_group_which_resumes(reference, core_tiny_data, tmp_p
 RESTART_SCRIPT = """
 import os, time
 import torch, torch.distributed as dist
-from astrai_core.distributed import init_distributed
+from astrai_core.training.distributed import init_distributed
 restart, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
 if restart == 1 and rank == 0:
     time.sleep(3)  # the restarted rank 1 looks for rank 0's address before rank 0 has written it

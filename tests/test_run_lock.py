@@ -103,7 +103,7 @@ def test_a_killed_pipeline_is_cleaned_up_by_the_next_start(tmp_path):
     KILLED, says so, and runs the pipeline to the end."""
     import mlflow
 
-    from astrai_core.proc import start_ticks
+    from astrai_core.runtime.proc import start_ticks
 
     repo, env = make_quick_project(tmp_path)
     first = subprocess.Popen(astrai("pipeline", "--profile", "quick", "--set", "pretrain.max_steps=100000"), cwd=repo,

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from astrai_core.config import OptimConfig
-from astrai_core.optim import SCHEDULES, lr_at
+from astrai_core.training.config import OptimConfig
+from astrai_core.training.optim import SCHEDULES, lr_at
 
 
 def lrs(n: int, **kw) -> list[float]:
@@ -61,8 +61,8 @@ def test_warmup_stable_decay():
 def test_the_training_loop_follows_the_schedule(tmp_path, core_tiny_data):
     """The loop's wiring, not a LambdaLR built here: every logged train/lr of a real run is the schedule's lr at
     that step (the lr the step's update used, step s logging optimizer step s - 1)."""
-    from astrai_core.config import TrainConfig
-    from astrai_core.train import train
+    from astrai_core.training.config import TrainConfig
+    from astrai_core.training.train import train
 
     optim = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=3, schedule="wsd", decay_fraction=0.5)
     cfg = TrainConfig(model=dict(vocab_size=300, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32),

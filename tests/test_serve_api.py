@@ -34,12 +34,12 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from astrai_core.chat import load_chat
-from astrai_core.config import ModelConfig
+from astrai_core.checkpoint.model_dir import load_model, save_checkpoint
 from astrai_core.generate import generate
-from astrai_core.model import Transformer
-from astrai_core.bpe import special_id, train_tokenizer
-from astrai_core.model_dir import load_model, save_checkpoint
+from astrai_core.model.config import ModelConfig
+from astrai_core.model.transformer import Transformer
+from astrai_core.tokenizer.bpe import special_id, train_tokenizer
+from astrai_core.tokenizer.chat import load_chat
 from astrai.cli import app
 from conftest import free_port
 
@@ -460,7 +460,7 @@ def _complete(url: str, **body) -> httpx.Response:
 
 def _offline_nll(served, ids: list[int]) -> float:
     """The sum of -log p(token | what precedes it) over ids[1:], from the project's offline scoring."""
-    from astrai_core.scoring import sequence_nll
+    from astrai_core.scoring.metrics import sequence_nll
 
     nll, count = sequence_nll(served["model"], np.array(ids), seq_len=len(ids) - 1, batch_size=1)
     assert count == len(ids) - 1
@@ -481,7 +481,7 @@ def test_echoed_prompt_logprobs_sum_to_the_offline_score(served, server):
     for token, logprob, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
         assert top[token] == logprob and len(top) in (2, 3)  # the 2 likeliest, and the token itself
     difference = abs(-sum(lp["token_logprobs"][1:]) - _offline_nll(served, ids))
-    print(f"echoed prompt logprobs vs astrai_core.scoring: {difference:.2e} nats")
+    print(f"echoed prompt logprobs vs astrai_core.scoring.metrics: {difference:.2e} nats")
     assert difference < 1e-4
     # lm-evaluation-harness's request: token ids, several prompts, echo with one token generated: one choice each,
     # in order, the prompt's entries then the generated token's.

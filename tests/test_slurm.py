@@ -108,7 +108,7 @@ def no_job_left(repo: Path, env: dict) -> None:
     queue = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True).stdout.strip()
     assert queue == "", queue
     ranks = [p for p in Path("/proc").glob("[0-9]*") if str(repo).encode() in (cmd := _cmdline(p))
-             and (b"torch.distributed.run" in cmd or b"astrai_core.train" in cmd)]
+             and (b"torch.distributed.run" in cmd or b"astrai_core.training.train" in cmd)]
     assert ranks == [], [_cmdline(p) for p in ranks]
 
 
@@ -225,7 +225,7 @@ def _parse(raw: dict, tmp_path: Path):
      "pretrain.tp_size"),
 ])
 def test_bad_slurm_settings_are_refused_naming_the_key(raw, key, tmp_path, monkeypatch):
-    from astrai_core.errors import AstraiError
+    from astrai_core.runtime.errors import AstraiError
 
     if "tracking" not in raw:
         raw = {**raw, "tracking": {"uri": "http://127.0.0.1:5000"}}
@@ -240,7 +240,7 @@ def test_bad_slurm_settings_are_refused_naming_the_key(raw, key, tmp_path, monke
 
 
 def test_no_sbatch_on_path_is_refused(tmp_path, monkeypatch):
-    from astrai_core.errors import AstraiError
+    from astrai_core.runtime.errors import AstraiError
 
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(AstraiError, match=r"cluster\.launcher: slurm needs Slurm's sbatch"):
@@ -250,7 +250,7 @@ def test_no_sbatch_on_path_is_refused(tmp_path, monkeypatch):
 def test_parsing_the_settings_touches_nothing(tmp_path, monkeypatch):
     """Reading params looks at no PATH and creates no directory (issue 31): launcher slurm without sbatch parses;
     check_cluster, where a run starts, is what refuses it, naming the key."""
-    from astrai_core.errors import AstraiError
+    from astrai_core.runtime.errors import AstraiError
     from tasks.run.checks import check_cluster
     from tasks.run.params import parse_params
 

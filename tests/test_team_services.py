@@ -222,7 +222,7 @@ def test_two_pipelines_at_once_register_once_each(services, deployment_runs):
     versions' records, says; and each stage's report says what the tables show."""
     import mlflow
 
-    from astrai_core.io import sha256_file
+    from astrai_core.runtime.io import sha256_file
     from tasks.registry.gate import gate, version_record
     from tasks.run.table import model_dir
 
@@ -308,7 +308,7 @@ def test_registrations_race_into_one_registry(services, deployment_run, tmp_path
     """Three register stages at once on the pipeline's models: A and A2 register the chain's best (the same
     weights), B (metrics edited so another stage's model is better still) registers that one. Two versions exist,
     once each, and B's is champion, whichever decided first; each decision says what the registry shows."""
-    from astrai_core.io import sha256_file
+    from astrai_core.runtime.io import sha256_file
     from tasks.evaluation.metrics import better
     from tasks.run.params import load_params
     from tasks.run.table import MODEL_STAGES, model_dir
@@ -418,11 +418,11 @@ def test_champion_decisions_are_one_step_under_the_lock(services, monkeypatch):
 
 def test_a_stage_logging_through_a_postgres_restart(services, data_tokenizer, core_write_packed, tmp_path):
     """PostgreSQL stopped for 5 s and started again under `astrai stage pretrain` (a tiny model, 300 steps, rank 0
-    logging every step to the stage's run on the MLflow server): with the retries astrai_core/env.py sets, the stage
-    finishes, its run is FINISHED and holds every step's metrics once. Without retries
-    (MLFLOW_HTTP_REQUEST_MAX_RETRIES=0) an outage that lasts until the stage ends fails it with one line; its run, which it could not
-    end while the database was down, is left RUNNING, and the stage run again marks it FAILED (its process is gone)
-    and finishes."""
+    logging every step to the stage's run on the MLflow server): with the retries astrai_core/runtime/env.py sets, the
+    stage finishes, its run is FINISHED and holds every step's metrics once. Without retries
+    (MLFLOW_HTTP_REQUEST_MAX_RETRIES=0) an outage that lasts until the stage ends fails it with one line; its run, which
+    it could not end while the database was down, is left RUNNING, and the stage run again marks it FAILED (its process
+    is gone) and finishes."""
     import urllib.parse
 
     import mlflow
@@ -430,7 +430,7 @@ def test_a_stage_logging_through_a_postgres_restart(services, data_tokenizer, co
     import yaml
 
     from astrai.services import _pg, start_postgres
-    from astrai_core.io import sha256_file
+    from astrai_core.runtime.io import sha256_file
 
     d, db = services["dir"], _db(services, "mlflow")
     data = d / "postgres" / "data"

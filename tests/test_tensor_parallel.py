@@ -1,4 +1,4 @@
-"""Tensor parallelism (astrai_core/parallel.py) on CPU with gloo, ranks started by torch.multiprocessing:
+"""Tensor parallelism (astrai_core/training/parallel.py) on CPU with gloo, ranks started by torch.multiprocessing:
 
 * TP=2 trains like one rank: the same losses, gradients (before any optimizer step) and weights after several
   fused-AdamW steps with gradient clipping, for the default architecture and every supported option;
@@ -21,15 +21,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from astrai_core.config import ModelConfig
 from astrai_core.generate import generate, generate_batch
-from astrai_core.lora import apply_lora
-from astrai_core.losses import token_loss_sum
-from astrai_core.model import Transformer, document_mask
-from astrai_core.config import check_tensor_parallel
-from astrai_core.checkpoint import (full_optimizer_state_dict, full_state_dict, load_full_optimizer_state_dict,
-                                    load_full_state_dict)
-from astrai_core.parallel import apply_fsdp, apply_tensor_parallel, build_mesh, checkpoint_blocks, total_grad_norm
+from astrai_core.model.config import ModelConfig
+from astrai_core.model.config import check_tensor_parallel
+from astrai_core.model.lora import apply_lora
+from astrai_core.model.losses import token_loss_sum
+from astrai_core.model.transformer import Transformer, document_mask
+from astrai_core.checkpoint.checkpointer import (full_optimizer_state_dict, full_state_dict,
+                                                 load_full_optimizer_state_dict, load_full_state_dict)
+from astrai_core.training.parallel import (apply_fsdp, apply_tensor_parallel, build_mesh, checkpoint_blocks,
+                                           total_grad_norm)
 
 TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 # name -> ModelConfig options; "packed" rows hold two documents each (positions and a document mask), and

@@ -15,15 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from astrai_core.config import TrainConfig
-from astrai_core.distributed import resolve_nproc, run_torchrun
-from astrai_core.errors import AstraiError
-from astrai_core.io import sha256_file
-from astrai_core.metric_log import MetricLogger, flatten
-from astrai_core.strategies import seq as strategies_module
-from astrai_core.data import WindowSampler, open_tokens, read_windows
-from astrai_core.losses import IGNORE_INDEX, token_loss_sum
-from astrai_core.train import train
+from astrai_core.data.batches import WindowSampler, open_tokens, read_windows
+from astrai_core.model.losses import IGNORE_INDEX, token_loss_sum
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import sha256_file
+from astrai_core.training.config import TrainConfig
+from astrai_core.training.distributed import resolve_nproc, run_torchrun
+from astrai_core.training.metric_log import MetricLogger, flatten
+from astrai_core.training.strategies import seq as strategies_module
+from astrai_core.training.train import train
 
 MODEL = dict(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 
@@ -152,7 +152,7 @@ def test_a_failed_run_sends_the_metrics_it_logged(core_tiny_data, tmp_path, monk
     interval otherwise, and lost with the process)."""
     from mlflow.tracking import MlflowClient
 
-    from astrai_core.callbacks import Callback
+    from astrai_core.training.callbacks import Callback
 
     class FailAt(Callback):
         def on_optimizer_step_end(self, run):
@@ -277,8 +277,8 @@ HANGING_TEARDOWN_WRAPPER = '''
 import time
 import torch.distributed
 torch.distributed.destroy_process_group = lambda *a, **k: time.sleep(3600)  # the gloo deadlock of torch issue 56297
-import astrai_core.train
-astrai_core.train.main()
+import astrai_core.training.train
+astrai_core.training.train.main()
 '''
 
 
@@ -332,8 +332,8 @@ def test_torchrun_interrupt_kills_every_rank(core_tiny_data, tmp_path):
 # ---- loss normalization: uneven masks, accumulation and ranks never change the gradient ----------------------
 
 MASKING_WRAPPER = '''
-"""torchrun entry for the test: astrai_core.train with targets masked unevenly (a function of each window)."""
-import astrai_core.strategies.seq as t
+"""torchrun entry for the test: astrai_core.training.train with targets masked unevenly (a function of each window)."""
+import astrai_core.training.strategies.seq as t
 
 _read = t.read_windows
 
@@ -345,8 +345,8 @@ def masked(tokens, starts, seq_len):
     return x, y
 
 t.read_windows = masked
-import astrai_core.train
-astrai_core.train.main()
+import astrai_core.training.train
+astrai_core.training.train.main()
 '''
 
 
@@ -409,7 +409,7 @@ def test_activation_checkpointing_and_token_budget(core_tiny_data, tmp_path, mon
 
 
 def test_callback_lifecycle(core_tiny_data, tmp_path, monkeypatch):
-    from astrai_core.callbacks import Callback
+    from astrai_core.training.callbacks import Callback
 
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     hooks = [h for h in vars(Callback) if h.startswith("on_")]
@@ -437,7 +437,7 @@ def test_callback_lifecycle(core_tiny_data, tmp_path, monkeypatch):
 
 
 def test_dtype_auto_is_bf16_only_where_the_device_has_it_natively(monkeypatch):
-    from astrai_core.distributed import uses_bf16
+    from astrai_core.runtime.device import uses_bf16
 
     cpu = torch.device("cpu")
     for native in (False, True):
@@ -451,7 +451,7 @@ def test_dtype_auto_is_bf16_only_where_the_device_has_it_natively(monkeypatch):
 
 
 def test_progress_lines_end_with_the_time_left(core_tiny_data, tmp_path, monkeypatch, capsys):
-    from astrai_core.callbacks import eta
+    from astrai_core.runtime.progress import eta
 
     assert (eta(30, 10, 20.0), eta(0, 5, 9.0), eta(1000, 10, 50.0), eta(10, 0, 0.0)) == ("1m00s", "0s", "1h23m", "0s")
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
@@ -468,8 +468,8 @@ def test_compiled_kernels_are_cached_per_cpu_instruction_set(tmp_path, monkeypat
     import sys
     from types import SimpleNamespace
 
-    from astrai_core.distributed import Dist
-    from astrai_core.parallel import wrap
+    from astrai_core.runtime.device import Dist
+    from astrai_core.training.parallel import wrap
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     cfg = SimpleNamespace(compile=True, compile_cache_dir=str(tmp_path / "kernels"), parallel="ddp", model=None)
@@ -481,7 +481,8 @@ def test_compiled_kernels_are_cached_per_cpu_instruction_set(tmp_path, monkeypat
     # torch held to AVX2 kernels (as on the slow kind of machine), and as it is here
     for name, env in (("avx2", {**native, "ATEN_CPU_CAPABILITY": "avx2"}), ("native", native)):
         folders[name] = subprocess.run(
-            [sys.executable, "-c", "from astrai_core.parallel import compile_cache_dir; print(compile_cache_dir('k'))"],
+            [sys.executable, "-c",
+             "from astrai_core.training.parallel import compile_cache_dir; print(compile_cache_dir('k'))"],
             env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert folders["avx2"].endswith("/k/avx2")
     assert folders["native"].endswith(f"/k/{isa}")

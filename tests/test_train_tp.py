@@ -1,4 +1,4 @@
-"""Tensor parallelism through the real training entry point (torchrun -m astrai_core.train, gloo, CPU):
+"""Tensor parallelism through the real training entry point (torchrun -m astrai_core.training.train, gloo, CPU):
 
 * `parallel: tp` with tp_size 2 trains like one rank (the same global batch: a TP group is one data-parallel
   rank), and `fsdp+tp` on 4 ranks (2 data-parallel x 2 TP) trains like one rank fed both groups' batches;
@@ -29,12 +29,12 @@ from test_posttrain import _reference, chat_setup  # noqa: F401 - chat_setup is 
 from test_posttrain import make_cfg as post_cfg
 from test_resume import kill_run, make_cfg, read_until, torchrun, wait_ok, weights_sha
 
-from astrai_core.checkpoint import find_resumable
-from astrai_core.io import OUTPUT_MARK
-from astrai_core.config import TrainConfig
-from astrai_core.errors import AstraiError
-from astrai_core.model_dir import verify_checkpoint
-from astrai_core.train import train
+from astrai_core.checkpoint.checkpointer import find_resumable
+from astrai_core.checkpoint.model_dir import verify_checkpoint
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import OUTPUT_MARK
+from astrai_core.training.config import TrainConfig
+from astrai_core.training.train import train
 from tasks.run.params import parse_params
 
 # G = 8 samples per step in every run below: tp (1 data-parallel rank x batch 4 x accumulation 2), fsdp+tp (2 x 2 x

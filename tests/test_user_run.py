@@ -15,9 +15,9 @@ import shutil
 
 import pytest
 
-from astrai_core.errors import AstraiError
-from astrai_core.hf import export_hf, import_hf
-from astrai_core.model_dir import read_model_config
+from astrai_core.checkpoint.model_dir import read_model_config
+from astrai_core.convert.hf import export_hf, import_hf
+from astrai_core.runtime.errors import AstraiError
 from tasks.run.checks import check_inputs
 from tasks.run.schema import Params
 from tasks.stages.runner import run_stage

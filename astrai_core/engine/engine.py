@@ -28,7 +28,7 @@ from astrai_core.engine.block_manager import BlockManager
 from astrai_core.engine.runner import KVPool, Runner, bytes_per_block
 from astrai_core.engine.scheduler import Scheduler
 from astrai_core.engine.sequence import OnEvent, SamplingParams, Sequence, Status
-from astrai_core.model import Transformer
+from astrai_core.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 

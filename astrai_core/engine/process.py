@@ -86,7 +86,7 @@ def _child(commands, events, checkpoint: str, config: EngineConfig, device: str,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops this process
     import torch
 
-    from astrai_core.model_dir import load_model
+    from astrai_core.checkpoint.model_dir import load_model
 
     torch.set_num_threads(threads)
     try:

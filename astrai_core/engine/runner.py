@@ -18,7 +18,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from astrai_core.engine.sequence import Sequence
-from astrai_core.model import Transformer
+from astrai_core.model.transformer import Transformer
 
 
 def token_shapes(model: Transformer) -> list[tuple[int, ...]]:

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from astrai_core.chat import control_token_in
+from astrai_core.tokenizer.chat import control_token_in
 
 # Every message costs at least two tokens in a chat template (its role header and its end of turn), so no context
 # here (at most a few thousand tokens) holds more; a body of 36,000 empty messages (1 MB) is refused before its

@@ -2,7 +2,7 @@
 
 A model of a million parameters trained for minutes cannot know facts about an unseen play, but it can learn to
 read a prompt: count speeches or words, tell a question by its mark, copy a name or a word. Each task below has
-one exactly checkable answer (`astrai_core/rewards.py: exact_answer`) and one plausible wrong answer,
+one exactly checkable answer (`astrai_core/training/rewards.py: exact_answer`) and one plausible wrong answer,
 which is what a DPO pair rejects:
 
     task            prompt (abridged)                                       answer       wrong answer

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from astrai_core.errors import AstraiError
+from astrai_core.runtime.errors import AstraiError
 
 MIN_SPEAKER_SPEECHES = 2  # a "name" heading a single block is a title, "THE END." or a misparse, not a speaker
 

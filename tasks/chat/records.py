@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from astrai_core.errors import AstraiError
-from astrai_core.bpe import SPECIAL_TOKENS
-from astrai_core.chat import ROLES
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.tokenizer.bpe import SPECIAL_TOKENS
+from astrai_core.tokenizer.chat import ROLES
 
 KINDS = ("sft", "dpo", "grpo")
 

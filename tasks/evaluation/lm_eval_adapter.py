@@ -1,6 +1,7 @@
 """lm-evaluation-harness inside the evaluate stage: the project's tasks in evals/lm_eval_tasks/ run in process on
 each model of the chain through an lm-eval `LM` over the project's model (no HTTP server), scored by
-astrai_core.scoring (loglikelihood requests, batched) and astrai_core.generate (generate_until, greedy, batched).
+astrai_core.scoring.metrics (loglikelihood requests, batched) and astrai_core.generate (generate_until, greedy,
+batched).
 
 It scores exactly what lm-eval's `local-completions` gets from `astrai serve` (tests/test_lm_eval.py checks them
 number for number): the same tokens (lm-eval's TemplateLM splits a context and its continuation), the same left
@@ -27,11 +28,12 @@ import torch
 import yaml
 from tokenizers import Tokenizer
 
-from astrai_core.chat import ChatFormat
-from astrai_core.errors import AstraiError
 from astrai_core.generate import generate_batch
-from astrai_core.io import sha256_file
-from astrai_core.scoring import target_logprobs, wilson_interval
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import sha256_file
+from astrai_core.scoring.metrics import target_logprobs
+from astrai_core.scoring.statistics import wilson_interval
+from astrai_core.tokenizer.chat import ChatFormat
 from tasks.evaluation.lm_eval_data import FILES, write_lm_eval_data
 
 TASKS_DIR = Path(__file__).resolve().parents[2] / "evals" / "lm_eval_tasks"

@@ -15,9 +15,10 @@ read, written from the corpus stage's test split at run time (the plays' text is
 
 The first two are plain text in the corpus's own layout (a speaker's name in capitals with a period, then the
 lines, a blank line between speeches): what a pretrained model has learnt to continue, no chat template. The
-families' prompts are rendered with astrai's default chat template (astrai_core/chat.py), so `local-completions`
-sends exactly the tokens `astrai generate --chat` would; a model with its own template (an imported one) is asked
-in astrai's. Each file is deterministic in (corpus, seed); `limit` items per task, drawn evenly from every play.
+families' prompts are rendered with astrai's default chat template (astrai_core/tokenizer/chat.py), so
+`local-completions` sends exactly the tokens `astrai generate --chat` would; a model with its own template (an imported
+one) is asked in astrai's. Each file is deterministic in (corpus, seed); `limit` items per task, drawn evenly from every
+play.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import random
 from pathlib import Path
 from typing import Iterable
 
-from astrai_core.chat import compile_template
-from astrai_core.errors import AstraiError
-from astrai_core.io import atomic_path, check_output
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import atomic_path, check_output
+from astrai_core.tokenizer.chat import compile_template
 from tasks.chat.demo_tasks import TASKS as FAMILIES, items as family_items, passage_text
 from tasks.chat.plays import Speech, read_plays
 
@@ -90,7 +91,7 @@ def write_lm_eval_data(corpus_dir: Path, out_dir: Path, limit: int = 500, seed: 
                        names: Iterable[str] = tuple(FILES), force: bool = False) -> dict[str, int]:
     """Write the named tasks' files (FILES) into the folder out_dir from corpus_dir/test.jsonl (the held-out
     plays); -> items per task. The folder is written whole (a temporary folder renamed into place) and replaces
-    only an earlier one of its own (astrai_core.io.check_output), or any with `force`; never the corpus."""
+    only an earlier one of its own (astrai_core.runtime.io.check_output), or any with `force`; never the corpus."""
     output = dict(force=force, inputs=[corpus_dir], force_option="--force")
     check_output(out_dir, KIND, folder=True, **output)  # before any work
     plays = read_plays(Path(corpus_dir) / "test.jsonl")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlflow
 from mlflow.exceptions import MlflowException
 
-from astrai_core.scoring import paired_difference
+from astrai_core.scoring.statistics import paired_difference
 from tasks.evaluation.metrics import CHANCE, MAX_FORGETTING, METRICS, TASK_FAMILY, better
 
 # A version's tag `registration`: "pending" from its creation until its aliases are decided, then "done". A version
@@ -19,8 +19,8 @@ REGISTRATION, PENDING = "registration", "pending"
 # The champion gate. The register metric must beat the champion's beyond the interval, and the other headline
 # metrics (evaluate's HEADLINE: language modeling, the task, the preferences) must not regress beyond theirs: with
 # the per-item results of both on the same items, the paired 95% interval evaluate's stage checks use
-# (astrai_core.scoring.paired_difference); else, for accuracies, their own 95% intervals must not overlap; test
-# bits/char may regress by MAX_FORGETTING at most, evaluate's forgetting rule (it has no interval).
+# (astrai_core.scoring.statistics.paired_difference); else, for accuracies, their own 95% intervals must not overlap;
+# test bits/char may regress by MAX_FORGETTING at most, evaluate's forgetting rule (it has no interval).
 GUARDED = ("test_bits_per_char", "task_accuracy", "preference_accuracy")
 # The relative change of test bits/char from the model the chain started from (pretrain: trained here, or the
 # published model pretrain.init_from names) to this one: a version carries it as a tag, and one beyond

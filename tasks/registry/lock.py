@@ -8,7 +8,7 @@ import hashlib
 import os
 from typing import Iterator
 
-from astrai_core.errors import AstraiError
+from astrai_core.runtime.errors import AstraiError
 from tasks.run.schema import Params
 
 REGISTRY_LOCK_ENV = "ASTRAI_REGISTRY_LOCK_URI"  # wins over tracking.registry_lock_uri, as MLFLOW_TRACKING_URI does

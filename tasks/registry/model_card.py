@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from astrai_core.config import ModelConfig
+from astrai_core.model.config import ModelConfig
 from tasks.evaluation.metrics import METRICS
 from tasks.run.table import MODEL_STAGES
 
@@ -65,7 +65,7 @@ REGISTERED_MODEL = (f"Small GPT-style language models trained by the AstrAI pipe
 def card_of(reference: str, checkpoint: Path) -> str:
     """The card of a model reference as tasks/registry/models.py resolved it to `checkpoint`: a registered version's
     from its tags (the text of its description), a checkpoint directory's from its config alone."""
-    from astrai_core.model_dir import read_model_config
+    from astrai_core.checkpoint.model_dir import read_model_config
 
     tags = {"model": shape_line(read_model_config(checkpoint / "config.json"))}
     if reference.startswith("models:/"):

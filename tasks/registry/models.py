@@ -3,7 +3,7 @@ generate, export-hf, export-gguf) and the pipeline's `pretrain.init_from` resolv
 
 A reference is a registry URI (models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/model, from the pipeline's
 MLflow store), an astrai checkpoint directory (e.g. data/grpo), a Hugging Face model directory or a GGUF file
-(converted as `astrai import-hf` does: astrai_core.gguf_import.import_model).
+(converted as `astrai import-hf` does: astrai_core.convert.gguf_import.import_model).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, NamedTuple
 
-from astrai_core.errors import AstraiError
+from astrai_core.runtime.errors import AstraiError
 
 if TYPE_CHECKING:
     from tasks.run.schema import Params
@@ -66,7 +66,7 @@ def resolve_model(ref: str, dst: Path) -> Resolved:
         raise AstraiError(f"{path}: not a checkpoint (manifest.json missing: an incomplete or hand-made copy); use "
                           "the folder the stage or `astrai import-hf` wrote")
     if (path / "config.json").is_file() or (path.suffix == ".gguf" and path.is_file()):  # a Hugging Face directory
-        from astrai_core.gguf_import import import_model  # (its weights may be sharded) or a GGUF file
+        from astrai_core.convert.gguf_import import import_model  # (its weights may be sharded) or a GGUF file
 
         return Resolved(import_model(path, dst / "imported"), path.resolve().name.removesuffix(".gguf"), [])
     raise AstraiError(f"{ref}: no such model (expected {REFERENCE_HELP})")
@@ -77,7 +77,7 @@ def local_model(ref: str, root: Path) -> Iterator[Path]:
     """Model reference `ref` (a path: relative to `root`) as a checkpoint directory while the block runs: a registry
     version downloaded, a Hugging Face directory converted, into a folder under root/.astrai (the project's, which
     a Slurm job's nodes share) removed afterwards."""
-    from astrai_core.model_dir import verify_checkpoint
+    from astrai_core.checkpoint.model_dir import verify_checkpoint
 
     if not ref.startswith(("models:/", "runs:/")):
         ref = str(root / Path(ref).expanduser())  # an absolute path stays as it is

@@ -27,7 +27,7 @@ import socket
 import mlflow
 from mlflow.exceptions import MlflowException
 
-from astrai_core.errors import AstraiError
+from astrai_core.runtime.errors import AstraiError
 from tasks.evaluation.metrics import CHANCE
 from tasks.registry.gate import (PENDING, REGISTRATION, champion_record, gate, no_skill, version_record,
                                  versions_with_weights)

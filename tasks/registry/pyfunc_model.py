@@ -17,7 +17,7 @@ import torch
 
 class AstraiLanguageModel(mlflow.pyfunc.PythonModel):
     def load_context(self, context):
-        from astrai_core.model_dir import load_model
+        from astrai_core.checkpoint.model_dir import load_model
 
         self.model, self.tokenizer, _ = load_model(context.artifacts["checkpoint"])
 

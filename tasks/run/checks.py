@@ -9,7 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
-from astrai_core.errors import AstraiError
+from astrai_core.runtime.errors import AstraiError
 from tasks.run.schema import DEMO, Params
 from tasks.run.table import MODEL_STAGES
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from astrai_core.config import DPOConfig, TrainConfig
+from astrai_core.training.config import DPOConfig, TrainConfig
 from tasks.run.schema import Params
 from tasks.run.table import CHAT, DPO_REFERENCE, MODEL_STAGES, TOKENIZER, TRAINING, model_dir
 

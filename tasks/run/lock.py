@@ -6,7 +6,7 @@ that dies, even by SIGKILL, releases it. The file holds the holder's pid, start 
 stops at once with one line naming it. The holder's token travels to its children in ASTRAI_RUN_TOKEN: the
 stages a pipeline runs (through `dvc repro`, each one `astrai stage NAME`) are part of its run and pass.
 
-What a run starts is noted in .astrai/run.record (astrai_core/proc.py `record`): the process groups of its
+What a run starts is noted in .astrai/run.record (astrai_core/runtime/proc.py `record`): the process groups of its
 subprocesses (dvc repro, torchrun), the temporary Prefect server, its MLflow runs. A clean end clears both files;
 a run killed outright leaves them, and the next run to take the lock stops those processes (checking each one's
 start time, so a reused pid is left alone) and marks those MLflow runs KILLED.
@@ -27,8 +27,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable, Iterator
 
-from astrai_core.errors import AstraiError
-from astrai_core.proc import RECORD_ENV, record, start_ticks
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.proc import RECORD_ENV, record, start_ticks
 
 LOCK = Path(".astrai") / "run.lock"
 RECORD = Path(".astrai") / "run.record"

@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple
 import yaml
 from pydantic import ValidationError
 
-from astrai_core.errors import AstraiError
+from astrai_core.runtime.errors import AstraiError
 from tasks.run.checks import check_inputs
 from tasks.run.configs import check_train_configs
 from tasks.run.schema import Params

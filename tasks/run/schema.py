@@ -15,8 +15,9 @@ from typing import Any, Literal
 
 from pydantic import Field, PositiveInt, create_model, field_validator, model_validator
 
-from astrai_core.bpe import MIN_VOCAB_SIZE
-from astrai_core.config import DPOSettings, GRPOConfig, ModelConfig, RunSettings, Strict, TwoStageConfig
+from astrai_core.model.config import ModelConfig, Strict
+from astrai_core.tokenizer.bpe import MIN_VOCAB_SIZE
+from astrai_core.training.config import DPOSettings, GRPOConfig, RunSettings, TwoStageConfig
 from tasks.evaluation.metrics import METRICS
 from tasks.run.table import MODEL_STAGES, TRAINING, check_table
 
@@ -70,7 +71,7 @@ class PackParams(Strict):
 
 class TrainingSection(RunSettings):
     """A training section of params.yaml: the training core's RunSettings (how a run trains; one default per key,
-    in astrai_core/config.py), plus how the stage launches it under torchrun."""
+    in astrai_core/training/config.py), plus how the stage launches it under torchrun."""
 
     nproc: PositiveInt | Literal["auto"] = "auto"  # torchrun processes: auto = every GPU, else every CPU core
     max_restarts: int = Field(0, ge=0)  # torchrun restarts the ranks this many times after a failure (they resume)
@@ -84,7 +85,7 @@ class PretrainParams(TrainingSection):
     """Pretraining: also the context length and where the run starts; the stage adds the paths."""
 
     seq_len: PositiveInt = 256  # also the context of the post-training stages' packed rows
-    two_stage: TwoStageConfig | None = None  # two-stage KL-regularized pretraining (astrai_core/config.py)
+    two_stage: TwoStageConfig | None = None  # two-stage KL-regularized pretraining (astrai_core/training/config.py)
     # The model the chain starts from (a MODEL: models:/NAME@ALIAS, models:/NAME/VERSION, a checkpoint directory or a
     # Hugging Face directory), or None: a new model of shape `model:`. Its tokenizer is the run's (the tokenizer
     # stage copies it) and its shape the run's (keys written under `model:` must agree with it, compared resolved).
@@ -174,7 +175,8 @@ class RegisterParams(Strict):
     # The profile the run's params came from: `astrai pipeline --profile NAME` writes it into the run's params
     # (params_of_run), and the register stage reads it from there like any other setting.
     profile: str = "default"
-    # Also attach the model as one GGUF file for llama.cpp (astrai_core/gguf_export.py) of this type; null: none.
+    # Also attach the model as one GGUF file for llama.cpp (astrai_core/convert/gguf_export.py) of this type;
+    # null: none.
     gguf: Literal["f32", "q8_0"] | None = None
 
     @field_validator("model_name")
@@ -241,7 +243,7 @@ class ClusterParams(Strict):
 def check_slurm_ranks(params: Params) -> None:
     """launcher: slurm's ranks (cluster.nodes x nproc) against each stage's tensor parallelism; ValueError naming
     the key."""
-    from astrai_core.config import check_ranks
+    from astrai_core.training.config import check_ranks
 
     cluster = params.cluster
     for stage in MODEL_STAGES:
@@ -312,7 +314,7 @@ class Params(TrainingSections):
             section = getattr(self, stage)
             # auto: checked by the ranks; launcher slurm: nodes x nproc, by check_slurm_ranks
             if section.parallel in ("tp", "fsdp+tp") and section.nproc != "auto" and self.cluster.launcher == "local":
-                from astrai_core.config import check_ranks
+                from astrai_core.training.config import check_ranks
 
                 try:
                     check_ranks(section.parallel, section.tp_size, section.nproc)

@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from astrai_core.config import TrainConfig
-from astrai_core.distributed import ERROR_FILE, rank_error
-from astrai_core.errors import TrainingError
-from astrai_core.io import write_json
+from astrai_core.runtime.errors import TrainingError
+from astrai_core.runtime.io import write_json
+from astrai_core.training.config import TrainConfig
+from astrai_core.training.distributed import ERROR_FILE, rank_error
 from tasks.run.schema import ClusterParams
 
 POLL_SECONDS = 1.0
@@ -55,7 +55,7 @@ def batch_script(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
              "--rdzv-endpoint=$ASTRAI_RDZV",
              f"--rdzv-conf=is_host=$((SLURM_PROCID == 0)),join_timeout={cluster.peer_timeout}", "--local-addr=$addr",
              "--node-rank=$SLURM_PROCID",
-             f"--max-restarts={max_restarts}", "-m", "astrai_core.train", "--config", str(config_path)]
+             f"--max-restarts={max_restarts}", "-m", "astrai_core.training.train", "--config", str(config_path)]
     # On each node: its own address, and gloo on the interface that carries it (a GLOO_SOCKET_IFNAME set by the
     # user wins). The first node's agent hosts the rendezvous store (is_host: torch would decide by comparing the
     # endpoint with what the host name resolves to).
@@ -89,7 +89,8 @@ def batch_script(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
         'export ASTRAI_RDZV=$(node_addr "$head"):$((20000 + SLURM_JOB_ID % 20000)) ASTRAI_RDZV_NODE=$head',
         'echo "astrai: rendezvous at $ASTRAI_RDZV"',
         f"export OMP_NUM_THREADS={threads} PYTHONUNBUFFERED=1",
-        "# each failing rank also appends its error line here, on the shared directory (astrai_core.distributed)",
+        "# each failing rank also appends its error line here, on the shared directory",
+        "# (astrai_core.training.distributed)",
         f"export {ERROR_FILE}=" + '"$SLURM_JOB_ID"'.join(map(shlex.quote, str(errors_path(log_path)).split("%j"))),
         f"export PYTHONPATH={shlex.quote(str(Path(__file__).resolve().parents[2]))}${{PYTHONPATH:+:$PYTHONPATH}}",
         # one task per node: SLURM_PROCID is the node's rank; the agent's arguments are expanded on its node
@@ -135,7 +136,7 @@ def follow(log_path: Path, offset: int, on_line: Callable[[str], None]) -> int:
 def launch_slurm(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_restarts: int, root: Path, *,
                  run_id: str | None = None, on_line: Callable[[str], None] = print) -> dict:
     """Run the training core as one Slurm job with `cfg`; returns the summary rank 0 wrote to cfg.out_dir, like
-    astrai_core.distributed.launch. A failure raises TrainingError with the failing rank's one-line error."""
+    astrai_core.training.distributed.launch. A failure raises TrainingError with the failing rank's one-line error."""
     stage = Path(cfg.out_dir).name
     shared = cluster.shared_path(root)
     shared.mkdir(parents=True, exist_ok=True)

@@ -22,23 +22,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from astrai_core.errors import AstraiError
+from astrai_core.runtime.errors import AstraiError
 from tasks.evaluation.metrics import METRICS
 
 DATA = Path("data")
 NAME = re.compile(r"[a-z][a-z0-9_]*")  # a stage's name: its `astrai stage NAME`, params.yaml section and data/NAME
 
 
-# The training core: every training stage runs it, so a change to any of these reruns them.
-TRAINING_CODE = (
-    "tasks/stages/training.py", "tasks/registry/models.py", "astrai_core/config.py", "astrai_core/model.py",
-    "astrai_core/train.py", "astrai_core/parallel.py", "astrai_core/strategies/__init__.py",
-    "astrai_core/strategies/base.py", "astrai_core/strategies/seq.py", "astrai_core/strategies/sft.py",
-    "astrai_core/strategies/dpo.py", "astrai_core/strategies/grpo.py", "astrai_core/data.py", "astrai_core/scoring.py",
-    "astrai_core/dpo_reference.py", "astrai_core/losses.py", "astrai_core/callbacks.py", "astrai_core/optim.py",
-    "astrai_core/model_dir.py", "astrai_core/checkpoint.py")
-# Post-training also adapters (LoRA), sampling and rewards (GRPO's, and the held-out answers' during training).
-POST_TRAINING_CODE = TRAINING_CODE + ("astrai_core/lora.py", "astrai_core/generate.py", "astrai_core/rewards.py")
+# The training core: every training stage runs it (astrai_core/training/train.py on every rank), so a change to any
+# file of these reruns them. Folders, so a module added to one is covered; tests/test_stage_table.py fails when the
+# ranks import a file outside them (.dvcignore keeps bytecode out of DVC's hash of a folder).
+TRAINING_CODE = ("tasks/stages/training.py", "tasks/registry/models.py",
+                 *(f"astrai_core/{part}" for part in ("runtime", "tokenizer", "model", "data", "checkpoint", "scoring",
+                                                      "training")),
+                 "astrai_core/generate.py")
 
 
 @dataclass(frozen=True)
@@ -62,17 +59,17 @@ class Stage:
 
 @dataclass(frozen=True)
 class TrainingStage(Stage):
-    """A training stage: the training core (astrai_core/train.py) under torchrun with `strategy`, configured by
+    """A training stage: the training core (astrai_core/training/train.py) under torchrun with `strategy`, configured by
     its params.yaml section (tasks/run/configs.py train_config). It reads every model before it in the chain (it
     starts from the last enabled one) and writes its model to `out`."""
 
-    strategy: str = "sft"  # astrai_core/strategies STRATEGIES
+    strategy: str = "sft"  # astrai_core/training/strategies STRATEGIES
     train_data: str | None = None  # what it trains on (None: the strategy's own, tasks/run/configs.py)
     val_data: str | None = None  # its held-out loss's data (None: none)
     target: str | None = None  # the held-out metric (tasks/evaluation/metrics.py) it must raise over its start
     keep: tuple[str, ...] = ()  # the metrics it must not lower against its start
     models: str = "before"
-    code: tuple[str, ...] = POST_TRAINING_CODE
+    code: tuple[str, ...] = TRAINING_CODE
     params: tuple[str, ...] = ()  # its own section is always read; these are more keys
 
     @property
@@ -85,25 +82,25 @@ CHAT = DATA / "chat"
 STAGES: tuple[Stage, ...] = (
     Stage("corpus", code=("tasks/stages/corpus.py",), params=("corpus",)),
     Stage("tokenizer", reads=("corpus",),
-          code=("tasks/stages/tokenizer.py", "tasks/registry/models.py", "astrai_core/bpe.py", "astrai_core/chat.py"),
+          code=("tasks/stages/tokenizer.py", "tasks/registry/models.py", "astrai_core/tokenizer"),
           # pretrain.init_from: the tokenizer is then the model's the chain starts from (tasks/registry/models.py)
           params=("tokenizer", "pretrain.init_from")),
     Stage("pack", reads=("corpus", "tokenizer"), out=DATA / "packed",
-          code=("tasks/stages/pack.py", "astrai_core/data.py", "astrai_core/bpe.py"), params=("pack",)),
-    TrainingStage("pretrain", strategy="seq", reads=("pack", "tokenizer"), code=TRAINING_CODE,
+          code=("tasks/stages/pack.py", "astrai_core/data/packed.py", "astrai_core/tokenizer/bpe.py"),
+          params=("pack",)),
+    TrainingStage("pretrain", strategy="seq", reads=("pack", "tokenizer"),
                   train_data="data/packed/train.h5", val_data="data/packed/validation.h5", params=("model",)),
     Stage("chat_data", reads=("corpus", "tokenizer", "pack"), out=CHAT,
           code=("tasks/stages/chat_data.py", "tasks/chat/demo_tasks.py", "tasks/chat/plays.py",
-                "tasks/chat/records.py", "astrai_core/chat.py", "astrai_core/data.py"),
+                "tasks/chat/records.py", "astrai_core/tokenizer/chat.py", "astrai_core/data/packed.py"),
           params=("chat_data", "pretrain.seq_len", "model.max_seq_len", "grpo.objective.max_new_tokens")),
     TrainingStage("sft", strategy="sft", reads=("chat_data",), train_data="data/chat/sft_train.h5",
                   val_data="data/chat/sft_test.h5", target="task_accuracy"),
     # DPO's reference log-probabilities (and on-policy pairs) from the model dpo starts from: the models before it
     Stage("dpo_reference", reads=("chat_data",), models="before",
-          code=("tasks/stages/dpo_reference.py", "tasks/stages/chat_data.py", "astrai_core/strategies/__init__.py",
-                "astrai_core/strategies/base.py", "astrai_core/strategies/seq.py", "astrai_core/strategies/sft.py",
-                "astrai_core/strategies/dpo.py", "astrai_core/strategies/grpo.py", "astrai_core/dpo_reference.py",
-                "astrai_core/data.py", "astrai_core/scoring.py", "astrai_core/generate.py", "astrai_core/rewards.py"),
+          code=("tasks/stages/dpo_reference.py", "tasks/stages/chat_data.py", "astrai_core/training/strategies",
+                "astrai_core/scoring", "astrai_core/data", "astrai_core/generate.py",
+                "astrai_core/training/rewards.py"),
           params=("dpo.enabled", "dpo.dtype", "dpo.rejected", "chat_data.seed", "grpo.objective.max_new_tokens",
                   "pretrain.seq_len", "chat_data.on_bad_record")),
     TrainingStage("dpo", strategy="dpo", reads=("dpo_reference", "chat_data"), target="preference_accuracy",
@@ -118,8 +115,8 @@ STAGES: tuple[Stage, ...] = (
           code=("tasks/run/table.py", "tasks/stages/evaluate.py", "tasks/evaluation/lm_eval_adapter.py",
                 "tasks/evaluation/lm_eval_data.py",
                 "evals/lm_eval_tasks", "tasks/evaluation/plots.py", "tasks/evaluation/metrics.py",
-                "astrai_core/scoring.py", "astrai_core/generate.py", "astrai_core/rewards.py", "astrai_core/data.py",
-                "astrai_core/dpo_reference.py"),
+                "astrai_core/scoring", "astrai_core/generate.py", "astrai_core/training/rewards.py",
+                "astrai_core/data"),
           params=("evaluate", "corpus.source", "pretrain.seq_len", "grpo.objective.max_new_tokens", "dpo.enabled",
                   "dpo.rejected"),
           files=("samples.md", "evaluation.md", "items.json", "checks.json", "chain.png", "curves.png", "chain.json",
@@ -134,8 +131,7 @@ STAGES: tuple[Stage, ...] = (
     # that version), never "restored" from an earlier run's record.
     Stage("register", reads=("evaluate/metrics.json",), models="all",
           code=("tasks/run/table.py", "tasks/stages/register.py", "tasks/registry/gate.py", "tasks/registry/lock.py",
-                "tasks/evaluation/metrics.py", "tasks/registry/pyfunc_model.py", "astrai_core/hf.py",
-                "astrai_core/gguf_export.py"),
+                "tasks/evaluation/metrics.py", "tasks/registry/pyfunc_model.py", "astrai_core/convert"),
           params=("register",), files=("registration.json",), persist=True),
 )
 BY_NAME: dict[str, Stage] = {s.name: s for s in STAGES}

@@ -2,7 +2,7 @@
 
 The Prefect flow opens a parent run and passes its id to every stage process as ASTRAI_PARENT_RUN_ID; each
 stage opens a child run under it. A stage run by plain `dvc repro` (no parent) opens a top-level run.
-The torchrun children learn the stage's run from MLFLOW_RUN_ID (see astrai_core.metric_log). A DVC experiment's
+The torchrun children learn the stage's run from MLFLOW_RUN_ID (see astrai_core.training.metric_log). A DVC experiment's
 stages, also those DVC runs in a temporary copy of the project, log to the project's own store (project_root).
 """
 
@@ -23,10 +23,10 @@ import mlflow
 import yaml
 from mlflow.exceptions import MlflowException
 
-from astrai_core.config import TrainConfig
-from astrai_core.errors import AstraiError
-from astrai_core.metric_log import mlflow_params as flatten  # the MLflow params of a config tree
-from astrai_core.proc import record
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.proc import record
+from astrai_core.training.config import TrainConfig
+from astrai_core.training.metric_log import mlflow_params as flatten  # the MLflow params of a config tree
 from tasks.run.schema import Params
 from tasks.run.table import MODEL_STAGES
 

@@ -49,11 +49,11 @@ from pathlib import Path
 
 import numpy as np
 
-from astrai_core.chat import ChatFormat, load_chat
-from astrai_core.data import PackedTokens, PackedWriter
-from astrai_core.errors import AstraiError
-from astrai_core.io import atomic_path, sha256_file, write_json
-from astrai_core.progress import advance, expect
+from astrai_core.data.packed import PackedTokens, PackedWriter
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import atomic_path, sha256_file, write_json
+from astrai_core.runtime.progress import advance, expect
+from astrai_core.tokenizer.chat import ChatFormat, load_chat
 from tasks.chat.demo_tasks import items
 from tasks.chat.plays import Speech, read_plays
 from tasks.chat.records import KINDS, check_record, read_records

@@ -30,8 +30,8 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from astrai_core.errors import AstraiError
-from astrai_core.io import atomic_path, sha256_file, write_json
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import atomic_path, sha256_file, write_json
 from tasks.run.schema import CorpusParams
 
 SPLITS = ("train", "validation", "test")

@@ -13,15 +13,15 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from astrai_core.chat import ChatFormat, load_chat
-from astrai_core.data import PackedWriter
-from astrai_core.distributed import resolve_device
-from astrai_core.dpo_reference import reference_logps, save_reference_logps
-from astrai_core.errors import AstraiError
-from astrai_core.io import atomic_path, sha256_file, write_json
-from astrai_core.model_dir import load_model
-from astrai_core.rewards import exact_answer
-from astrai_core.scoring import answer_questions
+from astrai_core.checkpoint.model_dir import load_model
+from astrai_core.data.packed import PackedWriter
+from astrai_core.runtime.device import resolve_device
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import atomic_path, sha256_file, write_json
+from astrai_core.scoring.dpo_reference import reference_logps, save_reference_logps
+from astrai_core.scoring.metrics import answer_questions
+from astrai_core.tokenizer.chat import ChatFormat, load_chat
+from astrai_core.training.rewards import exact_answer
 from tasks.run.configs import dpo_pairs, start_model
 from tasks.run.schema import Params
 from tasks.run.table import CHAT, DPO_REFERENCE

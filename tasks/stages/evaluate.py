@@ -6,13 +6,14 @@ conversations (assistant tokens), task accuracy on held-out GRPO-style questions
 overall and per task family when the records name one), pass@1 and pass@k of sampled replies to them, preference
 accuracy on held-out DPO pairs (chosen more likely than rejected), and the task accuracy on as many training
 prompts (not held out) to tell "learned nothing" from "did not transfer". Every accuracy has its 95% Wilson
-interval and its item count, pass@k the Wilson interval of its mean over the questions (astrai_core/scoring.py).
+interval and its item count, pass@k the Wilson interval of its mean over the questions
+(astrai_core/scoring/statistics.py).
 
 Checks: each post-training stage against its starting model, the model before it in the chain (a disabled stage
 passes its model on, so it is skipped here too), on the same items. A stage must raise its target metric (its
 `target` in the stage table, tasks/run/table.py) beyond the interval: the 95% interval of the paired difference of
-per-item correctness (Newcombe's, see astrai_core.scoring.paired_difference) lies above 0; and must not lower a
-metric it should keep beyond it (the interval lies below 0). The final model's test bits/char must be within 5% of
+per-item correctness (Newcombe's, see astrai_core.scoring.statistics.paired_difference) lies above 0; and must not lower
+a metric it should keep beyond it (the interval lies below 0). The final model's test bits/char must be within 5% of
 the pretrained model's (no forgetting). A failed check is a flag, never hidden: a WARNING line in this stage's log
 (the flow's task log), a tag `astrai.flag.<stage>` on the evaluate stage's MLflow run (tasks/stages/runner.py), and a
 mark in evaluation.md.
@@ -44,18 +45,18 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from astrai_core.chat import load_chat
-from astrai_core.config import ModelConfig
-from astrai_core.data import PackedTokens
-from astrai_core.distributed import model_device, resolve_device
-from astrai_core.errors import AstraiError
-from astrai_core.model_dir import load_model
-from astrai_core.scoring import (answer_questions, masked_token_loss, paired_difference, pass_at_k, preference_margins,
-                                  sequence_nll, summarize, unigram_nll, wilson_interval)
+from astrai_core.checkpoint.model_dir import load_model
+from astrai_core.data.packed import PackedTokens
 from astrai_core.generate import generate_text
-from astrai_core.io import atomic_path, sha256_file, write_json
-from astrai_core.progress import Progress, advance, expect
-from astrai_core.rewards import exact_answer, valid_option
+from astrai_core.model.config import ModelConfig
+from astrai_core.runtime.device import model_device, resolve_device
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import atomic_path, sha256_file, write_json
+from astrai_core.runtime.progress import Progress, advance, expect
+from astrai_core.scoring.metrics import answer_questions, masked_token_loss, preference_margins, sequence_nll
+from astrai_core.scoring.statistics import paired_difference, pass_at_k, summarize, unigram_nll, wilson_interval
+from astrai_core.tokenizer.chat import load_chat
+from astrai_core.training.rewards import exact_answer, valid_option
 from tasks.evaluation.metrics import MAX_FORGETTING, METRICS
 from tasks.run.configs import dpo_pairs
 from tasks.run.schema import Params

@@ -1,9 +1,9 @@
 """Pack stage: corpus splits + tokenizer -> data/packed/{train,validation,test}.h5 + stats.json.
 
-Each document becomes its token ids followed by <|end_of_text|>, appended end to end (see astrai_core/data.py for
+Each document becomes its token ids followed by <|end_of_text|>, appended end to end (see astrai_core/data/packed.py for
 the file format). Text is read line by line and encoded in batches of at most `batch_documents` documents and
 `batch_characters` characters; a longer document is encoded in pieces of at most `batch_characters`, cut before a
-space, where the tokenizer splits anyway (astrai_core.bpe.piece_bounds), so its tokens are those of the whole
+space, where the tokenizer splits anyway (astrai_core.tokenizer.bpe.piece_bounds), so its tokens are those of the whole
 and stream into the file one chunk at a time. Memory is then the budget's plus the longest document's text, not
 the tokenizer's working memory of the whole document (gigabytes for 50 MB of text).
 
@@ -16,11 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from astrai_core.data import PackedWriter
-from astrai_core.errors import AstraiError
-from astrai_core.io import atomic_path, sha256_file, write_json
-from astrai_core.progress import expect
-from astrai_core.bpe import load_tokenizer, piece_bounds, specials
+from astrai_core.data.packed import PackedWriter
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import atomic_path, sha256_file, write_json
+from astrai_core.runtime.progress import expect
+from astrai_core.tokenizer.bpe import load_tokenizer, piece_bounds, specials
 from tasks.run.schema import PackParams
 from tasks.stages.corpus import SPLITS
 from tasks.stages.tokenizer import corpus_documents, iter_texts

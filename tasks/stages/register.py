@@ -13,7 +13,7 @@ registered again: the stage reports that version and moves no alias. A flow run 
 "<model_name>-<profile>" (the quick profile's throwaway models never become `astrai@candidate`), and every version is
 tagged with its profile; `register.enabled: false` registers nothing. Each version
 is tagged with the metric it was chosen by, the stage that trained it and its held-out metrics. The model's
-artifacts are the checkpoint and its Hugging Face export (`hf`, see astrai_core/hf.py), so a version loads with
+artifacts are the checkpoint and its Hugging Face export (`hf`, see astrai_core/convert/hf.py), so a version loads with
 transformers too; with `register.gguf: f32|q8_0` also one GGUF file for llama.cpp (`gguf`: artifacts/model.gguf). Alone: `astrai stage register`.
 """
 
@@ -33,12 +33,12 @@ import yaml
 from mlflow.exceptions import MlflowException
 
 import astrai_core
-from astrai_core.errors import AstraiError
-from astrai_core.gguf_export import export_gguf
-from astrai_core.hf import export_hf
-from astrai_core.io import sha256_file, write_json
-from astrai_core.model_dir import read_model_config
-from astrai_core.progress import advance, expect
+from astrai_core.checkpoint.model_dir import read_model_config
+from astrai_core.convert.gguf_export import export_gguf
+from astrai_core.convert.hf import export_hf
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import sha256_file, write_json
+from astrai_core.runtime.progress import advance, expect
 from tasks.evaluation.metrics import METRICS, better
 from tasks.registry.gate import (FORGETTING, GATE_ITEMS, PENDING, REGISTRATION, champion_record, gate, gate_record,
                                  no_skill, version_by_alias, versions_with_weights)

@@ -13,7 +13,7 @@ from typing import Callable
 
 import mlflow
 
-from astrai_core.progress import Progress
+from astrai_core.runtime.progress import Progress
 from tasks.run.schema import Params
 from tasks.run.table import CHAT, CORPUS, EVALUATE, PACKED, REGISTER, STAGES, TOKENIZER, TRAINING, model_dir
 from tasks.run.tracking import stage_run
@@ -117,7 +117,7 @@ RUNNERS: dict[str, Callable[[Params, Path], None]] = {
 def run_stage(name: str, params: Params, project_dir: Path | None = None) -> None:
     """Run one stage in its own MLflow run (child of the pipeline's run when the flow started it). A stage other
     than training (whose step lines carry their eta) prints its progress at least every ASTRAI_PROGRESS_SECONDS
-    (astrai_core/progress.py): what its loops count, how far they are, an eta."""
+    (astrai_core/runtime/progress.py): what its loops count, how far they are, an eta."""
     if name not in RUNNERS:
         raise KeyError(f"unknown stage {name!r}; stages: {', '.join(RUNNERS)}")
     root = Path(project_dir or os.getcwd()).resolve()

@@ -2,8 +2,8 @@
 
 Trained on the train split only, so validation and test text never shapes the vocabulary. A long document is
 fed to the trainer in pieces of at most PIECE_CHARACTERS, cut before a space as the pack stage cuts them
-(astrai_core.bpe.piece_bounds): the pre-tokenizer splits there anyway, so the trainer counts the same words and
-learns the same vocabulary and merges, while its memory follows the piece, not the longest line (a 20 MB
+(astrai_core.tokenizer.bpe.piece_bounds): the pre-tokenizer splits there anyway, so the trainer counts the same words
+and learns the same vocabulary and merges, while its memory follows the piece, not the longest line (a 20 MB
 single-line document held 2.16 GB; bench/tokenizer_memory.py). With
 `tokenizer.source: PATH` (a checkpoint directory, e.g. `astrai import-hf`'s, or a tokenizer.json) the stage
 copies that tokenizer byte for byte instead, so `pretrain.init_from` that checkpoint accepts the packed data.
@@ -19,11 +19,11 @@ import shutil
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from astrai_core.chat import DEFAULT_TEMPLATE, TEMPLATE_FILE, load_chat
-from astrai_core.errors import AstraiError
-from astrai_core.io import atomic_path
-from astrai_core.progress import advance, expect
-from astrai_core.bpe import SPECIALS_FILE, load_tokenizer, piece_bounds, train_tokenizer
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import atomic_path
+from astrai_core.runtime.progress import advance, expect
+from astrai_core.tokenizer.bpe import SPECIALS_FILE, load_tokenizer, piece_bounds, train_tokenizer
+from astrai_core.tokenizer.chat import DEFAULT_TEMPLATE, TEMPLATE_FILE, load_chat
 from tasks.run.schema import TokenizerParams
 
 
@@ -67,7 +67,8 @@ def copy_tokenizer(source: str, out_dir: Path) -> Path:
             shutil.copyfile(template, tmp / TEMPLATE_FILE)
         else:
             (tmp / TEMPLATE_FILE).write_text(DEFAULT_TEMPLATE)
-        if (own := path.with_name(SPECIALS_FILE)).is_file():  # a model's own special tokens (astrai_core/bpe.py)
+        # a model's own special tokens (astrai_core/tokenizer/bpe.py)
+        if (own := path.with_name(SPECIALS_FILE)).is_file():
             shutil.copyfile(own, tmp / SPECIALS_FILE)
     return out_dir / "tokenizer.json"
 

@@ -20,12 +20,13 @@ from typing import Callable
 
 from pydantic import ValidationError
 
-from astrai_core.config import ModelConfig, TrainConfig
-from astrai_core.distributed import launch, resolve_nproc
-from astrai_core.model_dir import read_model_config
-from astrai_core.train import check_train_inputs
-from astrai_core.errors import AstraiError
-from astrai_core.io import CHECKPOINT, atomic_path, write_json
+from astrai_core.checkpoint.model_dir import read_model_config
+from astrai_core.model.config import ModelConfig
+from astrai_core.runtime.errors import AstraiError
+from astrai_core.runtime.io import CHECKPOINT, atomic_path, write_json
+from astrai_core.training.config import TrainConfig
+from astrai_core.training.distributed import launch, resolve_nproc
+from astrai_core.training.train import check_train_inputs
 from tasks.run.configs import start_model, train_config
 from tasks.run.params import validation_message
 from tasks.run.schema import Params

@@ -1,0 +1,69 @@
+"""Where this process computes: its place in the job (Dist: rank, local rank, world size, device), the data-parallel
+group whose ranks see different batches (DataGroup), and the device helpers every part asks (which device a setting
+names, where a model's weights are, whether bf16 is native there). Setting the job up is training/distributed.py's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from astrai_core.runtime.errors import AstraiError
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
+class DataGroup:
+    """The ranks that see different batches, and this rank's place among them: every rank under ddp and fsdp;
+    under tp and fsdp+tp one per TP group (the mesh's "dp" dimension), since the ranks of a TP group compute one
+    model on the same batch. Sums of data counts and losses run over these ranks, so TP copies never count twice."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None = None  # None: every rank
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
+        return x
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """The device a setting names: "auto" is the GPU when torch sees one, else the CPU; "cuda" without one is
+    refused naming the setting's values (every stage, `astrai generate` and `astrai serve` ask here)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda") or (name == "cuda" and not torch.cuda.is_available()):
+        raise AstraiError(f"device {name}: expected auto, cpu or cuda (and cuda needs a GPU build of torch and a GPU)")
+    return torch.device(name)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where `model`'s weights are (the CPU for a model without any): what scoring and generation compute on."""
+    return next(model.parameters(), torch.empty(0)).device
+
+
+def bf16_native(device: torch.device) -> bool:
+    """Whether `device` computes bf16 matmuls natively: a GPU that supports bf16, a CPU with AVX-512 BF16 or AMX.
+    Elsewhere autocast emulates bf16 (measured on an AVX2-only EPYC: a 2048x256x768 matmul with its backward
+    0.90 s in bf16 vs 0.18 s in fp32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def uses_bf16(dtype: str, device: torch.device) -> bool:
+    """Whether a TrainConfig.dtype (fp32, bf16, or auto: bf16 where native) runs the forward in bf16 autocast."""
+    return dtype == "bf16" or (dtype == "auto" and bf16_native(device))

@@ -1,0 +1,1 @@
+"""Text to token ids and back: the byte-level BPE and its special tokens (bpe), the chat format (chat)."""
