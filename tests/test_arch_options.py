@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from astrai_core.model.config import ModelConfig
-from astrai_core.model.transformer import Transformer, cross_entropy_loss
+from astrai_core.model.losses import cross_entropy_loss
+from astrai_core.model.transformer import Transformer
 
 TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 OPTIONS = {

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from astrai_core.model.config import ModelConfig
-from astrai_core.model.transformer import MLP, Transformer, cross_entropy_loss, rope_tables
+from astrai_core.model.losses import cross_entropy_loss
+from astrai_core.model.transformer import MLP, Transformer, rope_tables
 
 TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 MLA = dict(attention="mla", mla_kv_rank=16, mla_rope_dim=8)

@@ -98,8 +98,8 @@ def test_make_run_deployment_without_a_server_says_so_in_one_line():
     out = _run(["make", "-s", "run-deployment", f"PREFECT_PORT={port}"], PROJECT_ROOT, timeout=60)
     assert out.returncode != 0 and "Traceback" not in out.stdout + out.stderr
     ours = [line for line in out.stderr.splitlines() if line.startswith("astrai: error: ")]
-    assert ours == [f"astrai: error: Makefile: no Prefect server on http://127.0.0.1:{port}; start one, a worker and the "
-                    "deployment with: make server worker deploy"], out.stderr
+    assert ours == [f"astrai: error: Makefile: no Prefect server at http://127.0.0.1:{port}/api; start one, a worker and "
+                    "the deployment with: make server worker deploy"], out.stderr
 
 
 def test_a_failing_rank_also_appends_its_error_line_to_the_error_file(tmp_path):

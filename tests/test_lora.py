@@ -13,7 +13,8 @@ from astrai_core.runtime.errors import AstraiError
 from astrai_core.runtime.io import OUTPUT_MARK
 from astrai_core.model.lora import (LoRALinear, apply_lora, count_trainable, load_adapters, lora_state_dict,
                                     merge_lora, save_adapters)
-from astrai_core.model.transformer import Transformer, cross_entropy_loss
+from astrai_core.model.losses import cross_entropy_loss
+from astrai_core.model.transformer import Transformer
 
 TINY = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
 DENSE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from astrai_core.checkpoint.model_dir import load_model, save_checkpoint
 from astrai_core.generate import generate, generate_text
 from astrai_core.model.config import ModelConfig
-from astrai_core.model.transformer import RMSNorm, Transformer, apply_rope, cross_entropy_loss, rope_tables
+from astrai_core.model.losses import cross_entropy_loss
+from astrai_core.model.transformer import RMSNorm, Transformer, apply_rope, rope_tables
 from astrai_core.runtime.errors import AstraiError
 
 TINY = dict(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)

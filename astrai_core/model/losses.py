@@ -12,6 +12,12 @@ IGNORE_INDEX = -100  # a target with this id is masked: no loss, not counted
 CHUNKED_DEVICES = ("cpu",)  # where token_loss_sum walks the logits in cache-sized chunks (eagerly): faster there
 
 
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean next-token loss over targets != ignore_index. logits (..., V), targets (...); computed in fp32 (the
+    tests' reference; training sums token_loss_sum over its tokens instead)."""
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=ignore_index)
+
+
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
     """Sum of next-token cross-entropy over targets != IGNORE_INDEX, in fp32: F.cross_entropy(logits.float(),
     reduction="sum", label_smoothing=...). logits (..., V), targets (...).

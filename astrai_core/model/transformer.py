@@ -439,8 +439,3 @@ def estimated_params(cfg: ModelConfig) -> int:
     embed = cfg.vocab_size * D * (1 if cfg.tie_embeddings else 2)
     embed += cfg.vocab_size * cfg.n_kv_heads * hd if cfg.value_embeds else 0
     return embed + cfg.n_layers * (attn + mlp)
-
-
-def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean next-token loss over targets != ignore_index. logits (..., V), targets (...); computed in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=ignore_index)
