@@ -1,0 +1,73 @@
+"""Held-out greedy task accuracy and bits/char of checkpoints, each paired against the first: what the evaluate
+stage measures for those two metrics (the same questions, replies, scoring and test tokens), without scoring every
+model of the chain. For comparing one stage's settings quickly, e.g. GRPO variants from the same DPO model:
+
+    python bench/task_accuracy.py --root RUN --params RUN/params.yaml RUN/data/dpo OUT/grpo_a OUT/grpo_b \
+        [--out bench/REPORT.json]
+
+RUN: a checkout whose data/ holds the run (data/chat/grpo_test.jsonl, data/packed/test.h5); the first
+evaluate.task_examples questions, evaluate.max_tokens test tokens in windows of evaluate.seq_len.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from astrai_core.checkpoint.model_dir import load_model  # noqa: E402
+from astrai_core.scoring.metrics import answer_questions, sequence_nll  # noqa: E402
+from astrai_core.scoring.statistics import paired_difference, summarize  # noqa: E402
+from astrai_core.tokenizer.chat import load_chat  # noqa: E402
+from astrai_core.training.rewards import exact_answer  # noqa: E402
+from bench.serving import machine  # noqa: E402
+from tasks.run.params import load_params  # noqa: E402
+from tasks.run.table import CHAT  # noqa: E402
+from tasks.stages.evaluate import _read_jsonl, _test_tokens  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoints", type=Path, nargs="+", help="the first is the baseline")
+    ap.add_argument("--root", type=Path, required=True)
+    ap.add_argument("--params", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    params = load_params(args.params)
+    p = params.evaluate
+    questions = _read_jsonl(args.root / CHAT / "grpo_test.jsonl")[: p.task_examples]
+    tokens, n_chars, _ = _test_tokens(params, args.root, args.checkpoints[0])
+    rows, right = [], {}
+    for ckpt in args.checkpoints:
+        model, _, cfg = load_model(ckpt)
+        nll, n = sequence_nll(model, tokens, min(p.seq_len or cfg.max_seq_len, cfg.max_seq_len), p.batch_size)
+        replies = [r[0] for r in answer_questions(model, load_chat(ckpt / "tokenizer.json"), questions,
+                                                  params.grpo.objective.max_new_tokens)]
+        right[ckpt] = [bool(exact_answer(c, q)) for c, q in zip(replies, questions)]
+        families: dict[str, list[bool]] = {}
+        for ok, q in zip(right[ckpt], questions):
+            families.setdefault(q.get("task"), []).append(ok)
+        row = {"checkpoint": str(ckpt), "test_bits_per_char": round(summarize(nll, n, n_chars)["bits_per_char"], 4),
+               "task_accuracy": round(sum(right[ckpt]) / len(questions), 4),
+               "families": {k: round(sum(v) / len(v), 3) for k, v in families.items()}}
+        if ckpt != args.checkpoints[0]:
+            diff = paired_difference(right[args.checkpoints[0]], right[ckpt])
+            row["task_accuracy_difference"] = [round(x, 4) for x in diff]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del model
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if args.out:
+        report = {"machine": machine(), "questions": len(questions), "test_tokens": len(tokens), "rows": rows}
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
