@@ -182,3 +182,31 @@ def test_a_full_disk_is_one_line_naming_the_output(tmp_path, core_tiny_data, com
         assert list(full.iterdir()) == []
     finally:
         subprocess.run(["umount", str(full)], check=True)
+
+
+@pytest.mark.parametrize("free_pages", [1, 3])
+def test_astrai_train_on_a_full_disk_is_one_line_and_leaves_no_empty_folders(tmp_path, core_tiny_data, free_pages):
+    """Issue 50 (15): `astrai train` with its out_dir on a full disk said what failed but left empty `t.ckpts/`
+    and `t.logs/` behind. One line naming the output and "disk full", exit 2, and no empty folder left: the disk has room for the
+    launcher's config file and nothing more (its first metrics line fails), then for a few lines (the final save
+    fails: the steps logged stay)."""
+    import yaml
+
+    from test_train import make_cfg
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    full = tmp_path / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(full)], check=True)
+    try:
+        (full / "ballast").write_bytes(b"x" * 4096 * (4 - free_pages))  # a 4-page disk
+        cfg = make_cfg(core_tiny_data, full / "t", max_steps=6)
+        (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+        out = run_astrai(tmp_path, "train", "--config", str(tmp_path / "cfg.yaml"), "--nproc", "1")
+        assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr
+        assert out.stderr.startswith(f"astrai: error: {full / 't'}: disk full while "), out.stderr
+        left = {f.relative_to(full).as_posix(): f.stat().st_size for f in full.rglob("*") if f.is_file()}
+        assert all(left.values()) and {f.name for f in full.iterdir()} == {"ballast", *{f.split("/")[0] for f in left}}, left
+    finally:
+        subprocess.run(["umount", str(full)], check=True)

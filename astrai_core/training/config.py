@@ -263,6 +263,11 @@ class TrainConfig(RunSettings):
         """Where the resumable checkpoints live."""
         return self.checkpoint_dir or f"{self.out_dir}.ckpts"
 
+    @property
+    def logs(self) -> str:
+        """Where the run's metrics.jsonl lives (beside out_dir)."""
+        return f"{self.out_dir}.logs"
+
     def used(self) -> dict:
         """The settings this run trains with (what its MLflow run's params show): all but the other methods' own,
         whose defaults would contradict params.yaml (a seq run has no dpo.beta)."""

@@ -216,8 +216,14 @@ def launch(cfg: TrainConfig, nproc: int, max_restarts: int = 0, *, run_id: str |
     write_json(config_path, cfg.model_dump(mode="json"))
     env = {"MLFLOW_RUN_ID": run_id} if run_id else {}
     on_line(f"{out_dir.name}: torchrun with {nproc} process(es), strategy {cfg.strategy}, config {config_path}")
+    new = [Path(p) for p in (cfg.checkpoints, cfg.logs) if not Path(p).exists()]
     try:
         run_torchrun(config_path, nproc, env=env, on_line=on_line, max_restarts=max_restarts)
+    except BaseException:
+        for path in new:  # a failed run leaves what it wrote (steps logged, checkpoints), not empty folders
+            if path.is_dir() and not any(f.stat().st_size for f in path.rglob("*") if f.is_file()):
+                shutil.rmtree(path, ignore_errors=True)
+        raise
     finally:
         config_path.unlink(missing_ok=True)
     shutil.rmtree(cfg.checkpoints, ignore_errors=True)  # they only serve to resume an unfinished run

@@ -61,7 +61,7 @@ from astrai_core.data.batches import open_checked
 from astrai_core.runtime import env
 from astrai_core.runtime.device import DataGroup, Dist
 from astrai_core.runtime.errors import AstraiError, TrainingError
-from astrai_core.runtime.io import sha256_file
+from astrai_core.runtime.io import disk_full, sha256_file
 from astrai_core.training.callbacks import Callback, ProgressBar, RunState
 from astrai_core.training.config import TrainConfig
 from astrai_core.training.distributed import cleanup, init_distributed, lost_peers, report_error
@@ -299,7 +299,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] | None = None) -> dict:
     if (ckpt := checkpointer.resume(run)) is not None:
         print0(f"resuming from {ckpt} (step {run.step})")
     # metrics.jsonl + MLflow on rank 0, a no-op elsewhere; a resumed run keeps the lines up to its checkpoint.
-    log = MetricLogger(Path(cfg.out_dir).with_name(Path(cfg.out_dir).name + ".logs"), enabled=d.is_main,
+    log = MetricLogger(cfg.logs, enabled=d.is_main,
                        resume_step=run.resumed_from)
     print0(t.describe)
 
@@ -403,6 +403,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", choices=["auto", "never"], default=None,
                         help="auto: continue from the newest valid checkpoint of this run (default: the config's)")
     args = parser.parse_args(argv)
+    cfg = None
     try:
         cfg = TrainConfig.model_validate_json(Path(args.config).read_text())
         if args.resume:
@@ -413,6 +414,8 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()  # a bug: its traceback stays in the log, the line below says what failed
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         message = message if isinstance(e, AstraiError) else f"{type(e).__name__}: {message}"
+        if not isinstance(e, AstraiError) and (why := disk_full(e)):  # the run's outputs, not a library's words
+            message = f"{cfg.out_dir if cfg else args.config}: disk full while training ({why})"
         if (lost := lost_peers(e)) is not None:
             message = f"{lost}: {message}"
         report_error(message)
