@@ -6,7 +6,7 @@ strategy and the held-out metric it must raise. Everything that depends on which
   dvc.yaml that differs;
 * params.yaml: one section per training stage, of its strategy's schema (tasks/run/schema.py SECTIONS);
 * the chain: each training stage starts from the model of the enabled training stage before it, and the last
-  trained model is the final one (tasks/stages/training.py);
+  trained model is the final one (final_model below);
 * the evaluation: every trained model side by side, each post-training model against its starting model on its
   `target` (and its `keep` metrics), and the headline of `dvc metrics show` (tasks/stages/evaluate.py).
 
@@ -190,6 +190,22 @@ def models_before(stage: str) -> tuple[str, ...]:
     """The training stages before `stage` in the table (whichever kind `stage` is)."""
     names = [s.name for s in STAGES]
     return tuple(m for m in MODEL_STAGES if names.index(m) < names.index(stage))
+
+
+def previous_model(root: Path, stage: str | None = None) -> Path:
+    """The newest trained model before training stage `stage` (None: of the whole chain) in the stage table's order;
+    skipped stages pass their input on."""
+    chain = MODEL_STAGES[: MODEL_STAGES.index(stage)] if stage else MODEL_STAGES
+    for name in reversed(chain):
+        d = model_dir(root, name)
+        if (d / "model.safetensors").is_file():
+            return d
+    raise AstraiError(f"no trained model before stage {stage or 'evaluate'!r}; run the pretrain stage first")
+
+
+def final_model(root: Path) -> Path:
+    """The last trained model of the chain: what evaluation reports last and register registers."""
+    return previous_model(root)
 
 
 # ---- dvc.yaml, written from the table ----------------------------------------------------------------------------

@@ -60,8 +60,7 @@ from astrai_core.training.rewards import exact_answer, valid_option
 from tasks.evaluation.metrics import MAX_FORGETTING, METRICS
 from tasks.run.configs import dpo_pairs
 from tasks.run.schema import Params
-from tasks.run.table import CHAT, CORPUS, MODEL_STAGES, PACKED, TRAINING, model_dir
-from tasks.stages.training import final_model
+from tasks.run.table import CHAT, CORPUS, MODEL_STAGES, PACKED, TRAINING, final_model, model_dir
 
 MIN_ITEMS = 500  # fewer held-out items than this per metric is reported as a warning: intervals get wide
 
