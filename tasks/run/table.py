@@ -112,9 +112,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("evaluate", reads=("pack", "chat_data", "dpo_reference", "corpus"), models="all",
           # table.py: which models there are (a removed stage's results must not stand: DVC does not see a
           # dependency that left the list)
-          code=("tasks/run/table.py", "tasks/stages/evaluate.py", "tasks/evaluation/lm_eval_adapter.py",
-                "tasks/evaluation/lm_eval_data.py",
-                "evals/lm_eval_tasks", "tasks/evaluation/plots.py", "tasks/evaluation/metrics.py",
+          code=("tasks/run/table.py", "tasks/stages/evaluate.py", "tasks/evaluation", "evals/lm_eval_tasks",
                 "astrai_core/scoring", "astrai_core/generate.py", "astrai_core/training/rewards.py",
                 "astrai_core/data"),
           params=("evaluate", "corpus.source", "pretrain.seq_len", "grpo.objective.max_new_tokens", "dpo.enabled",
@@ -131,7 +129,8 @@ STAGES: tuple[Stage, ...] = (
     # that version), never "restored" from an earlier run's record.
     Stage("register", reads=("evaluate/metrics.json",), models="all",
           code=("tasks/run/table.py", "tasks/stages/register.py", "tasks/registry/gate.py", "tasks/registry/lock.py",
-                "tasks/evaluation/metrics.py", "tasks/registry/pyfunc_model.py", "astrai_core/convert"),
+                "tasks/evaluation/metrics.py", "tasks/evaluation/samples.py", "tasks/registry/pyfunc_model.py",
+                "astrai_core/convert"),
           params=("register",), files=("registration.json",), persist=True),
 )
 BY_NAME: dict[str, Stage] = {s.name: s for s in STAGES}
