@@ -28,8 +28,8 @@ from astrai_core.tokenizer.chat import load_chat  # noqa: E402
 from astrai_core.training.rewards import exact_answer  # noqa: E402
 from bench.serving import machine  # noqa: E402
 from tasks.run.params import load_params  # noqa: E402
-from tasks.run.table import CHAT  # noqa: E402
-from tasks.stages.evaluate import _read_jsonl, _test_tokens  # noqa: E402
+from tasks.evaluation.held_out import read_jsonl, read_test_tokens  # noqa: E402
+from tasks.run.table import CHAT, PACKED  # noqa: E402
 
 
 def main() -> None:
@@ -41,8 +41,8 @@ def main() -> None:
     args = ap.parse_args()
     params = load_params(args.params)
     p = params.evaluate
-    questions = _read_jsonl(args.root / CHAT / "grpo_test.jsonl")[: p.task_examples]
-    tokens, n_chars, _ = _test_tokens(params, args.root, args.checkpoints[0])
+    questions = read_jsonl(args.root / CHAT / "grpo_test.jsonl")[: p.task_examples]
+    tokens, n_chars, _ = read_test_tokens(args.root / PACKED / "test.h5", args.checkpoints[0], p.max_tokens)
     rows, right = [], {}
     for ckpt in args.checkpoints:
         model, _, cfg = load_model(ckpt)

@@ -13,8 +13,10 @@ import torch
 
 from astrai_core.scoring.metrics import sequence_nll
 from astrai_core.scoring.statistics import Z95, paired_difference, pass_at_k, summarize, unigram_nll, wilson_interval
-from tasks.stages.evaluate import pass_metrics
-from tasks.stages.evaluate import Check, evaluation_markdown, flag_tags, grpo_why, stage_checks
+from tasks.evaluation.checks import Check, flag_tags, grpo_why, stage_checks
+from tasks.evaluation.intervals import pass_metrics
+from tasks.evaluation.report import evaluation_markdown
+from tasks.run.table import TRAINING
 from test_posttrain import MODEL, chat_setup  # noqa: F401  (a module fixture: tokenizer, chat files, random model)
 
 
@@ -143,7 +145,7 @@ def test_each_stage_is_checked_against_its_starting_model_and_failures_are_flagg
     items = _items(pretrain=(none, some), sft=(some, some), grpo=(some, some))  # dpo disabled: grpo starts from sft
     metrics = {"final_model": "grpo", "pretrain/test_bits_per_char": 2.0, "grpo/test_bits_per_char": 2.2,
                "unigram_bits_per_char": 4.0}
-    checks = stage_checks(["pretrain", "sft", "grpo"], items, metrics)
+    checks = stage_checks(["pretrain", "sft", "grpo"], items, metrics, TRAINING)
     assert [(c.stage, c.start, c.metric, c.rule, c.passed) for c in checks] == [
         ("sft", "pretrain", "task_accuracy", "raise", True),
         ("grpo", "sft", "task_accuracy", "raise", False),  # identical results: not beyond the interval
@@ -154,7 +156,7 @@ def test_each_stage_is_checked_against_its_starting_model_and_failures_are_flagg
     items = _items(pretrain=(none, none), sft=(more, some), dpo=(some, more))
     metrics = {"final_model": "dpo", "pretrain/test_bits_per_char": 2.0, "dpo/test_bits_per_char": 2.05,
                "unigram_bits_per_char": 4.0}
-    checks = stage_checks(["pretrain", "sft", "dpo"], items, metrics)
+    checks = stage_checks(["pretrain", "sft", "dpo"], items, metrics, TRAINING)
     assert [(c.stage, c.metric, c.rule, c.passed) for c in checks] == [
         ("sft", "task_accuracy", "raise", True), ("dpo", "preference_accuracy", "raise", True),
         ("dpo", "task_accuracy", "keep", False), ("dpo", "test_bits_per_char", "forget", True)]
@@ -174,7 +176,7 @@ def test_a_grpo_flag_says_what_grpo_had_to_learn_from():
                "pass_samples": 8, "pass_k": 8, "sft/pass_at_k": 0.576, "sft/task_accuracy": 0.08}
     curves = {"grpo": [{"step": 1, "grpo/zero_spread_fraction": 0.75}, {"step": 2, "train/loss": 0.1},
                        {"step": 3, "grpo/zero_spread_fraction": 0.25}]}
-    checks = stage_checks(["pretrain", "sft", "grpo"], items, metrics, curves)
+    checks = stage_checks(["pretrain", "sft", "grpo"], items, metrics, TRAINING, curves)
     assert [c.why for c in checks] == ["", grpo_why(metrics, "sft", curves["grpo"]), ""]  # only the failed GRPO one
     assert checks[1].describe() == (
         "grpo did not beat its starting model sft on task_accuracy: +0.0000 (95% interval -0.0075 to +0.0075). Why: "
@@ -344,14 +346,15 @@ def test_each_prompts_sample_has_its_own_draws(tmp_path):
     The same prompt twice: two sampled texts that differ (greedy ones stay equal), and the same file on a rerun."""
     from astrai_core.tokenizer.bpe import train_tokenizer
     from conftest import _core_text, sharp_random_model
+    from tasks.evaluation.samples import samples_markdown
     from tasks.run.schema import Params
-    from tasks.stages.evaluate import _samples
 
     tok = train_tokenizer([_core_text(200, seed=1)], vocab_size=300)
     model = sharp_random_model(vocab_size=tok.get_vocab_size(), dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                                max_seq_len=64)
-    params = Params(evaluate={"prompts": ["the king", "the king"], "max_new_tokens": 24})
-    text = _samples(params, tmp_path, model, tok)
+    p = Params(evaluate={"max_new_tokens": 24}).evaluate
+    settings = dict(temperature=p.temperature, max_new_tokens=p.max_new_tokens, top_k=p.top_k, seed=p.seed)
+    text = samples_markdown(model, tok, ["the king", "the king"], **settings)
     blocks = text.split("```")[1::2]  # greedy, sampled; greedy, sampled
     assert blocks[0] == blocks[2] and blocks[1] != blocks[3], text
-    assert _samples(params, tmp_path, model, tok) == text
+    assert samples_markdown(model, tok, ["the king", "the king"], **settings) == text

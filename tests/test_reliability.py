@@ -192,7 +192,8 @@ def test_metrics_compare_across_commits_and_plots_render(tmp_path):
 
     from conftest import VENV_BIN, make_project, run_ok
     from tasks.evaluation.plots import plot_chain, plot_curves
-    from tasks.stages.evaluate import headline, training_curves, write_plot_data
+    from tasks.evaluation.plots import write_plot_data
+    from tasks.stages.evaluate import headline, training_curves
 
     repo = tmp_path / "project"
     env = make_project(repo, tmp_path / "remote", "unused")

@@ -112,19 +112,19 @@ def test_init_from_takes_the_tokenizer_and_refuses_a_second_one(project):
 
 
 def test_samples_start_from_the_users_held_out_text(chain):
-    from tasks.stages.evaluate import DEMO_PROMPTS, sample_prompts
+    from tasks.evaluation.samples import DEMO_PROMPTS, sample_prompts
 
     project, params = chain
     held_out = [json.loads(line)["text"] for split in ("test", "validation")
                 for line in (project / f"data/corpus/{split}.jsonl").read_text().splitlines()]
-    prompts = sample_prompts(params, project)
+    corpus = project / "data/corpus"
+    prompts = sample_prompts(params.evaluate.prompts, params.corpus.source, corpus)
     assert prompts and all(any(t.startswith(p) for t in held_out) for p in prompts), prompts
     samples = (project / "data/evaluate/samples.md").read_text()
     assert f"{prompts[0]!r}" in samples and "ROMEO" not in samples and "To be" not in samples
     # The plays keep the demo's prompts, and a list in evaluate.prompts wins over both.
-    assert sample_prompts(Params(), project) == DEMO_PROMPTS
-    assert sample_prompts(params.model_copy(update={"evaluate": params.evaluate.model_copy(
-        update={"prompts": ["Mine"]})}), project) == ["Mine"]
+    assert sample_prompts(Params().evaluate.prompts, Params().corpus.source, corpus) == DEMO_PROMPTS
+    assert sample_prompts(["Mine"], params.corpus.source, corpus) == ["Mine"]
 
 
 def test_the_registered_version_and_its_export_carry_one_model_card(chain, tmp_path, monkeypatch):

@@ -194,7 +194,7 @@ def write_items(corpus_dir: Path, out_dir: Path, names: Sequence[str], limit: in
 
 
 def item_sets(names: Sequence[str], data_dir: Path, items: Sequence[str]) -> dict[str, str]:
-    """metric -> sha256 of the task file its items came from (as evaluate.item_sets), for the metrics scored per
+    """metric -> sha256 of the task file its items came from (as held_out.item_sets), for the metrics scored per
     item."""
     return {metric: sha256_file(Path(data_dir) / FILES[task]) for task in names for metric in items
             if metric.startswith(f"{task}_")}

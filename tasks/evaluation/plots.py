@@ -1,12 +1,14 @@
 """The evaluate stage's two pictures (matplotlib, PNG): each held-out metric across the chain with its 95% interval,
 and each stage's training curves. The evaluate stage writes them beside evaluation.md, logs them to its MLflow run,
-and the flow shows them in its Prefect artifact."""
+and the flow shows them in its Prefect artifact. And their data for `dvc plots show` (write_plot_data: DVC plots read
+JSON)."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
+from astrai_core.runtime.io import write_json
 from tasks.evaluation.metrics import MAX_FORGETTING, METRICS
 
 # Training-log keys drawn per stage: its losses, and what it was optimizing or how it did on held-out prompts.
@@ -36,6 +38,17 @@ def plot_chain(models: list[str], metrics: dict, path: Path) -> None:
 
 def plot_curves(curves: dict[str, list[dict]], path: Path) -> None:
     _save(curves_figure(curves), path)
+
+
+def write_plot_data(models: list[str], metrics: dict, curves: dict[str, list[dict]], out_dir: Path) -> None:
+    """chain.json: each model's held-out metrics, in chain order; curves/<stage>.json: its training loss by step."""
+    chain = [{"model": stage} | {k: metrics[f"{stage}/{k}"] for k in METRICS if f"{stage}/{k}" in metrics}
+             for stage in models]
+    write_json(out_dir / "chain.json", chain)
+    (out_dir / "curves").mkdir()
+    for stage in models:
+        write_json(out_dir / "curves" / f"{stage}.json",
+                   [{"step": r["step"], "train/loss": r["train/loss"]} for r in curves[stage] if "train/loss" in r])
 
 
 def _save(fig, path: Path) -> None:

@@ -119,7 +119,7 @@ class EvaluateParams(Strict):
     max_tokens: PositiveInt | None = None  # evaluate on at most this many test tokens (None: all)
     seq_len: PositiveInt | None = None  # test text is scored in windows this long (None: the model's context)
     # The final model's text samples (samples.md) start from these; None: the demo's on Shakespeare's plays, else the
-    # openings of the held-out documents of your corpus (tasks/stages/evaluate.py sample_prompts).
+    # openings of the held-out documents of your corpus (tasks/evaluation/samples.py sample_prompts).
     prompts: list[str] | None = None
     max_new_tokens: PositiveInt = 80
     temperature: float = Field(0.8, gt=0.0)

@@ -6,7 +6,7 @@ strategy and the held-out metric it must raise. Everything that depends on which
   dvc.yaml that differs;
 * params.yaml: one section per training stage, of its strategy's schema (tasks/run/schema.py SECTIONS);
 * the chain: each training stage starts from the model of the enabled training stage before it, and the last
-  trained model is the final one (tasks/stages/training.py);
+  trained model is the final one (final_model below);
 * the evaluation: every trained model side by side, each post-training model against its starting model on its
   `target` (and its `keep` metrics), and the headline of `dvc metrics show` (tasks/stages/evaluate.py).
 
@@ -112,9 +112,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("evaluate", reads=("pack", "chat_data", "dpo_reference", "corpus"), models="all",
           # table.py: which models there are (a removed stage's results must not stand: DVC does not see a
           # dependency that left the list)
-          code=("tasks/run/table.py", "tasks/stages/evaluate.py", "tasks/evaluation/lm_eval_adapter.py",
-                "tasks/evaluation/lm_eval_data.py",
-                "evals/lm_eval_tasks", "tasks/evaluation/plots.py", "tasks/evaluation/metrics.py",
+          code=("tasks/run/table.py", "tasks/stages/evaluate.py", "tasks/evaluation", "evals/lm_eval_tasks",
                 "astrai_core/scoring", "astrai_core/generate.py", "astrai_core/training/rewards.py",
                 "astrai_core/data"),
           params=("evaluate", "corpus.source", "pretrain.seq_len", "grpo.objective.max_new_tokens", "dpo.enabled",
@@ -131,7 +129,8 @@ STAGES: tuple[Stage, ...] = (
     # that version), never "restored" from an earlier run's record.
     Stage("register", reads=("evaluate/metrics.json",), models="all",
           code=("tasks/run/table.py", "tasks/stages/register.py", "tasks/registry/gate.py", "tasks/registry/lock.py",
-                "tasks/evaluation/metrics.py", "tasks/registry/pyfunc_model.py", "astrai_core/convert"),
+                "tasks/evaluation/metrics.py", "tasks/evaluation/samples.py", "tasks/registry/pyfunc_model.py",
+                "astrai_core/convert"),
           params=("register",), files=("registration.json",), persist=True),
 )
 BY_NAME: dict[str, Stage] = {s.name: s for s in STAGES}
@@ -190,6 +189,22 @@ def models_before(stage: str) -> tuple[str, ...]:
     """The training stages before `stage` in the table (whichever kind `stage` is)."""
     names = [s.name for s in STAGES]
     return tuple(m for m in MODEL_STAGES if names.index(m) < names.index(stage))
+
+
+def previous_model(root: Path, stage: str | None = None) -> Path:
+    """The newest trained model before training stage `stage` (None: of the whole chain) in the stage table's order;
+    skipped stages pass their input on."""
+    chain = MODEL_STAGES[: MODEL_STAGES.index(stage)] if stage else MODEL_STAGES
+    for name in reversed(chain):
+        d = model_dir(root, name)
+        if (d / "model.safetensors").is_file():
+            return d
+    raise AstraiError(f"no trained model before stage {stage or 'evaluate'!r}; run the pretrain stage first")
+
+
+def final_model(root: Path) -> Path:
+    """The last trained model of the chain: what evaluation reports last and register registers."""
+    return previous_model(root)
 
 
 # ---- dvc.yaml, written from the table ----------------------------------------------------------------------------

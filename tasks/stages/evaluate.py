@@ -25,77 +25,46 @@ model's text and each model's answers), chain.png (each metric across the chain 
 (each stage's training curves); and for `dvc plots show` (dvc.yaml's `plots:`; DVC plots read JSON, not the
 stages' metrics.jsonl): chain.json, one row per model, and curves/<stage>.json, each stage's loss curve.
 
+This module reads the inputs, scores each model and writes the outputs; what it scores and writes with is
+tasks/evaluation/'s: the held-out tokens and questions (held_out.py), the intervals (intervals.py), the checks
+(checks.py), evaluation.md (report.py), samples.md (samples.py) and the plots (plots.py).
+
 Alone: `astrai stage evaluate` (what dvc.yaml runs).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import multiprocessing
 import os
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer
 
 from astrai_core.checkpoint.model_dir import load_model
-from astrai_core.data.packed import PackedTokens
-from astrai_core.generate import generate_text
-from astrai_core.model.config import ModelConfig
-from astrai_core.runtime.device import model_device, resolve_device
+from astrai_core.runtime.device import resolve_device
 from astrai_core.runtime.errors import AstraiError
 from astrai_core.runtime.io import atomic_path, sha256_file, write_json
 from astrai_core.runtime.progress import Progress, advance, expect
 from astrai_core.scoring.metrics import answer_questions, masked_token_loss, preference_margins, sequence_nll
-from astrai_core.scoring.statistics import paired_difference, pass_at_k, summarize, unigram_nll, wilson_interval
+from astrai_core.scoring.statistics import summarize, unigram_nll
 from astrai_core.tokenizer.chat import load_chat
 from astrai_core.training.rewards import exact_answer, valid_option
-from tasks.evaluation.metrics import MAX_FORGETTING, METRICS
+from tasks.evaluation.checks import Check, stage_checks
+from tasks.evaluation.held_out import item_sets, read_jsonl, read_test_tokens
+from tasks.evaluation.intervals import accuracy, family_accuracies, item_counts, pass_metrics
+from tasks.evaluation.report import evaluation_markdown
+from tasks.evaluation.samples import answers_markdown, sample_prompts, samples_markdown
 from tasks.run.configs import dpo_pairs
 from tasks.run.schema import Params
-from tasks.run.table import CHAT, CORPUS, MODEL_STAGES, PACKED, TRAINING, model_dir
-from tasks.stages.training import final_model
+from tasks.run.table import CHAT, CORPUS, MODEL_STAGES, PACKED, TRAINING, final_model, model_dir
 
 MIN_ITEMS = 500  # fewer held-out items than this per metric is reported as a warning: intervals get wide
-
-
-@dataclass
-class Check:
-    """One model against its starting model on one metric. rule: "raise" (the paired 95% interval of the difference
-    lies above 0), "keep" (it does not lie below 0) or "forget" (difference: the relative change of test bits/char,
-    at most MAX_FORGETTING)."""
-
-    stage: str
-    start: str
-    metric: str
-    rule: str
-    difference: float
-    low: float | None
-    high: float | None
-    passed: bool
-    why: str = ""  # for a failed check, what the stage had to learn from (grpo_why)
-
-    def describe(self) -> str:
-        return self._verdict() + (f". Why: {self.why}" if self.why else "")
-
-    def _verdict(self) -> str:
-        if self.rule == "forget":
-            verdict = "within" if self.passed else "forgets: beyond"
-            return (f"{self.stage} (final model) {verdict} {MAX_FORGETTING:.0%} of {self.start}'s test bits/char: "
-                    f"{self.difference:+.1%}")
-        interval = f"{self.difference:+.4f} (95% interval {self.low:+.4f} to {self.high:+.4f})"
-        if self.rule == "raise":
-            verdict = "beat" if self.passed else "did not beat"
-            return f"{self.stage} {verdict} its starting model {self.start} on {self.metric}: {interval}"
-        verdict = "kept" if self.passed else "lowered beyond the interval"
-        return f"{self.stage} {verdict} {self.metric} against its starting model {self.start}: {interval}"
 
 
 # The numbers `dvc metrics show`, `dvc metrics diff` and `dvc exp show` print (dvc.yaml's `metrics:`): each stage's
@@ -117,10 +86,10 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> tuple[dict, list[Chec
     if not models:
         raise AstraiError(f"{model_dir(root, 'pretrain')}: no trained model; run the pretrain stage first")
     final = final_model(root).name
-    questions = _read_jsonl(chat_dir / "grpo_test.jsonl")[: p.task_examples]
+    questions = read_jsonl(chat_dir / "grpo_test.jsonl")[: p.task_examples]
     # Not held out: as many GRPO training prompts, to tell "learned nothing" from "did not transfer".
-    train_questions = _read_jsonl(chat_dir / "grpo_train.jsonl")[: p.task_examples]
-    tokens, n_chars, vocab_size = _test_tokens(params, root, model_dir(root, models[0]))
+    train_questions = read_jsonl(chat_dir / "grpo_train.jsonl")[: p.task_examples]
+    tokens, n_chars, vocab_size = read_test_tokens(root / PACKED / "test.h5", model_dir(root, models[0]), p.max_tokens)
 
     # The models side by side, one process each (on 2 cores: the demo's four in 125 s instead of 146 s).
     workers = min(len(models), os.cpu_count() or 1)
@@ -167,40 +136,26 @@ def evaluate(params: Params, root: Path, out_dir: Path) -> tuple[dict, list[Chec
                   "is wide", flush=True)
 
     curves = training_curves(root, models)
-    checks = stage_checks(models, items, metrics, curves, kept=tuple(lm_eval_sets))
+    checks = stage_checks(models, items, metrics, TRAINING, curves, kept=tuple(lm_eval_sets))
     metrics["flags"] = sum(not c.passed for c in checks)
     for check in checks:
         print(("evaluate: " if check.passed else "WARNING: evaluate: ") + check.describe(), flush=True)
 
-    from tasks.evaluation.plots import plot_chain, plot_curves
+    from tasks.evaluation.plots import plot_chain, plot_curves, write_plot_data
 
     with atomic_path(out_dir, "stage evaluate") as tmp:
         tmp.mkdir()
         write_json(tmp / "metrics.json", metrics)
         write_json(tmp / "headline.json", headline(metrics))
-        write_json(tmp / "items.json", items | {"task_family": [q.get("task") for q in questions],
-                                                "item_sets": item_sets(params, root, questions, train_questions)
-                                                | lm_eval_sets})
+        sets = item_sets(questions, train_questions, dpo_pairs(params, root, "test")) | lm_eval_sets
+        write_json(tmp / "items.json", items | {"task_family": [q.get("task") for q in questions], "item_sets": sets})
         write_json(tmp / "checks.json", [asdict(c) for c in checks])
         (tmp / "evaluation.md").write_text(evaluation_markdown(metrics, models, checks))
-        (tmp / "samples.md").write_text(samples + _answers(questions, answers))
+        (tmp / "samples.md").write_text(samples + answers_markdown(questions, answers))
         write_plot_data(models, metrics, curves, tmp)
         plot_chain(models, metrics, tmp / "chain.png")
         plot_curves(curves, tmp / "curves.png")
     return metrics, checks
-
-
-def _test_tokens(params: Params, root: Path, ckpt: Path) -> tuple[np.ndarray, int, int]:
-    """The test split's tokens (checked against the model's tokenizer), the characters they predict, the vocab size."""
-    p = params.evaluate
-    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    with PackedTokens(root / PACKED / "test.h5", expected_tokenizer_sha256=sha256_file(ckpt / "tokenizer.json")) as test:
-        tokens = np.asarray(test.tokens[: p.max_tokens] if p.max_tokens else test.tokens[:])
-    if len(tokens) < 2:
-        raise AstraiError(f"{root / PACKED / 'test.h5'}: the test split has fewer than 2 tokens")
-    n_chars = len(tok.decode(tokens[1:].tolist(), skip_special_tokens=True))  # characters predicted
-    vocab_size = ModelConfig.model_validate_json((ckpt / "config.json").read_text()).vocab_size
-    return tokens, n_chars, vocab_size
 
 
 def _score_model(params: Params, root: Path, tokens: np.ndarray, n_chars: int, questions: list[dict],
@@ -268,179 +223,13 @@ def _score(params: Params, root: Path, tokens: np.ndarray, n_chars: int, questio
         m |= lm_metrics
         items |= lm_items
     print(f"evaluate: {stage}: done", flush=True)
-    return m, items, replies, _samples(params, root, model, tok) if stage == final else None
+    samples = samples_markdown(model, tok, sample_prompts(p.prompts, params.corpus.source, root / CORPUS),
+                               temperature=p.temperature, max_new_tokens=p.max_new_tokens, top_k=p.top_k,
+                               seed=p.seed) if stage == final else None
+    return m, items, replies, samples
 
 
-# ---- metrics with their intervals ---------------------------------------------------------------------------------
-
-def accuracy(name: str, right: Sequence[bool]) -> dict[str, float]:
-    """{name, name_low, name_high}: the share of items right and its 95% Wilson interval."""
-    k, n = int(sum(bool(r) for r in right)), len(right)
-    low, high = wilson_interval(k, n)
-    return {name: k / n, f"{name}_low": low, f"{name}_high": high}
-
-
-def pass_metrics(correct: Sequence[int], samples: int, k: int) -> dict[str, float]:
-    """pass@1 and pass@k: the unbiased estimate per question from its `samples` replies of which `correct` were
-    right, averaged over questions, each with the 95% Wilson interval of that mean (conservative, see
-    wilson_interval)."""
-    out = {}
-    for name, kk in (("pass_at_1", 1), ("pass_at_k", k)):
-        per_question = [pass_at_k(samples, c, kk) for c in correct]
-        low, high = wilson_interval(sum(per_question), len(per_question))
-        out |= {name: float(np.mean(per_question)), f"{name}_low": low, f"{name}_high": high}
-    return out
-
-
-def family_accuracies(right: Sequence[bool], families: Sequence[str | None]) -> dict[str, float]:
-    """task_accuracy.<family> (with its interval) for each task family the records name ("task")."""
-    out = {}
-    for family in sorted({f for f in families if f}):
-        out |= accuracy(f"task_accuracy.{family}", [r for r, f in zip(right, families) if f == family])
-    return out
-
-
-def item_counts(questions: list[dict], items: dict) -> dict[str, int]:
-    """n/<metric>: how many items each accuracy counts (the same for every model)."""
-    counts = {f"n/{name}": len(next(iter(per_model.values()))) for name, per_model in items.items()
-              if name != "pass_correct"}
-    families = [q.get("task") for q in questions]
-    counts |= {f"n/task_accuracy.{f}": families.count(f) for f in sorted({f for f in families if f})}
-    if "pass_correct" in items:
-        counts |= {"n/pass_at_1": len(questions), "n/pass_at_k": len(questions)}
-    return counts
-
-
-def item_sets(params: Params, root: Path, questions: list[dict], train_questions: list[dict]) -> dict[str, str]:
-    """metric -> sha256 of the items it was scored on: two evaluations of the same items can be compared item by
-    item (the register stage's champion gate pairs a new version with the champion only then)."""
-    def digest(data: bytes) -> str:
-        return hashlib.sha256(data).hexdigest()
-
-    held_out, train = (digest(json.dumps(q, sort_keys=True).encode()) for q in (questions, train_questions))
-    sets = {m: held_out for m in ("task_accuracy", "valid_answer_rate", "pass_at_1", "pass_at_k")}
-    sets["train_task_accuracy"] = train
-    pairs = dpo_pairs(params, root, "test")
-    if pairs.is_file():
-        sets["preference_accuracy"] = sha256_file(pairs)
-    return sets
-
-
-def stage_checks(models: list[str], items: dict[str, dict[str, list[int]]], metrics: dict,
-                 curves: dict[str, list[dict]] | None = None, kept: tuple[str, ...] = ()) -> list[Check]:
-    """Each post-training model against the model before it in the chain (the stage table's target and keep; every
-    stage must also keep the metrics in `kept`: the lm-eval tasks' accuracies), and the final model's forgetting
-    against the pretrained model. A failed GRPO check says why, from its training curve (grpo_why)."""
-    checks = []
-    for start, stage in zip(models, models[1:]):
-        target, stage_kept = TRAINING[stage].target, TRAINING[stage].keep
-        for metric in (target, *stage_kept, *kept):
-            if stage not in items.get(metric, {}):
-                continue
-            difference, low, high = paired_difference(items[metric][start], items[metric][stage])
-            raise_ = metric == target
-            passed = low > 0 if raise_ else high >= 0
-            why = grpo_why(metrics, start, (curves or {}).get(stage, [])) \
-                if TRAINING[stage].strategy == "grpo" and raise_ and not passed else ""
-            checks.append(Check(stage, start, metric, "raise" if raise_ else "keep", difference, low, high, passed,
-                                why))
-    final = metrics["final_model"]
-    if final != "pretrain" and "pretrain" in models:
-        change = metrics[f"{final}/test_bits_per_char"] / metrics["pretrain/test_bits_per_char"] - 1
-        checks.append(Check(final, "pretrain", "test_bits_per_char", "forget", change, None, None,
-                            passed=change <= MAX_FORGETTING))
-    return checks
-
-
-def grpo_why(metrics: dict, start: str, curve: list[dict]) -> str:
-    """Why GRPO may not beat its starting model, from what it had to learn from: it re-weights the answers the
-    starting model samples (pass@k against its greedy accuracy), and a group of replies whose rewards are all equal
-    gives no gradient (the rollouts' zero_spread_fraction)."""
-    parts = []
-    if f"{start}/pass_at_k" in metrics and f"{start}/task_accuracy" in metrics:
-        parts.append(f"GRPO re-weights the answers its starting model samples, and {start} answered "
-                     f"{metrics[f'{start}/pass_at_k']:.3f} of the held-out questions right in "
-                     f"{metrics['pass_samples']} samples (pass@{metrics['pass_k']}) against "
-                     f"{metrics[f'{start}/task_accuracy']:.3f} greedily")
-    spread = [r["grpo/zero_spread_fraction"] for r in curve if "grpo/zero_spread_fraction" in r]
-    if spread:
-        parts.append(f"{np.mean(spread):.0%} of its rollout groups had equal rewards, which give no gradient")
-    return "; ".join(parts)
-
-
-def flag_tags(checks: list[Check]) -> dict[str, str]:
-    """The evaluate run's MLflow tags for the failed checks: astrai.flag.<stage> = what failed (one line)."""
-    tags: dict[str, str] = {}
-    for c in checks:
-        if not c.passed:
-            key = f"astrai.flag.{c.stage}"
-            tags[key] = f"{tags[key]}; {c.describe()}" if key in tags else c.describe()
-    return tags
-
-
-# ---- reports --------------------------------------------------------------------------------------------------
-
-def _cell(metrics: dict, key: str) -> str:
-    if key not in metrics:
-        return "-"
-    if f"{key}_low" not in metrics:
-        return f"{metrics[key]:.4f}"
-    return f"{metrics[key]:.3f} [{metrics[key + '_low']:.3f}, {metrics[key + '_high']:.3f}]"
-
-
-def _label(metric: str, metrics: dict) -> str:
-    label = METRICS[metric][0].replace("pass@k", f"pass@{metrics.get('pass_k', 'k')}")
-    n = metrics.get(f"n/{metric}")
-    return f"{label} ({METRICS[metric][1]} is better{f', n={n}' if n else ''})"
-
-
-def evaluation_markdown(metrics: dict, models: list[str], checks: list[Check]) -> str:
-    flags = [c for c in checks if not c.passed]
-    lines = ["# Evaluation on held-out data", ""]
-    if flags:
-        lines += [f"**⚠ {len(flags)} flag{'s' if len(flags) > 1 else ''}:**", ""]
-        lines += [f"* ⚠ **FLAG** {c.describe()}" for c in flags] + [""]
-    elif checks:
-        lines += ["Every stage beat its starting model on its target metric; no flags.", ""]
-    shown = [k for k in METRICS if any(f"{s}/{k}" in metrics for s in models)]
-    lines += ["Each cell: value [95% interval] (Wilson's; for pass@k, of its mean over the questions).", "",
-              "| model | " + " | ".join(_label(k, metrics) for k in shown) + " |", "|---" * (len(shown) + 1) + "|"]
-    lines += [f"| {s} | " + " | ".join(_cell(metrics, f"{s}/{k}") for k in shown) + " |" for s in models]
-    lines += ["", f"Unigram baseline: {metrics['unigram_bits_per_char']:.4f} bits/char. "
-              f"Final model: {metrics['final_model']}."]
-    if "pass_k" in metrics:
-        lines += ["", f"pass@1 and pass@{metrics['pass_k']}: {metrics['pass_samples']} replies sampled per held-out "
-                  f"question at temperature {metrics['pass_temperature']}, scored with the unbiased estimator "
-                  "1 - C(n-c, k) / C(n, k) and averaged over questions."]
-    families = sorted(k.removeprefix("n/task_accuracy.") for k in metrics if k.startswith("n/task_accuracy."))
-    if families:
-        lines += ["", "## Task accuracy per task family (greedy, 95% Wilson interval)", "",
-                  "| model | " + " | ".join(f"{f} (n={metrics['n/task_accuracy.' + f]})" for f in families) + " |",
-                  "|---" * (len(families) + 1) + "|"]
-        lines += [f"| {s} | " + " | ".join(_cell(metrics, f"{s}/task_accuracy.{f}") for f in families) + " |"
-                  for s in models]
-    if checks:
-        lines += ["", "## Did each stage beat its starting model?", "",
-                  "Rule: each post-training stage is compared with its starting model (the previous enabled stage's) "
-                  "on the same held-out items. It beat it when the 95% interval of the paired difference of per-item "
-                  "correctness (Newcombe's hybrid score interval for paired proportions) lies entirely above 0; a "
-                  "metric it must keep is lowered when that interval lies entirely below 0. The final model's test "
-                  f"bits/char must stay within {MAX_FORGETTING:.0%} of the pretrained model's.", "",
-                  "| stage | starting model | metric | must | difference | 95% interval | passed |",
-                  "|---|---|---|---|---|---|---|"]
-        must = {"raise": "rise beyond the interval", "keep": "not fall beyond the interval",
-                "forget": f"stay within +{MAX_FORGETTING:.0%}"}
-        for c in checks:
-            diff = f"{c.difference:+.1%}" if c.rule == "forget" else f"{c.difference:+.4f}"
-            interval = "-" if c.low is None else f"[{c.low:+.4f}, {c.high:+.4f}]"
-            lines.append(f"| {c.stage} | {c.start} | {METRICS[c.metric][0]} | {must[c.rule]} | {diff} | {interval} | "
-                         + ("yes |" if c.passed else "**no ⚠ FLAG** |"))
-    lines += ["", "![Each metric across the chain, with its 95% interval](chain.png)", "",
-              "![Training curves of each stage](curves.png)", ""]
-    return "\n".join(lines)
-
-
-# ---- training curves and plot data ----------------------------------------------------------------------------------
+# ---- training curves --------------------------------------------------------------------------------------------
 
 def training_curves(root: Path, models: list[str]) -> dict[str, list[dict]]:
     """Each model's training log (metrics.jsonl rows: step and the logged values)."""
@@ -451,80 +240,3 @@ def training_curves(root: Path, models: list[str]) -> dict[str, list[dict]]:
             if log.is_file() else []
     return curves
 
-
-def write_plot_data(models: list[str], metrics: dict, curves: dict[str, list[dict]], out_dir: Path) -> None:
-    """chain.json: each model's held-out metrics, in chain order; curves/<stage>.json: its training loss by step."""
-    chain = [{"model": stage} | {k: metrics[f"{stage}/{k}"] for k in METRICS if f"{stage}/{k}" in metrics}
-             for stage in models]
-    write_json(out_dir / "chain.json", chain)
-    (out_dir / "curves").mkdir()
-    for stage in models:
-        write_json(out_dir / "curves" / f"{stage}.json",
-                   [{"step": r["step"], "train/loss": r["train/loss"]} for r in curves[stage] if "train/loss" in r])
-
-
-DEMO_PROMPTS = ["ROMEO.\n", "To be, or not to be", "KING.\nMy lords,"]  # on Shakespeare's plays
-SAMPLE_PROMPTS = 3  # of the held-out documents of any other corpus
-PROMPT_CHARS = 40  # of a document's opening, at most, cut at a space
-
-
-def sample_prompts(params: Params, root: Path) -> list[str]:
-    """What the final model's samples start from: evaluate.prompts, else the demo's on the plays, else the opening
-    of each of the first SAMPLE_PROMPTS held-out documents (the test split, then validation; train only when
-    nothing is held out) of the corpus: the user's own text, never Shakespeare's on a corpus of something else."""
-    if params.evaluate.prompts is not None:
-        return params.evaluate.prompts
-    if params.corpus.source == "shakespeare":
-        return DEMO_PROMPTS
-    splits = [root / CORPUS / f"{split}.jsonl" for split in ("test", "validation")]
-    if all(next(_documents(path), None) is None for path in splits):  # nothing held out
-        splits = [root / CORPUS / "train.jsonl"]
-    prompts: list[str] = []
-    for path in splits:
-        for text in _documents(path):
-            line = next((s.strip() for s in text.splitlines() if s.strip()), "")
-            if len(line) > PROMPT_CHARS:  # cut at a space
-                line = line[:PROMPT_CHARS].rsplit(" ", 1)[0] if " " in line[:PROMPT_CHARS] else line[:PROMPT_CHARS]
-            if line and line not in prompts:
-                prompts.append(line)
-            if len(prompts) == SAMPLE_PROMPTS:
-                return prompts
-    return prompts
-
-
-def _documents(path: Path) -> Iterator[str]:
-    """The texts of a corpus split, one at a time (a held-out split of a large corpus is large)."""
-    if path.is_file():
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    yield json.loads(line)["text"]
-
-
-def _samples(params: Params, root: Path, model, tok) -> str:
-    p = params.evaluate
-    lines = ["# Samples of the final model", ""]
-    for i, prompt in enumerate(sample_prompts(params, root)):
-        for mode, temperature in (("greedy", 0.0), ("sampled", p.temperature)):
-            # a seed per prompt: with one for all, the same draws led different prompts to the same words
-            gen = torch.Generator(model_device(model)).manual_seed(p.seed + i)  # on a GPU: its generator
-            text = generate_text(model, tok, prompt, max_new_tokens=p.max_new_tokens, temperature=temperature,
-                                 top_k=p.top_k, generator=gen)
-            lines += [f"## {mode} (temperature {temperature}): {prompt!r}", "", "```", prompt + text, "```", ""]
-    return "\n".join(lines)
-
-
-def _answers(records: list[dict], answers: dict[str, list[str]]) -> str:
-    if not answers:
-        return ""
-    lines = ["# Held-out questions: each model's greedy answer", ""]
-    for i, r in enumerate(records[:5]):
-        lines += ["```", r["prompt"], "```", f"reference: {r['answer']}", ""]
-        lines += [f"* {stage}: {replies[i]!r}" for stage, replies in answers.items()] + [""]
-    return "\n".join(lines)
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -40,14 +40,14 @@ from astrai_core.runtime.errors import AstraiError
 from astrai_core.runtime.io import sha256_file, write_json
 from astrai_core.runtime.progress import advance, expect
 from tasks.evaluation.metrics import METRICS, better
+from tasks.evaluation.samples import sample_prompts
 from tasks.registry.gate import (FORGETTING, GATE_ITEMS, PENDING, REGISTRATION, champion_record, gate, gate_record,
                                  no_skill, version_by_alias, versions_with_weights)
 from tasks.registry.lock import registry_lock, registry_lock_uri
 from tasks.registry.model_card import REGISTERED_MODEL, model_card, shape_line
 from tasks.run.schema import Params
-from tasks.run.table import MODEL_STAGES, model_dir
+from tasks.run.table import CORPUS, MODEL_STAGES, model_dir
 from tasks.run.tracking import FLOW_RUN_ENV
-from tasks.stages.evaluate import sample_prompts
 
 PREDICT_PARAMS = {"max_new_tokens": 64, "temperature": 0.0, "top_k": 0, "seed": 0}
 
@@ -226,6 +226,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
                     gguf_export = params.register.gguf
                 except AstraiError as e:
                     gguf_export = f"none: {e}"
+            example = sample_prompts(params.evaluate.prompts, params.corpus.source, project_dir / CORPUS)[:1]
             info = mlflow.pyfunc.log_model(
                 name="model",
                 python_model=str(Path(__file__).parents[1] / "registry" / "pyfunc_model.py"),
@@ -233,7 +234,7 @@ def register(params: Params, metrics_path: Path, out_dir: Path, project_dir: Pat
                 code_paths=[str(Path(astrai_core.__file__).parent)],
                 # An input example (and predict's type hints) give the signature, params included, and spare the log
                 # MLflow's warnings; MLflow runs predict on it once, so the logged model is known to load and answer.
-                input_example=(sample_prompts(params, project_dir)[:1], PREDICT_PARAMS),  # the corpus's own text
+                input_example=(example, PREDICT_PARAMS),  # the corpus's own text
                 pip_requirements=[f"{p}=={version(p)}" for p in ("torch", "safetensors", "tokenizers", "numpy", "pydantic")],
             )
             advance()

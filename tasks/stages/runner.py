@@ -90,7 +90,8 @@ def _dpo_reference(params: Params, root: Path) -> None:
 
 
 def _evaluate(params: Params, root: Path) -> None:
-    from tasks.stages.evaluate import evaluate, flag_tags
+    from tasks.evaluation.checks import flag_tags
+    from tasks.stages.evaluate import evaluate
 
     metrics, checks = evaluate(params, root, root / EVALUATE)
     mlflow.log_metrics({k.replace("/", "."): v for k, v in metrics.items() if isinstance(v, (int, float))})

@@ -30,23 +30,7 @@ from astrai_core.training.train import check_train_inputs
 from tasks.run.configs import start_model, train_config
 from tasks.run.params import validation_message
 from tasks.run.schema import Params
-from tasks.run.table import MODEL_STAGES, TOKENIZER, TRAINING, model_dir
-
-
-def previous_model(root: Path, stage: str | None = None) -> Path:
-    """The newest trained model before training stage `stage` (None: of the whole chain) in the stage table's order;
-    skipped stages pass their input on."""
-    chain = MODEL_STAGES[: MODEL_STAGES.index(stage)] if stage else MODEL_STAGES
-    for name in reversed(chain):
-        d = model_dir(root, name)
-        if (d / "model.safetensors").is_file():
-            return d
-    raise AstraiError(f"no trained model before stage {stage or 'evaluate'!r}; run the pretrain stage first")
-
-
-def final_model(root: Path) -> Path:
-    """The last trained model of the chain: what evaluation reports last and register registers."""
-    return previous_model(root)
+from tasks.run.table import TOKENIZER, TRAINING, model_dir, previous_model
 
 
 def write_skipped(out_dir: Path, why: str, kind: str = CHECKPOINT) -> None:
