@@ -1,6 +1,6 @@
-"""Held-out greedy task accuracy and bits/char of checkpoints, each paired against the first: what the evaluate
-stage measures for those two metrics (the same questions, replies, scoring and test tokens), without scoring every
-model of the chain. For comparing one stage's settings quickly, e.g. GRPO variants from the same DPO model:
+"""Held-out greedy task accuracy, bits/char and free text without a loop of checkpoints, each paired against the
+first: what the evaluate stage measures for those three metrics (the same questions, replies, scoring, test tokens
+and continuations), without scoring every model of the chain. For comparing one stage's settings quickly, e.g. GRPO variants from the same DPO model:
 
     python bench/task_accuracy.py --root RUN --params RUN/params.yaml RUN/data/dpo OUT/grpo_a OUT/grpo_b \
         [--out bench/REPORT.json]
@@ -27,8 +27,9 @@ from astrai_core.scoring.statistics import paired_difference, summarize  # noqa:
 from astrai_core.tokenizer.chat import load_chat  # noqa: E402
 from astrai_core.training.rewards import exact_answer  # noqa: E402
 from bench.serving import machine  # noqa: E402
-from tasks.run.params import load_params  # noqa: E402
+from tasks.evaluation.free_text import free_prompts, loop_free  # noqa: E402
 from tasks.evaluation.held_out import read_jsonl, read_test_tokens  # noqa: E402
+from tasks.run.params import load_params  # noqa: E402
 from tasks.run.table import CHAT, PACKED  # noqa: E402
 
 
@@ -43,7 +44,8 @@ def main() -> None:
     p = params.evaluate
     questions = read_jsonl(args.root / CHAT / "grpo_test.jsonl")[: p.task_examples]
     tokens, n_chars, _ = read_test_tokens(args.root / PACKED / "test.h5", args.checkpoints[0], p.max_tokens)
-    rows, right = [], {}
+    prompts = free_prompts(tokens, p.free_samples)
+    rows, right, free = [], {}, {}
     for ckpt in args.checkpoints:
         model, _, cfg = load_model(ckpt)
         nll, n = sequence_nll(model, tokens, min(p.seq_len or cfg.max_seq_len, cfg.max_seq_len), p.batch_size)
@@ -53,18 +55,22 @@ def main() -> None:
         families: dict[str, list[bool]] = {}
         for ok, q in zip(right[ckpt], questions):
             families.setdefault(q.get("task"), []).append(ok)
+        free[ckpt] = loop_free(model, prompts, p.max_new_tokens, p.temperature, p.top_k, p.seed) if prompts else []
         row = {"checkpoint": str(ckpt), "test_bits_per_char": round(summarize(nll, n, n_chars)["bits_per_char"], 4),
                "task_accuracy": round(sum(right[ckpt]) / len(questions), 4),
-               "families": {k: round(sum(v) / len(v), 3) for k, v in families.items()}}
+               "families": {k: round(sum(v) / len(v), 3) for k, v in families.items()},
+               "loop_free_rate": round(sum(free[ckpt]) / max(1, len(prompts)), 4)}
         if ckpt != args.checkpoints[0]:
-            diff = paired_difference(right[args.checkpoints[0]], right[ckpt])
-            row["task_accuracy_difference"] = [round(x, 4) for x in diff]
+            for name, per_item in (("task_accuracy", right), ("loop_free_rate", free)):
+                diff = paired_difference(per_item[args.checkpoints[0]], per_item[ckpt]) if per_item[ckpt] else ()
+                row[f"{name}_difference"] = [round(x, 4) for x in diff]
         print(json.dumps(row), flush=True)
         rows.append(row)
         del model
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if args.out:
-        report = {"machine": machine(), "questions": len(questions), "test_tokens": len(tokens), "rows": rows}
+        report = {"machine": machine(), "questions": len(questions), "test_tokens": len(tokens),
+                  "free_samples": len(prompts), "rows": rows}
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.out}")
 

@@ -272,6 +272,11 @@ def test_evaluate_stage_reports_intervals_and_flags_a_stage_that_did_not_improve
     assert items["task_accuracy"]["pretrain"] == items["task_accuracy"]["sft"]
     assert metrics["final_model"] == "sft" and metrics["test_bits_per_char"] == metrics["sft/test_bits_per_char"]
     assert metrics["flags"] == 1
+    # Free text: each model continued the same test windows; the same weights loop (or not) alike, so no flag.
+    assert metrics["n/loop_free_rate"] == len(items["loop_free_rate"]["sft"]) > 0
+    assert items["loop_free_rate"]["pretrain"] == items["loop_free_rate"]["sft"]
+    free = [c for c in json.loads((ev / "checks.json").read_text()) if c["rule"] == "free"]
+    assert [(c["stage"], c["start"], c["passed"]) for c in free] == [("sft", "pretrain", True)]
     assert "pass@2 (higher is better, n=24)" in report and "| model | other (n=8) | who_says (n=16) |" in report
     for png in ("chain.png", "curves.png"):
         assert (ev / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -358,3 +363,41 @@ def test_each_prompts_sample_has_its_own_draws(tmp_path):
     blocks = text.split("```")[1::2]  # greedy, sampled; greedy, sampled
     assert blocks[0] == blocks[2] and blocks[1] != blocks[3], text
     assert samples_markdown(model, tok, ["the king", "the king"], **settings) == text
+
+
+def test_the_final_model_must_keep_the_pretrained_models_free_text():
+    """Issue 50 (19): the final model's share of free continuations without a loop against the pretrained model's:
+    a fall beyond the interval is a flag, one inside it is not."""
+    clean, looping = [1] * 200, [1] * 150 + [0] * 50
+    metrics = {"final_model": "sft", "pretrain/test_bits_per_char": 2.0, "sft/test_bits_per_char": 2.0,
+               "unigram_bits_per_char": 4.0}
+    for final, flagged in ((clean[:196] + [0] * 4, False), (looping, True)):
+        items = {"loop_free_rate": {"pretrain": clean, "sft": final}}
+        check = stage_checks(["pretrain", "sft"], items, metrics, TRAINING)[-1]
+        assert (check.stage, check.start, check.metric, check.rule, check.passed) == \
+            ("sft", "pretrain", "loop_free_rate", "free", not flagged)
+    assert check.describe().startswith("sft (final model) lost beyond the interval pretrain's share of free text "
+                                       "without a loop")
+    assert "| sft | pretrain | free text without a loop | not fall beyond the interval | -0.2500 |" in \
+        evaluation_markdown(metrics | {"pretrain/loop_free_rate": 1.0, "sft/loop_free_rate": 0.75},
+                            ["pretrain", "sft"], [check])
+
+
+def test_a_model_that_loops_on_an_answer_is_seen_looping():
+    """loop_free on a real model: one whose every next token is the same ("no no no no") loops on every prompt;
+    a random model's continuations do not."""
+    import numpy as np
+    import torch
+
+    from conftest import sharp_random_model
+    from tasks.evaluation.free_text import free_prompts, loop_free
+
+    model = sharp_random_model(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=128)
+    prompts = free_prompts(np.random.default_rng(0).integers(0, 300, 2000), 24)
+    assert sum(loop_free(model, prompts, 40, temperature=0.8, top_k=40, seed=0)) >= 22
+    model.lm_head = torch.nn.Linear(64, 300)  # every position's logits favour token 7: "no no no no"
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        model.lm_head.bias.zero_()
+        model.lm_head.bias[7] = 10.0
+    assert loop_free(model, prompts, 40, temperature=0.8, top_k=40, seed=0) == [0] * len(prompts)

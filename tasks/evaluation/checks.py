@@ -1,5 +1,5 @@
 """Did each stage do what it is for: each post-training model against its starting model (the model before it in the
-chain) on the same held-out items, and the final model's forgetting against the pretrained model. The evaluate stage
+chain) on the same held-out items, and the final model's forgetting and free text against the pretrained model. The evaluate stage
 (tasks/stages/evaluate.py) logs them, writes checks.json and evaluation.md from them, and tags its MLflow run with the
 failed ones (flag_tags)."""
 
@@ -17,8 +17,9 @@ from tasks.evaluation.metrics import MAX_FORGETTING
 @dataclass
 class Check:
     """One model against its starting model on one metric. rule: "raise" (the paired 95% interval of the difference
-    lies above 0), "keep" (it does not lie below 0) or "forget" (difference: the relative change of test bits/char,
-    at most MAX_FORGETTING)."""
+    lies above 0), "keep" (it does not lie below 0), "forget" (difference: the relative change of test bits/char,
+    at most MAX_FORGETTING) or "free" (the final model against the pretrained one: keep its share of free
+    continuations without a loop, tasks/evaluation/free_text.py)."""
 
     stage: str
     start: str
@@ -39,6 +40,10 @@ class Check:
             return (f"{self.stage} (final model) {verdict} {MAX_FORGETTING:.0%} of {self.start}'s test bits/char: "
                     f"{self.difference:+.1%}")
         interval = f"{self.difference:+.4f} (95% interval {self.low:+.4f} to {self.high:+.4f})"
+        if self.rule == "free":
+            verdict = "kept" if self.passed else "lost beyond the interval"
+            return (f"{self.stage} (final model) {verdict} {self.start}'s share of free text without a loop "
+                    f"(\"no no no no\"): {interval}")
         if self.rule == "raise":
             verdict = "beat" if self.passed else "did not beat"
             return f"{self.stage} {verdict} its starting model {self.start} on {self.metric}: {interval}"
@@ -71,6 +76,10 @@ def stage_checks(models: list[str], items: dict[str, dict[str, list[int]]], metr
         change = metrics[f"{final}/test_bits_per_char"] / metrics["pretrain/test_bits_per_char"] - 1
         checks.append(Check(final, "pretrain", "test_bits_per_char", "forget", change, None, None,
                             passed=change <= MAX_FORGETTING))
+        if final in items.get("loop_free_rate", {}):  # its free text reads like the pretrained model's
+            difference, low, high = paired_difference(items["loop_free_rate"]["pretrain"],
+                                                      items["loop_free_rate"][final])
+            checks.append(Check(final, "pretrain", "loop_free_rate", "free", difference, low, high, high >= 0))
     return checks
 
 

@@ -13,6 +13,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "valid_answer_rate": ("valid answer", "higher"),
     "preference_accuracy": ("preference accuracy", "higher"),
     "train_task_accuracy": ("task accuracy on training prompts", "higher"),
+    "loop_free_rate": ("free text without a loop", "higher"),  # tasks/evaluation/free_text.py
     # lm-evaluation-harness tasks of evals/lm_eval_tasks/ (evaluate.lm_eval_tasks): <task>_<lm-eval metric>
     "astrai_next_speaker_acc": ("lm-eval who speaks next acc", "higher"),
     "astrai_next_speaker_acc_norm": ("lm-eval who speaks next acc_norm", "higher"),

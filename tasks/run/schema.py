@@ -125,6 +125,9 @@ class EvaluateParams(Strict):
     temperature: float = Field(0.8, gt=0.0)
     top_k: PositiveInt | None = 40
     seed: int = 0
+    # Free text: each model continues this many windows of the test split with the settings above; the final model's
+    # share of continuations without a loop must keep the pretrained model's (tasks/evaluation/free_text.py).
+    free_samples: int = Field(200, ge=0)
     # Held-out GRPO-style questions answered by each model (and as many training prompts); 500+ keeps a 95%
     # interval of an accuracy within about +-4 points.
     task_examples: PositiveInt = 500

@@ -56,6 +56,7 @@ from astrai_core.scoring.statistics import summarize, unigram_nll
 from astrai_core.tokenizer.chat import load_chat
 from astrai_core.training.rewards import exact_answer, valid_option
 from tasks.evaluation.checks import Check, stage_checks
+from tasks.evaluation.free_text import free_prompts, loop_free
 from tasks.evaluation.held_out import item_sets, read_jsonl, read_test_tokens
 from tasks.evaluation.intervals import accuracy, family_accuracies, item_counts, pass_metrics
 from tasks.evaluation.report import evaluation_markdown
@@ -222,6 +223,11 @@ def _score(params: Params, root: Path, tokens: np.ndarray, n_chars: int, questio
         lm_metrics, lm_items = scores(run_tasks(model, chat, p.lm_eval_tasks, lm_eval_data, p.batch_size))
         m |= lm_metrics
         items |= lm_items
+    if p.free_samples:  # free text: does it still continue text, or loop on post-training's answers?
+        print(f"evaluate: {stage}: {p.free_samples} free continuations of test text", flush=True)
+        items["loop_free_rate"] = loop_free(model, free_prompts(tokens, p.free_samples), p.max_new_tokens,
+                                            p.temperature, p.top_k, p.seed)
+        m |= accuracy("loop_free_rate", items["loop_free_rate"])
     print(f"evaluate: {stage}: done", flush=True)
     samples = samples_markdown(model, tok, sample_prompts(p.prompts, params.corpus.source, root / CORPUS),
                                temperature=p.temperature, max_new_tokens=p.max_new_tokens, top_k=p.top_k,
