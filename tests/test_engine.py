@@ -103,6 +103,30 @@ def test_allocator_hands_out_distinct_blocks_and_takes_them_back():
     assert bm.allocate(c) and bm.num_free == 2
 
 
+def test_each_running_sequence_slot_holds_its_block_table_next_token_and_position():
+    """What a decode step copies (runner.DecodeBuffers): the slot's row of the block table (0 past its end), the
+    token to compute next and its position, current as blocks are allocated, grown and released."""
+    bm = BlockManager(num_blocks=8, block_size=4, prefix_cache=False, max_seqs=2, width=4)
+    a, b = seq(list(range(10, 20))), seq([5, 6, 7])
+    assert bm.allocate(a) and bm.allocate(b) and {a.slot, b.slot} == {0, 1}
+    slots = bm.slots
+    assert slots.tables[a.slot].tolist() == a.block_table + [0] and slots.tables[b.slot].tolist() == [3, 0, 0, 0]
+    assert (slots.next_token[a.slot, 0], slots.start[a.slot]) == (10, 0)  # nothing cached: its first token
+    a.num_cached = 9  # a prefill computed all but its last token
+    bm.commit(a)
+    assert (slots.next_token[a.slot, 0], slots.start[a.slot]) == (19, 9)
+    a.num_cached, a.output_ids = 10, [42]  # it computed that token and sampled 42
+    bm.track(a)
+    assert bm.grow(a, 13) and len(a.block_table) == 4 and slots.tables[a.slot].tolist() == a.block_table
+    assert (slots.next_token[a.slot, 0], slots.start[a.slot]) == (42, 10)
+    assert slots.count.tolist() == [1, 1, 0]  # the last slot pads a batch: 0 new tokens
+    slot = a.slot
+    bm.release(a)
+    assert a.slot is None and not slots.tables[slot].any()
+    c = seq([1, 2])
+    assert bm.allocate(c) and c.slot == slot
+
+
 def test_equal_prefixes_share_full_blocks_through_the_hash_chain():
     bm = BlockManager(num_blocks=16, block_size=4)
     shared = list(range(100, 108))  # two full blocks

@@ -101,6 +101,8 @@ class Scheduler:
             if seq.finish_reason is not None:
                 self.finish(seq)
                 finished.append(seq)
+            else:
+                self.blocks.track(seq)  # its next step computes the token just sampled
         return finished
 
     def finish(self, seq: Sequence) -> None:
