@@ -327,6 +327,36 @@ def test_batch_invariant_mode_gives_bit_identical_logits_whatever_shares_the_bat
         assert all(torch.equal(a, b) for a, b in zip(alone, together[i], strict=True)), f"request {i}"
 
 
+def test_padding_rows_of_a_decode_bucket_change_no_token_or_logprob():
+    """A decode step pads its batch to the next bucket (5 rows to 8, 3 to 4) with rows of 0 new tokens that write
+    only the pool's scratch slot: each request's tokens and logprobs, greedy and seeded, equal its run alone (1
+    row, no padding; the logprobs within rounding: other row counts take other gemm kernels), and greedy tokens
+    generate()'s."""
+    model = model_for()
+    prompts = [[5 + i, *p] for i, p in enumerate(prompts_for(5, seed=12))]  # no token 0 first (padding's token)
+    params = [greedy(6 + 2 * i, logprobs=2) if i % 2 else
+              SamplingParams(max_tokens=6 + 2 * i, temperature=0.8, seed=300 + i, logprobs=2) for i in range(5)]
+    engine = Engine(model, EngineConfig(kv_blocks=128, block_size=4))
+    decodes, forward = [], engine.runner._forward
+
+    def recording(idx, starts, counts, tables, keys):
+        if idx.shape[1] == 1:
+            decodes.append((len(engine.scheduler.running), idx.shape[0]))
+        return forward(idx, starts, counts, tables, keys)
+
+    engine.runner._forward = recording
+    together = run(engine, prompts, params)
+    assert (5, 8) in decodes and (3, 4) in decodes  # (requests decoding, rows computed)
+    for p, sp, c in zip(prompts, params, together):
+        alone = run(Engine(model, EngineConfig(kv_blocks=128, block_size=4)), [p], sp)[0]
+        assert c.tokens == alone.tokens and len(c.tokens) == sp.max_tokens
+        assert [e.token for e in c.logprobs] == [e.token for e in alone.logprobs]
+        assert torch.allclose(torch.tensor([e.logprob for e in c.logprobs]),
+                              torch.tensor([e.logprob for e in alone.logprobs]), atol=1e-5)
+        if sp.temperature == 0:
+            assert c.tokens == solo(model, p, sp.max_tokens)
+
+
 def test_seeded_sampling_is_reproducible_whatever_shares_the_batch():
     model = model_for()
     prompts = prompts_for(5, seed=5)

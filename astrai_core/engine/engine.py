@@ -122,7 +122,8 @@ class Engine:
                                    width=max(2, per_context))
         chunk = min(cfg.prefill_chunk, self.context_length)
         self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, chunk, self.context_length)
-        self.runner = Runner(model, KVPool(model, num_blocks, cfg.block_size), cfg.batch_invariant, cfg.compile)
+        self.runner = Runner(model, KVPool(model, num_blocks, cfg.block_size), self.blocks.slots, cfg.batch_invariant,
+                             cfg.compile)
         self.compile_seconds: float | None = 0.0
         if cfg.compile and cfg.compile_in_background:
             self.compile_seconds = None
