@@ -111,14 +111,14 @@ def test_each_running_sequence_slot_holds_its_block_table_next_token_and_positio
     assert bm.allocate(a) and bm.allocate(b) and {a.slot, b.slot} == {0, 1}
     slots = bm.slots
     assert slots.tables[a.slot].tolist() == a.block_table + [0] and slots.tables[b.slot].tolist() == [3, 0, 0, 0]
-    assert (slots.next_token[a.slot, 0], slots.start[a.slot]) == (10, 0)  # nothing cached: its first token
+    assert (slots.next_token[a.slot], slots.start[a.slot]) == (10, 0)  # nothing cached: its first token
     a.num_cached = 9  # a prefill computed all but its last token
-    bm.commit(a)
-    assert (slots.next_token[a.slot, 0], slots.start[a.slot]) == (19, 9)
+    bm.track(a)
+    assert (slots.next_token[a.slot], slots.start[a.slot]) == (19, 9)
     a.num_cached, a.output_ids = 10, [42]  # it computed that token and sampled 42
     bm.track(a)
     assert bm.grow(a, 13) and len(a.block_table) == 4 and slots.tables[a.slot].tolist() == a.block_table
-    assert (slots.next_token[a.slot, 0], slots.start[a.slot]) == (42, 10)
+    assert (slots.next_token[a.slot], slots.start[a.slot]) == (42, 10)
     assert slots.count.tolist() == [1, 1, 0]  # the last slot pads a batch: 0 new tokens
     slot = a.slot
     bm.release(a)

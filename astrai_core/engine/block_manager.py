@@ -37,7 +37,7 @@ class Slots:
     def __init__(self, max_seqs: int, width: int) -> None:
         self.pad = max_seqs
         self.tables = np.zeros((max_seqs + 1, width), dtype=np.int64)
-        self.next_token = np.zeros((max_seqs + 1, 1), dtype=np.int64)
+        self.next_token = np.zeros(max_seqs + 1, dtype=np.int64)
         self.start = np.zeros(max_seqs + 1, dtype=np.int64)
         self.count = np.ones(max_seqs + 1, dtype=np.int64)
         self.count[self.pad] = 0
@@ -137,16 +137,14 @@ class BlockManager:
         return True
 
     def track(self, seq: Sequence) -> None:
-        """Write the token seq computes next, and its position, into its slot (after its num_cached or its tokens
-        changed); nothing while it has none to compute (its prompt is complete and the next token not sampled)."""
-        if seq.num_cached < len(seq):
-            self.slots.start[seq.slot] = seq.num_cached
-            self.slots.next_token[seq.slot, 0] = seq.tokens_between(seq.num_cached, seq.num_cached + 1)[0]
+        """Write the token seq computes next (it has one: num_cached < len(seq)), and its position, into its slot;
+        called once its num_cached or its tokens changed (at most once a step: about 0.4 us)."""
+        n = seq.num_cached
+        self.slots.start[seq.slot] = n
+        self.slots.next_token[seq.slot] = seq.tokens_between(n, n + 1)[0]
 
     def commit(self, seq: Sequence) -> None:
-        """After a step computed seq's tokens up to num_cached: hash the blocks it filled, so later requests can
-        share them, and track what it computes next."""
-        self.track(seq)
+        """Hash the blocks that the last step filled, so later requests can share them."""
         if not self.prefix_cache:
             return
         bs = self.block_size

@@ -100,7 +100,8 @@ class DecodeBuffers:
     def __init__(self, slots: Slots) -> None:
         self.pad = slots.pad
         # Runner._forward's idx (B, 1), starts (B,), counts (B,) and tables (B, W), per slot: views of the arrays
-        self.per_slot = [torch.from_numpy(a) for a in (slots.next_token, slots.start, slots.count, slots.tables)]
+        arrays = slots.next_token[:, None], slots.start, slots.count, slots.tables
+        self.per_slot = [torch.from_numpy(a) for a in arrays]
         # per bucket of b rows: the batch's slots (b,), as numpy (written from Python) and as a tensor of the same
         # memory (the index), and the inputs they select
         self.buckets: dict[int, tuple[np.ndarray, torch.Tensor, list[torch.Tensor]]] = {}
