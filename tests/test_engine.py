@@ -103,6 +103,30 @@ def test_allocator_hands_out_distinct_blocks_and_takes_them_back():
     assert bm.allocate(c) and bm.num_free == 2
 
 
+def test_each_running_sequence_slot_holds_its_block_table_next_token_and_position():
+    """What a decode step copies (runner.DecodeBuffers): the slot's row of the block table (0 past its end), the
+    token to compute next and its position, current as blocks are allocated, grown and released."""
+    bm = BlockManager(num_blocks=8, block_size=4, prefix_cache=False, max_seqs=2, width=4)
+    a, b = seq(list(range(10, 20))), seq([5, 6, 7])
+    assert bm.allocate(a) and bm.allocate(b) and {a.slot, b.slot} == {0, 1}
+    slots = bm.slots
+    assert slots.tables[a.slot].tolist() == a.block_table + [0] and slots.tables[b.slot].tolist() == [3, 0, 0, 0]
+    assert (slots.next_token[a.slot], slots.start[a.slot]) == (10, 0)  # nothing cached: its first token
+    a.num_cached = 9  # a prefill computed all but its last token
+    bm.track(a)
+    assert (slots.next_token[a.slot], slots.start[a.slot]) == (19, 9)
+    a.num_cached, a.output_ids = 10, [42]  # it computed that token and sampled 42
+    bm.track(a)
+    assert bm.grow(a, 13) and len(a.block_table) == 4 and slots.tables[a.slot].tolist() == a.block_table
+    assert (slots.next_token[a.slot], slots.start[a.slot]) == (42, 10)
+    assert slots.count.tolist() == [1, 1, 0]  # the last slot pads a batch: 0 new tokens
+    slot = a.slot
+    bm.release(a)
+    assert a.slot is None and not slots.tables[slot].any()
+    c = seq([1, 2])
+    assert bm.allocate(c) and c.slot == slot
+
+
 def test_equal_prefixes_share_full_blocks_through_the_hash_chain():
     bm = BlockManager(num_blocks=16, block_size=4)
     shared = list(range(100, 108))  # two full blocks
@@ -301,6 +325,36 @@ def test_batch_invariant_mode_gives_bit_identical_logits_whatever_shares_the_bat
         run(Engine(model, EngineConfig(kv_blocks=32, block_size=4, prefill_chunk=64, batch_invariant=True)), [p], sp)
         alone = trace.pop(0)
         assert all(torch.equal(a, b) for a, b in zip(alone, together[i], strict=True)), f"request {i}"
+
+
+def test_padding_rows_of_a_decode_bucket_change_no_token_or_logprob():
+    """A decode step pads its batch to the next bucket (5 rows to 8, 3 to 4) with rows of 0 new tokens that write
+    only the pool's scratch slot: each request's tokens and logprobs, greedy and seeded, equal its run alone (1
+    row, no padding; the logprobs within rounding: other row counts take other gemm kernels), and greedy tokens
+    generate()'s."""
+    model = model_for()
+    prompts = [[5 + i, *p] for i, p in enumerate(prompts_for(5, seed=12))]  # no token 0 first (padding's token)
+    params = [greedy(6 + 2 * i, logprobs=2) if i % 2 else
+              SamplingParams(max_tokens=6 + 2 * i, temperature=0.8, seed=300 + i, logprobs=2) for i in range(5)]
+    engine = Engine(model, EngineConfig(kv_blocks=128, block_size=4))
+    decodes, forward = [], engine.runner._forward
+
+    def recording(idx, starts, counts, tables, keys):
+        if idx.shape[1] == 1:
+            decodes.append((len(engine.scheduler.running), idx.shape[0]))
+        return forward(idx, starts, counts, tables, keys)
+
+    engine.runner._forward = recording
+    together = run(engine, prompts, params)
+    assert (5, 8) in decodes and (3, 4) in decodes  # (requests decoding, rows computed)
+    for p, sp, c in zip(prompts, params, together):
+        alone = run(Engine(model, EngineConfig(kv_blocks=128, block_size=4)), [p], sp)[0]
+        assert c.tokens == alone.tokens and len(c.tokens) == sp.max_tokens
+        assert [e.token for e in c.logprobs] == [e.token for e in alone.logprobs]
+        assert torch.allclose(torch.tensor([e.logprob for e in c.logprobs]),
+                              torch.tensor([e.logprob for e in alone.logprobs]), atol=1e-5)
+        if sp.temperature == 0:
+            assert c.tokens == solo(model, p, sp.max_tokens)
 
 
 def test_seeded_sampling_is_reproducible_whatever_shares_the_batch():

@@ -6,6 +6,10 @@ its tokens and the previous block's hash, so equal hashes mean equal whole prefi
 prompt starts with the same full blocks reuses them (reference-counted) instead of computing them again. A
 released block keeps its contents while nothing else needs the space: unreferenced hashed blocks wait in an LRU
 list and are evicted, oldest first, only when the free list is empty. Every operation is O(1) per block.
+
+Each running sequence also has a slot (seq.slot) in Slots: per-slot arrays of what a decode step reads (its block
+table, the token it computes next and that token's position), kept current here as blocks are allocated, grown
+and released and as the step's tokens are accounted for, so the runner copies a batch's rows in one op each.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+
+import numpy as np
 
 from astrai_core.engine.sequence import Sequence
 
@@ -22,9 +28,30 @@ def chain_hash(prev: bytes, tokens: list[int]) -> bytes:
     return hashlib.blake2b(prev + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
+class Slots:
+    """Per running sequence, at row seq.slot: its block table (0 past its end), the token it computes next and
+    that token's position (runner.DecodeBuffers reads the rows of a batch; a decode row computes 1 token, `count`).
+    The last row, `pad`, is never handed out: its count is 0, so a batch padded with it writes only the pool's
+    scratch slot. numpy, not torch: a Python int is written in about 0.1 us, a torch element in a few us."""
+
+    def __init__(self, max_seqs: int, width: int) -> None:
+        self.pad = max_seqs
+        self.tables = np.zeros((max_seqs + 1, width), dtype=np.int64)
+        self.next_token = np.zeros(max_seqs + 1, dtype=np.int64)
+        self.start = np.zeros(max_seqs + 1, dtype=np.int64)
+        self.count = np.ones(max_seqs + 1, dtype=np.int64)
+        self.count[self.pad] = 0
+        self.free = list(range(max_seqs - 1, -1, -1))  # popped from the end: slot 0 first
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True, max_seqs: int | None = None,
+                 width: int | None = None) -> None:
+        """max_seqs: sequences holding blocks at once (the engine's max_batch_size); width: blocks per sequence at
+        most (a full context's). Each defaults to num_blocks, a bound either way: every sequence holds a block of
+        its own (its last token's)."""
         self.num_blocks, self.block_size, self.prefix_cache = num_blocks, block_size, prefix_cache
+        self.slots = Slots(max_seqs or num_blocks, width or num_blocks)
         self.ref_count = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks  # set while the block is in hash_to_block
         self.hash_to_block: dict[bytes, int] = {}
@@ -93,6 +120,9 @@ class BlockManager:
         seq.block_table = cached + [self._take() for _ in range(self.blocks_for(len(seq)) - len(cached))]
         seq.block_hashes = hashes
         seq.num_cached = len(cached) * self.block_size
+        seq.slot = self.slots.free.pop()
+        self.slots.tables[seq.slot, :len(seq.block_table)] = seq.block_table
+        self.track(seq)
         return True
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
@@ -100,8 +130,18 @@ class BlockManager:
         missing = self.blocks_for(num_tokens) - len(seq.block_table)
         if missing > self.num_free:
             return False
-        seq.block_table += [self._take() for _ in range(missing)]
+        if missing > 0:
+            have = len(seq.block_table)
+            seq.block_table += [self._take() for _ in range(missing)]
+            self.slots.tables[seq.slot, have:have + missing] = seq.block_table[have:]
         return True
+
+    def track(self, seq: Sequence) -> None:
+        """Write the token seq computes next (it has one: num_cached < len(seq)), and its position, into its slot;
+        called once its num_cached or its tokens changed (at most once a step: about 0.4 us)."""
+        n = seq.num_cached
+        self.slots.start[seq.slot] = n
+        self.slots.next_token[seq.slot] = seq.tokens_between(n, n + 1)[0]
 
     def commit(self, seq: Sequence) -> None:
         """Hash the blocks that the last step filled, so later requests can share them."""
@@ -127,4 +167,7 @@ class BlockManager:
                     self.lru[block] = None
                 else:
                     self.free.append(block)
-        seq.block_table, seq.block_hashes, seq.num_cached = [], [], 0
+        if seq.slot is not None:  # a waiting sequence holds neither blocks nor a slot
+            self.slots.tables[seq.slot] = 0
+            self.slots.free.append(seq.slot)
+        seq.block_table, seq.block_hashes, seq.num_cached, seq.slot = [], [], 0, None

@@ -117,10 +117,13 @@ class Engine:
             raise ValueError(f"the KV pool ({num_blocks} blocks of {cfg.block_size} tokens) must hold at least one "
                              f"full context ({self.context_length} tokens): raise kv_blocks or kv_memory_mb")
         self.kv_bytes = num_blocks * block_bytes
-        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache)
+        # width: at least 2 blocks, as Runner.run's tables (a width of 1 would be a compiled graph of its own)
+        self.blocks = BlockManager(num_blocks, cfg.block_size, cfg.prefix_cache, max_seqs=cfg.max_batch_size,
+                                   width=max(2, per_context))
         chunk = min(cfg.prefill_chunk, self.context_length)
         self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, chunk, self.context_length)
-        self.runner = Runner(model, KVPool(model, num_blocks, cfg.block_size), cfg.batch_invariant, cfg.compile)
+        self.runner = Runner(model, KVPool(model, num_blocks, cfg.block_size), self.blocks.slots, cfg.batch_invariant,
+                             cfg.compile)
         self.compile_seconds: float | None = 0.0
         if cfg.compile and cfg.compile_in_background:
             self.compile_seconds = None

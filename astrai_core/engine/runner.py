@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 
+import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from astrai_core.engine.block_manager import Slots
 from astrai_core.engine.sequence import Sequence
 from astrai_core.model.transformer import Transformer
 
@@ -89,6 +91,37 @@ SKIP_GUARDS = True
 MIN_QUERIES, MIN_KEYS = 4, 16
 
 
+class DecodeBuffers:
+    """A decode step's inputs (one new token per row), allocated once for each batch bucket (1, 2, 4, ... rows, up
+    to the slots' count) and filled from the block manager's Slots by one index_select per tensor: no tensor is
+    built from the sequences' lists. A batch is padded to its bucket with the padding slot (0 new tokens: it
+    writes only the pool's scratch slot), so the compiled decode graph sees a few batch sizes only."""
+
+    def __init__(self, slots: Slots) -> None:
+        self.pad = slots.pad
+        # Runner._forward's idx (B, 1), starts (B,), counts (B,) and tables (B, W), per slot: views of the arrays
+        arrays = slots.next_token[:, None], slots.start, slots.count, slots.tables
+        self.per_slot = [torch.from_numpy(a) for a in arrays]
+        # per bucket of b rows: the batch's slots (b,), as numpy (written from Python) and as a tensor of the same
+        # memory (the index), and the inputs they select
+        self.buckets: dict[int, tuple[np.ndarray, torch.Tensor, list[torch.Tensor]]] = {}
+        with torch.inference_mode():  # inference tensors, as run() builds and warm_up compiles for (a guard)
+            for b in {min(2**i, self.pad) for i in range(self.pad.bit_length() + 1)}:
+                rows = np.empty(b, dtype=np.int64)
+                inputs = [torch.empty((b, *t.shape[1:]), dtype=t.dtype) for t in self.per_slot]
+                self.buckets[b] = rows, torch.from_numpy(rows), inputs
+
+    def fill(self, batch: list[tuple[Sequence, int]]) -> list[torch.Tensor]:
+        """The inputs of batch's rows, then padding rows up to the bucket (the bucket's buffers: valid until the
+        next fill). The slots are written into a numpy array: a few us, against 3-20 for torch.tensor(list)."""
+        bucket = min(2 ** (len(batch) - 1).bit_length(), self.pad)
+        rows, rows_t, inputs = self.buckets[bucket]
+        rows[:] = [s.slot for s, _ in batch] + [self.pad] * (bucket - len(batch))
+        for per_slot, buffer in zip(self.per_slot, inputs):
+            torch.index_select(per_slot, 0, rows_t, out=buffer)
+        return inputs
+
+
 class Runner:
     """batch_invariant: every position's arithmetic is the same whatever else the forward computes: other rows,
     a decode or a prefill chunk (so chunk sizes, preemption and recompute, and prefix blocks computed by another
@@ -105,9 +138,11 @@ class Runner:
     about 6x the flash kernel's time and decodes run 4x the token rows. Not cheap, so off by default: without it a
     request's tokens still equal generate()'s except at near-ties (bench/engine.py counts them)."""
 
-    def __init__(self, model: Transformer, pool: KVPool, batch_invariant: bool = False, compile: bool = False) -> None:
+    def __init__(self, model: Transformer, pool: KVPool, slots: Slots, batch_invariant: bool = False,
+                 compile: bool = False) -> None:
         self.model, self.pool, self.batch_invariant = model, pool, batch_invariant
         self.device = next(model.parameters()).device
+        self.decode_buffers = DecodeBuffers(slots)
         # EngineConfig.compile: decode steps and prefill chunks run _forward as torch.compile'd graphs (warm_up).
         # cpp_wrapper: the graph's kernel calls from C++, not a Python wrapper (a 1-row step on the demo's shape:
         # 0.41 against 0.50 ms, measured on 2 busy cores; freezing the weights gained nothing).
@@ -145,20 +180,12 @@ class Runner:
         dev = self.device
         rows_out = len(batch)
         T = max(n for _, n in batch)
-        if self.batch_invariant:
-            T = max(T, MIN_QUERIES)
-            while not gemm_invariant_rows(len(batch) * T):  # rows of 0 tokens: computed, never stored
-                batch = batch + [(None, 0)]
-        # Built from Python lists, one tensor each: a small op per row costs a dispatch each.
-        starts = [s.num_cached if s else 0 for s, _ in batch]
-        counts = [n for _, n in batch]
-        S = max(a + n for a, n in zip(starts, counts))
-        width = max(2, *(len(s.block_table) for s, _ in batch[:rows_out]))  # 2: a width of 1 would be a 3rd graph
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) if s else [0] * width
-                               for s, _ in batch], device=dev)
-        idx = torch.tensor([s.tokens_between(s.num_cached, s.num_cached + n) + [0] * (T - n) if s else [0] * T
-                            for s, n in batch], device=dev)
-        counts_t = torch.tensor(counts, device=dev)
+        if T == 1 and not self.batch_invariant:  # a decode step: the bucket's buffers, padded to its rows
+            inputs = self.decode_buffers.fill(batch)
+            S = int(inputs[1].max()) + 1  # the longest row's positions (starts + its 1 new token)
+            idx, starts, counts, tables = inputs if dev.type == "cpu" else (t.to(dev) for t in inputs)
+        else:
+            idx, starts, counts, tables, S = self.prefill_inputs(batch, T)
         keys = torch.arange(max(S, MIN_KEYS) if self.batch_invariant else S, device=dev)
         # compiled, but for a 1-token prompt's step (1 key: a graph of its own)
         if self.compiled is not None and S > 1:
@@ -167,12 +194,32 @@ class Runner:
             forward = self._forward
             mode = sdpa_kernel(SDPBackend.MATH) if self.batch_invariant else contextlib.nullcontext()
         with mode:
-            logits = forward(idx, torch.tensor(starts, device=dev), counts_t, tables, keys)
+            logits = forward(idx, starts, counts, tables, keys)
         if every_position:
             return logits[:rows_out].float()
         if T == 1:
             return logits[:rows_out, 0].float()
-        return logits[torch.arange(rows_out, device=dev), counts_t[:rows_out] - 1].float()
+        return logits[torch.arange(rows_out, device=dev), counts[:rows_out] - 1].float()
+
+    def prefill_inputs(self, batch: list[tuple[Sequence, int]], T: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """idx, starts, counts, tables and the key count S of a step of up to T new tokens per row (a prefill
+        chunk, or any step when batch_invariant), built from the sequences' lists."""
+        dev = self.device
+        rows_out = len(batch)
+        if self.batch_invariant:
+            T = max(T, MIN_QUERIES)
+            while not gemm_invariant_rows(len(batch) * T):  # rows of 0 tokens: computed, never stored
+                batch = batch + [(None, 0)]
+        starts = [s.num_cached if s else 0 for s, _ in batch]
+        counts = [n for _, n in batch]
+        width = max(2, *(len(s.block_table) for s, _ in batch[:rows_out]))  # 2: a width of 1 would be a 3rd graph
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) if s else [0] * width
+                               for s, _ in batch], device=dev)
+        idx = torch.tensor([s.tokens_between(s.num_cached, s.num_cached + n) + [0] * (T - n) if s else [0] * T
+                            for s, n in batch], device=dev)
+        return (idx, torch.tensor(starts, device=dev), torch.tensor(counts, device=dev), tables,
+                max(a + n for a, n in zip(starts, counts)))
 
     def _forward(self, idx: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor,
                  keys: torch.Tensor) -> torch.Tensor:

@@ -62,8 +62,9 @@ class Scheduler:
     def postprocess(self, batch: list[tuple[Sequence, int]], logits: torch.Tensor,
                     every: torch.Tensor | None = None) -> list[Sequence]:
         """Account for the computed tokens, sample where a prompt is complete, and return the finished sequences
-        (already out of the batch, blocks released); seq.output_ids grows by the sampled tokens, and
-        seq.pending_logprobs by the logprobs asked for. every: the logits at every computed position (Runner.run's
+        (already out of the batch, blocks released); seq.output_ids grows by the sampled tokens,
+        seq.pending_logprobs by the logprobs asked for, and the slot of each that goes on by what it computes next
+        (BlockManager.track). every: the logits at every computed position (Runner.run's
         every_position), needed for the rows that compute more than one prompt token with prompt_logprobs."""
         for i, (seq, n) in enumerate(batch):
             if seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_ids):
@@ -85,6 +86,7 @@ class Scheduler:
         finished = []
         for i, (seq, _) in enumerate(batch):
             if seq.num_to_compute:  # more of the prompt to fill
+                self.blocks.track(seq)
                 continue
             p = seq.params
             if i not in sampled:  # max_tokens 0: the prompt's logprobs were all it asked for
@@ -101,6 +103,8 @@ class Scheduler:
             if seq.finish_reason is not None:
                 self.finish(seq)
                 finished.append(seq)
+            else:
+                self.blocks.track(seq)  # its next step computes the token just sampled
         return finished
 
     def finish(self, seq: Sequence) -> None:

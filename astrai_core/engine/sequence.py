@@ -76,6 +76,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chain hash of each full block in block_table
     num_cached: int = 0
+    slot: int | None = None  # its row in the block manager's Slots while it holds blocks
     finish_reason: str | None = None
     closed: bool = False  # its last event (with the finish reason) has been sent
     arrival: float = field(default_factory=time.perf_counter)
