@@ -1,18 +1,19 @@
-"""The parts of serving/ that need no app and no model: TextStream, the error shapes, the key check, the engine
-events' way to the event loop (EventRelay) and into text pieces (run_generation). The HTTP behaviour of the whole
-is tested in test_serve_api.py, against a real `astrai serve`."""
+"""The parts of serving/ that need no app and no model: TextStream, the error shapes, the key check and who must
+have a key, the engine events' way to the event loop (EventRelay) and into text pieces
+(run_generation). The HTTP behaviour of the whole is tested in test_serve_api.py, against a real `astrai serve`."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 from tokenizers import pre_tokenizers
 
-from serving.auth import Hosts, check_host, check_json, check_key, check_origin
+from serving.auth import Hosts, check_exposure, check_host, check_json, check_key, check_origin
 from serving.errors import ApiError, error_body
 from serving.protocol.validate import lone_surrogate
 from serving.streaming import EventRelay, Finish, run_generation
@@ -119,6 +120,26 @@ def test_host_origin_and_content_type_checks():
         with pytest.raises(ApiError) as e:
             check_json(headers)
         assert e.value.status == 415
+
+
+def test_a_server_other_machines_reach_needs_a_key_or_insecure():
+    """check_exposure: what `astrai serve` refuses before anything loads (the one-line errors: test_serve_api.py)."""
+    for host in ("127.0.0.1", "127.9.9.9", "localhost", "::1"):  # loopback: no key needed
+        assert check_exposure(host, None, False, ()) is None
+    assert check_exposure("127.0.0.1", "", False, ()) is None  # an empty ASTRAI_API_KEY is no key
+    for host in ("0.0.0.0", "::", "10.0.0.5", "my-host"):
+        with pytest.raises(ValueError, match=f"^--host {re.escape(host)} is reachable from other machines"):
+            check_exposure(host, "", False, ())
+        assert check_exposure(host, "k-1", False, ()) == "k-1" and check_exposure(host, None, True, ()) is None
+    with pytest.raises(ValueError, match="^--api-key .*printable ASCII"):
+        check_exposure("0.0.0.0", "clé", False, ())
+    with pytest.raises(ValueError, match="^--api-key"):
+        check_exposure("127.0.0.1", "a key", False, ())
+    assert check_exposure("127.0.0.1", None, False, ("proxy.example", "*", "[::1]", "10.0.0.5")) is None
+    for bad in ("http://proxy.example", "proxy.example:8080", "a/b", ""):
+        with pytest.raises(ValueError, match=f"^--allowed-host {re.escape(repr(bad))}: expected a host name"):
+            check_exposure("127.0.0.1", None, False, ("ok.example", bad))
+
 
 
 # --- engine events to the event loop, and to text -----------------------------------------------------------------
