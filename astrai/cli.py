@@ -336,7 +336,6 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
     from astrai_core.runtime.device import resolve_device
     from serving.auth import check_exposure
     from serving import launch
-    from serving.model import AliasWatch
 
     try:  # who must have a key (serving/auth.py), then the port: before the model loads
         api_key = check_exposure(host, api_key, insecure, allowed_host)
@@ -366,11 +365,8 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
             engine, chat = launch.load_engine(checkpoint, config, device, n_threads, engine_process)
         except (AstraiError, ValueError) as e:
             _fail(str(e))
-    watch = None
-    if model.startswith("models:/") and "@" in model and alias_poll > 0:  # model_id is NAME/VERSION
-        watch = AliasWatch(*model.removeprefix("models:/").split("@", 1), version=model_id.rsplit("/", 1)[1])
     status = launch.serve(engine, chat, model_id, aliases, host=host, port=port, api_key=api_key,
-                          allowed_hosts=allowed_host, device=device, threads=(n_threads, why), watch=watch,
+                          allowed_hosts=allowed_host, device=device, threads=(n_threads, why), reference=model,
                           look_up=alias_version, alias_poll=alias_poll)
     if status:
         raise typer.Exit(status)

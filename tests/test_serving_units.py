@@ -1,5 +1,5 @@
 """The parts of serving/ that need no app and no model: TextStream, the error shapes, the key check and who must
-have a key, the engine events' way to the event loop (EventRelay) and into text pieces
+have a key, the alias watch's start, the engine events' way to the event loop (EventRelay) and into text pieces
 (run_generation). The HTTP behaviour of the whole is tested in test_serve_api.py, against a real `astrai serve`."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from tokenizers import pre_tokenizers
 
 from serving.auth import Hosts, check_exposure, check_host, check_json, check_key, check_origin
 from serving.errors import ApiError, error_body
+from serving.model import AliasWatch
 from serving.protocol.validate import lone_surrogate
 from serving.streaming import EventRelay, Finish, run_generation
 from serving.text_stream import TextStream
@@ -140,6 +141,12 @@ def test_a_server_other_machines_reach_needs_a_key_or_insecure():
         with pytest.raises(ValueError, match=f"^--allowed-host {re.escape(repr(bad))}: expected a host name"):
             check_exposure("127.0.0.1", None, False, ("ok.example", bad))
 
+
+def test_an_alias_watch_only_for_a_model_named_by_alias():
+    watch = AliasWatch.started_by("models:/astrai@champion", "astrai/3")
+    assert (watch.name, watch.alias, watch.version, watch.points_to) == ("astrai", "champion", "3", "3")
+    for reference in ("models:/astrai/3", "data/sft", "runs:/abc/model", ""):
+        assert AliasWatch.started_by(reference, "astrai/3") is None, reference
 
 
 # --- engine events to the event loop, and to text -----------------------------------------------------------------
