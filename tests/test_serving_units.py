@@ -149,6 +149,31 @@ def test_an_alias_watch_only_for_a_model_named_by_alias():
         assert AliasWatch.started_by(reference, "astrai/3") is None, reference
 
 
+def test_launch_polls_the_alias_only_when_named_by_one_and_asked_to(monkeypatch):
+    """launch.serve builds the watch from the --model reference; --alias-poll 0 means no watch and no polling."""
+    from types import SimpleNamespace
+
+    from astrai_core.engine import EngineConfig
+    from serving import launch
+
+    apps, polled = [], []
+    monkeypatch.setattr(launch, "create_app", lambda *args, watch, **kwargs: apps.append(watch))
+    monkeypatch.setattr(launch, "follow_alias", lambda watch, look_up, every: polled.append((watch, every)))
+    monkeypatch.setattr(launch, "run", lambda *args: 0)
+    monkeypatch.setattr(launch, "threading", SimpleNamespace(Thread=lambda target, args, **kwargs: SimpleNamespace(
+        start=lambda: target(*args))))  # the poller's thread, run at once
+    engine = SimpleNamespace(config=EngineConfig(), stats=lambda: {"compile_seconds": None, "kv_blocks_total": 8},
+                             start=lambda: None, stop=lambda: None)
+    for reference, poll in (("models:/astrai@champion", 0.5), ("models:/astrai@champion", 0), ("models:/astrai/3", 1)):
+        apps.clear(), polled.clear()
+        assert launch.serve(engine, None, "astrai/3", (), host="127.0.0.1", port=1, api_key=None, allowed_hosts=(),
+                            device="cpu", threads=(1, "test"), reference=reference, look_up=None, alias_poll=poll) == 0
+        if poll and "@" in reference:
+            assert apps[0].alias == "champion" and polled == [(apps[0], poll)]
+        else:
+            assert apps == [None] and polled == [], (reference, poll)
+
+
 # --- engine events to the event loop, and to text -----------------------------------------------------------------
 
 def test_event_relay_wakes_the_loop_once_per_flush_however_many_events():
