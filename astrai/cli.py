@@ -329,32 +329,17 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
         _fail(f"--port {port}: expected a TCP port from 1 to 65535")
     if not alias_poll >= 0:
         _fail(f"--alias-poll {alias_poll:g}: expected seconds >= 0 (0: never look again)")
-    import ipaddress
     import tempfile
 
     from tasks.registry.models import alias_version, resolve_model
     from astrai_core.engine import EngineConfig
     from astrai_core.runtime.device import resolve_device
-    from serving.auth import check_hosts_option
+    from serving.auth import check_exposure
     from serving import launch
-    from serving.model import AliasWatch
 
-    api_key = api_key or None  # an empty ASTRAI_API_KEY means no key
-    if api_key is not None and not all("!" <= ch <= "~" for ch in api_key):
-        # HTTP header values are ASCII: no client could send such a key (httpx refuses to encode it).
-        _fail("--api-key (or ASTRAI_API_KEY): only printable ASCII characters without spaces can be sent in an "
-              "HTTP header")
-    if bad := check_hosts_option(allowed_host):
-        _fail(f"--allowed-host {bad[0]!r}: expected a host name or address without scheme or port (or '*')")
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not (loopback or api_key or insecure):
-        _fail(f"--host {host} is reachable from other machines: set --api-key (or ASTRAI_API_KEY), or pass --insecure "
-              "to serve without a key")
-    try:
-        launch.check_port_free(host, port)  # before the model loads
+    try:  # who must have a key (serving/auth.py), then the port: before the model loads
+        api_key = check_exposure(host, api_key, insecure, allowed_host)
+        launch.check_port_free(host, port)
     except ValueError as e:
         _fail(str(e))
     try:
@@ -380,11 +365,8 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
             engine, chat = launch.load_engine(checkpoint, config, device, n_threads, engine_process)
         except (AstraiError, ValueError) as e:
             _fail(str(e))
-    watch = None
-    if model.startswith("models:/") and "@" in model and alias_poll > 0:  # model_id is NAME/VERSION
-        watch = AliasWatch(*model.removeprefix("models:/").split("@", 1), version=model_id.rsplit("/", 1)[1])
     status = launch.serve(engine, chat, model_id, aliases, host=host, port=port, api_key=api_key,
-                          allowed_hosts=allowed_host, device=device, threads=(n_threads, why), watch=watch,
+                          allowed_hosts=allowed_host, device=device, threads=(n_threads, why), reference=model,
                           look_up=alias_version, alias_poll=alias_poll)
     if status:
         raise typer.Exit(status)

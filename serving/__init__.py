@@ -2,14 +2,15 @@
 
     app = create_app(engine, chat, model_id="astrai/3", api_key=None)    # serving.app; engine: an EngineClient
     status = run(app, engine, "127.0.0.1", 8000)                          # serving.server
-    # `astrai serve` (astrai/cli.py) checks its options, resolves the model, then: serving.launch
+    # `astrai serve` (astrai/cli.py) parses its options, resolves the model, then: serving.auth, serving.launch
 
     protocol/       the request bodies (pydantic): base.py (fields and validators both protocols share),
                     openai.py, anthropic.py; validate.py (a parsed body to its model: Unicode, then pydantic,
                     400 naming the field)
     errors.py       ApiError, rendered in the shape of the protocol a route speaks; the app's exception handlers
     auth.py         who may call (route dependencies): the API key, the Host and Origin a request names (pages of
-                    other sites are refused: 403), JSON bodies only (415)
+                    other sites are refused: 403), JSON bodies only (415); and who must have a key (check_exposure:
+                    a --host other machines reach needs --api-key or --insecure; loopback detection)
     request.py      a route's opening: read the JSON body (413, 400), validate it, check the model (404)
     model.py        ServedModel: the served model as the routes share it (names, prompt ids, submission), kept
                     on app.state
@@ -23,9 +24,9 @@
                     /metrics, /v1/models
     server.py       run: the app on uvicorn while the engine lives; an engine that died ends the server with
                     status 1, for a supervisor to restart it
-    launch.py       what `astrai serve` runs once its options are checked and its model resolved: the engine
-                    (load_engine: in a process of its own or a thread), then the app, the start-up line, the
-                    registry alias's polling and run (serve)
+    launch.py       what `astrai serve` runs once its options are parsed and its model resolved: the port's
+                    check, the engine (load_engine: in a process of its own or a thread), then the app, the
+                    start-up line, the registry alias's watch (model.py AliasWatch) and its polling, and run (serve)
 
 A request's way through: its Host, Origin, key and Content-Type are checked (auth.py), the JSON body is read
 (413 past the size limit), parsed and validated by the pydantic models of its protocol (400 naming the field;

@@ -1,4 +1,8 @@
-"""Who may call: the API key, and the checks that keep web pages of other sites out of a server on this machine.
+"""Who may call: the API key, who must have it, and the checks that keep web pages of other sites out of a server on
+this machine.
+
+Exposure: a server reachable from other machines (a --host that is not loopback) needs a key, or --insecure to serve
+without one; `check_exposure` refuses the options otherwise, before anything loads (`astrai serve` calls it).
 
 The key: with `astrai serve --api-key KEY`, every /v1/ route needs 'Authorization: Bearer KEY' (what the openai
 client sends) or 'x-api-key: KEY' (what the anthropic client sends). /health, /metrics and the chat page (GET /)
@@ -53,15 +57,15 @@ class Hosts:
 
     def serves(self, hostname: str) -> bool:
         """Whether a request's Host names this server (`hostname`: lower-case, no port, no brackets)."""
-        if hostname in (self.bound.lower().strip("[]"), "localhost") or hostname.endswith(".localhost"):
+        if hostname == self.bound.lower().strip("[]") or is_loopback(hostname) or hostname.endswith(".localhost"):
             return True
         if "*" in self.allowed or hostname in self.allowed:
             return True
         try:
-            address = ipaddress.ip_address(hostname)
+            ipaddress.ip_address(hostname)
         except ValueError:
             return False
-        return address.is_loopback or self.bound in WILDCARD_BINDS
+        return self.bound in WILDCARD_BINDS  # any address of the machine
 
 
 def hostname_of(netloc: str) -> str | None:
@@ -121,6 +125,28 @@ async def require_json(request: Request) -> None:
 API = [Depends(require_origin), Depends(require_key)]  # every /v1/ route (the app adds require_host to every route)
 
 
-def check_hosts_option(names: Sequence[str]) -> list[str]:
-    """The --allowed-host values that are not a bare host name (or "*"), for the command line to refuse."""
-    return [n for n in names if n != "*" and hostname_of(n) != n.lower().strip("[]")]
+def is_loopback(host: str) -> bool:
+    """Whether `host` is "localhost" or a loopback address (127.0.0.0/8, ::1): only this machine reaches it."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, api_key: str | None, insecure: bool, allowed_hosts: Sequence[str]) -> str | None:
+    """The key a server bound to `host` requires (None: none; an empty key is none), once `astrai serve`'s options
+    pass: ValueError naming the option when the key cannot be sent in an HTTP header, an --allowed-host is not a
+    bare host name (or "*"), or `host` is reachable from other machines with neither a key nor `insecure`."""
+    api_key = api_key or None  # an empty ASTRAI_API_KEY means no key
+    if api_key is not None and not all("!" <= ch <= "~" for ch in api_key):
+        # HTTP header values are ASCII: no client could send such a key (httpx refuses to encode it).
+        raise ValueError("--api-key (or ASTRAI_API_KEY): only printable ASCII characters without spaces can be sent "
+                         "in an HTTP header")
+    if bad := [n for n in allowed_hosts if n != "*" and hostname_of(n) != n.lower().strip("[]")]:
+        raise ValueError(f"--allowed-host {bad[0]!r}: expected a host name or address without scheme or port (or '*')")
+    if not (is_loopback(host) or api_key or insecure):
+        raise ValueError(f"--host {host} is reachable from other machines: set --api-key (or ASTRAI_API_KEY), or pass "
+                         "--insecure to serve without a key")
+    return api_key

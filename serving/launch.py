@@ -1,10 +1,13 @@
-"""What `astrai serve` runs once its options are checked and its model reference is resolved to a checkpoint
-(astrai/cli.py does both: resolving a registry reference is the pipeline's, and serving never imports it).
+"""What `astrai serve` runs once its model reference is resolved to a checkpoint (astrai/cli.py resolves it:
+resolving a registry reference is the pipeline's, and serving never imports it).
 
+    api_key = check_exposure("127.0.0.1", None, False, ())     # serving.auth: who must have a key (ValueError)
+    check_port_free("127.0.0.1", 8000)                          # ValueError naming --port
     n_threads, why = torch_threads("auto")                      # torch's threads, and why that many
     engine, chat = load_engine(checkpoint, EngineConfig(), "cpu", n_threads, engine_process=True)
-    status = serve(engine, chat, "astrai/3", (), host="127.0.0.1", port=8000, api_key=None, allowed_hosts=(),
-                   device="cpu", threads=(n_threads, why))      # 0: stopped; 1: the engine died (server.py)
+    status = serve(engine, chat, "astrai/3", (), host="127.0.0.1", port=8000, api_key=api_key, allowed_hosts=(),
+                   device="cpu", threads=(n_threads, why),      # 0: stopped; 1: the engine died (server.py)
+                   reference="models:/astrai@champion", look_up=alias_version)  # the alias polled (AliasWatch)
 
 Loading and serving are two calls so that a registry download can be deleted once the engine has loaded it,
 before the server runs.
@@ -72,13 +75,14 @@ def load_engine(checkpoint: Path, config: EngineConfig, device: str, threads: in
 
 def serve(engine: EngineClient, chat: ChatFormat, model_id: str, aliases: Sequence[str], *, host: str, port: int,
           api_key: str | None, allowed_hosts: Sequence[str], device: str, threads: tuple[int, str],
-          watch: AliasWatch | None = None, look_up: Callable[[str, str], str] | None = None,
-          alias_poll: float = 60.0) -> int:
+          reference: str = "", look_up: Callable[[str, str], str] | None = None, alias_poll: float = 60.0) -> int:
     """Serve `engine` (from load_engine) as `model_id` and `aliases` on host:port until stopped (-> 0) or until
     the engine dies (-> 1, server.py), after one start-up line on stderr that says what the engine's options came
     to; the engine is started here and stopped on the way out. `threads`: (count, why) as torch_threads gave them,
-    for that line. `watch`: the registry alias the model was named by; `look_up(name, alias)` then gives the
-    version it points to now (or raises), every `alias_poll` s."""
+    for that line. `reference`: the model as the user named it; when that is a registry alias (models:/NAME@ALIAS)
+    and `alias_poll` > 0, `look_up(name, alias)` gives the version it points to now (or raises), every
+    `alias_poll` s (AliasWatch, reported by /health and /v1/models)."""
+    watch = AliasWatch.started_by(reference, model_id) if alias_poll > 0 else None
     if watch is not None:
         threading.Thread(target=follow_alias, args=(watch, look_up, alias_poll), name="alias-poll",
                          daemon=True).start()

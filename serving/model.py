@@ -31,6 +31,15 @@ class AliasWatch:
         self.checked = time.time()
         self.error: str | None = None
 
+    @classmethod
+    def started_by(cls, reference: str, model_id: str) -> AliasWatch | None:
+        """The watch of `reference` when it names a registry alias (models:/NAME@ALIAS, resolved to `model_id`,
+        NAME/VERSION), else None."""
+        if not (reference.startswith("models:/") and "@" in reference):
+            return None
+        name, alias = reference.removeprefix("models:/").split("@", 1)
+        return cls(name, alias, version=model_id.rsplit("/", 1)[1])
+
     def update(self, points_to: str | None, error: str | None = None) -> str | None:
         """Record a lookup (the alias's version, or why there is none); returns a line to log when that changed."""
         before = (self.points_to, self.error)

@@ -1,19 +1,21 @@
-"""The parts of serving/ that need no app and no model: TextStream, the error shapes, the key check, the engine
-events' way to the event loop (EventRelay) and into text pieces (run_generation). The HTTP behaviour of the whole
-is tested in test_serve_api.py, against a real `astrai serve`."""
+"""The parts of serving/ that need no app and no model: TextStream, the error shapes, the key check and who must
+have a key, the alias watch's start, the engine events' way to the event loop (EventRelay) and into text pieces
+(run_generation). The HTTP behaviour of the whole is tested in test_serve_api.py, against a real `astrai serve`."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 from tokenizers import pre_tokenizers
 
-from serving.auth import Hosts, check_host, check_json, check_key, check_origin
+from serving.auth import Hosts, check_exposure, check_host, check_json, check_key, check_origin
 from serving.errors import ApiError, error_body
+from serving.model import AliasWatch
 from serving.protocol.validate import lone_surrogate
 from serving.streaming import EventRelay, Finish, run_generation
 from serving.text_stream import TextStream
@@ -119,6 +121,57 @@ def test_host_origin_and_content_type_checks():
         with pytest.raises(ApiError) as e:
             check_json(headers)
         assert e.value.status == 415
+
+
+def test_a_server_other_machines_reach_needs_a_key_or_insecure():
+    """check_exposure: what `astrai serve` refuses before anything loads (the one-line errors: test_serve_api.py)."""
+    for host in ("127.0.0.1", "127.9.9.9", "localhost", "::1"):  # loopback: no key needed
+        assert check_exposure(host, None, False, ()) is None
+    assert check_exposure("127.0.0.1", "", False, ()) is None  # an empty ASTRAI_API_KEY is no key
+    for host in ("0.0.0.0", "::", "10.0.0.5", "my-host"):
+        with pytest.raises(ValueError, match=f"^--host {re.escape(host)} is reachable from other machines"):
+            check_exposure(host, "", False, ())
+        assert check_exposure(host, "k-1", False, ()) == "k-1" and check_exposure(host, None, True, ()) is None
+    with pytest.raises(ValueError, match="^--api-key .*printable ASCII"):
+        check_exposure("0.0.0.0", "clé", False, ())
+    with pytest.raises(ValueError, match="^--api-key"):
+        check_exposure("127.0.0.1", "a key", False, ())
+    assert check_exposure("127.0.0.1", None, False, ("proxy.example", "*", "[::1]", "10.0.0.5")) is None
+    for bad in ("http://proxy.example", "proxy.example:8080", "a/b", ""):
+        with pytest.raises(ValueError, match=f"^--allowed-host {re.escape(repr(bad))}: expected a host name"):
+            check_exposure("127.0.0.1", None, False, ("ok.example", bad))
+
+
+def test_an_alias_watch_only_for_a_model_named_by_alias():
+    watch = AliasWatch.started_by("models:/astrai@champion", "astrai/3")
+    assert (watch.name, watch.alias, watch.version, watch.points_to) == ("astrai", "champion", "3", "3")
+    for reference in ("models:/astrai/3", "data/sft", "runs:/abc/model", ""):
+        assert AliasWatch.started_by(reference, "astrai/3") is None, reference
+
+
+def test_launch_polls_the_alias_only_when_named_by_one_and_asked_to(monkeypatch):
+    """launch.serve builds the watch from the --model reference; --alias-poll 0 means no watch and no polling."""
+    from types import SimpleNamespace
+
+    from astrai_core.engine import EngineConfig
+    from serving import launch
+
+    apps, polled = [], []
+    monkeypatch.setattr(launch, "create_app", lambda *args, watch, **kwargs: apps.append(watch))
+    monkeypatch.setattr(launch, "follow_alias", lambda watch, look_up, every: polled.append((watch, every)))
+    monkeypatch.setattr(launch, "run", lambda *args: 0)
+    monkeypatch.setattr(launch, "threading", SimpleNamespace(Thread=lambda target, args, **kwargs: SimpleNamespace(
+        start=lambda: target(*args))))  # the poller's thread, run at once
+    engine = SimpleNamespace(config=EngineConfig(), stats=lambda: {"compile_seconds": None, "kv_blocks_total": 8},
+                             start=lambda: None, stop=lambda: None)
+    for reference, poll in (("models:/astrai@champion", 0.5), ("models:/astrai@champion", 0), ("models:/astrai/3", 1)):
+        apps.clear(), polled.clear()
+        assert launch.serve(engine, None, "astrai/3", (), host="127.0.0.1", port=1, api_key=None, allowed_hosts=(),
+                            device="cpu", threads=(1, "test"), reference=reference, look_up=None, alias_poll=poll) == 0
+        if poll and "@" in reference:
+            assert apps[0].alias == "champion" and polled == [(apps[0], poll)]
+        else:
+            assert apps == [None] and polled == [], (reference, poll)
 
 
 # --- engine events to the event loop, and to text -----------------------------------------------------------------
