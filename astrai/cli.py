@@ -256,7 +256,7 @@ def generate(model: str = typer.Option(..., help=f"The model: {REFERENCE_HELP}."
 
     from tasks.registry.models import resolve_model
     from astrai_core.checkpoint.model_dir import load_model
-    from astrai_core.generate import generate, generate_text
+    from astrai_core.inference.generate import generate, generate_text
     from astrai_core.runtime.device import resolve_device
     from astrai_core.tokenizer.chat import load_chat
 
@@ -322,7 +322,7 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
                                            "(0: never).")) -> None:
     """Serve a model over HTTP with OpenAI- and Anthropic-compatible routes (/v1/chat/completions,
     /v1/completions, /v1/messages, /v1/models), /health, /metrics and a chat page at /, on the continuous-batching
-    engine. Engine options left out take the engine's defaults (astrai_core/engine/engine.py EngineConfig); the
+    engine. Engine options left out take the engine's defaults (astrai_core/inference/engine/engine.py EngineConfig); the
     start-up line says what they came to. If the engine dies, the server ends its open requests and exits with
     status 1 (serving/server.py), for a supervisor to restart it."""
     if not 1 <= port <= 65535:  # before the imports: bind() would raise OverflowError
@@ -332,7 +332,7 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
     import tempfile
 
     from tasks.registry.models import alias_version, resolve_model
-    from astrai_core.engine import EngineConfig
+    from astrai_core.inference.engine import EngineConfig
     from astrai_core.runtime.device import resolve_device
     from serving.auth import check_exposure
     from serving import launch

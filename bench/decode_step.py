@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from astrai_core.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from astrai_core.inference.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from astrai_core.model.transformer import Transformer  # noqa: E402
 from bench.serving import machine  # noqa: E402
 from tasks.run.params import load_params  # noqa: E402

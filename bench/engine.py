@@ -2,7 +2,7 @@
 
 Runs N mixed requests (prompt lengths 1-48 tokens, a third of them starting with one of a few shared 16-32 token
 headers so the prefix cache hits, 4-24 new tokens each) through one Engine (batch 16, prefill chunks of 16, a
-pool small enough that preemption happens), then each request alone through astrai_core.generate.generate, and
+pool small enough that preemption happens), then each request alone through astrai_core.inference.generate.generate, and
 counts the tokens that differ. The top-2 logit gap at every greedy step of the solo runs shows how many near-ties
 the run met. For each request that diverges, the logits generate() saw at the first differing
 position (a forward over the prompt and the common tokens) give the top-2 gap: a difference is acceptable only
@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from astrai_core.engine import Engine, EngineConfig, SamplingParams
-from astrai_core.generate import generate
+from astrai_core.inference.engine import Engine, EngineConfig, SamplingParams
+from astrai_core.inference.generate import generate
 from astrai_core.model.config import ModelConfig
 from astrai_core.model.transformer import Transformer
 

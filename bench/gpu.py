@@ -238,8 +238,8 @@ def distributed(device: torch.device, root: Path) -> dict:
 
 
 def engine(cfg: dict, device: torch.device) -> dict:
-    from astrai_core.engine import Engine, EngineConfig, SamplingParams
-    from astrai_core.generate import generate
+    from astrai_core.inference.engine import Engine, EngineConfig, SamplingParams
+    from astrai_core.inference.generate import generate
     from astrai_core.model.transformer import Transformer
 
     out = {}

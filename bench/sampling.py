@@ -26,12 +26,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from astrai_core.generate import sample_rows  # noqa: E402
+from astrai_core.inference.sampling import sample_rows  # noqa: E402
 from bench.serving import machine  # noqa: E402
 
 
 def sample_next_at(rev: str):
-    """The scheduler's sampler as it was at git revision `rev` (one call per row: sample_next), from git itself."""
+    """The scheduler's sampler as it was at git revision `rev` (one call per row: sample_next, then in
+    astrai_core/generate.py), from git itself."""
     src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:astrai_core/generate.py"], capture_output=True,
                          text=True, check=True).stdout
     namespace: dict = {}

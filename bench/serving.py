@@ -18,7 +18,7 @@ interleave the servers, and every figure is the median over --rounds):
   time to first token (TTFT: sent -> first streamed text), time per output token (TPOT: per request, (last text -
   first text) / (tokens - 1)) and inter-token latency (ITL: every gap between two streamed pieces, all requests
   pooled), each at p50 and p99.
-* engine: the same streams workload through astrai_core.engine.Engine in this process (no HTTP: step() called in a
+* engine: the same streams workload through astrai_core.inference.engine.Engine in this process (no HTTP: step() called in a
   loop, a finished request replaced at once so that c stay in flight), with the torch threads the server picked
   (its /metrics) and with all cores, in every round after the servers: what the HTTP path could at most deliver.
 * peer (--peer-venv VENV): the same model exported with `astrai export-hf`, served by `transformers serve
@@ -64,7 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from astrai_core.checkpoint.model_dir import load_model, save_checkpoint  # noqa: E402
-from astrai_core.engine import Engine, SamplingParams  # noqa: E402
+from astrai_core.inference.engine import Engine, SamplingParams  # noqa: E402
 from astrai_core.model.transformer import Transformer  # noqa: E402
 from astrai_core.tokenizer.bpe import train_tokenizer  # noqa: E402
 from tasks.run.params import load_params  # noqa: E402

@@ -39,6 +39,6 @@ whose UTF-8 bytes are split across tokens is held back until it is whole. Respon
 protocol's own shape. A client that goes away (a closed stream or an abandoned request) has its engine request
 cancelled, which frees its batch slot and KV blocks at the engine's next step.
 
-The engine knows nothing of HTTP; this package uses only its interface, astrai_core.engine.EngineClient (submit,
+The engine knows nothing of HTTP; this package uses only its interface, astrai_core.inference.engine.EngineClient (submit,
 cancel, stats, alive, after_step, context_length), which Engine and EngineProcess both implement.
 """

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
-from astrai_core.engine import EngineClient
+from astrai_core.inference.engine import EngineClient
 from astrai_core.tokenizer.chat import ChatFormat
 from serving import anthropic, openai, tokenize
 from serving.auth import API, Hosts, require_host

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from astrai_core.checkpoint.model_dir import load_model
-from astrai_core.engine import Engine, EngineClient, EngineConfig, EngineProcess
+from astrai_core.inference.engine import Engine, EngineClient, EngineConfig, EngineProcess
 from astrai_core.tokenizer.chat import ChatFormat, load_chat
 from serving.app import create_app
 from serving.auth import Hosts

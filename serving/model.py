@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator, Sequence
 
-from astrai_core.engine import EngineClient, SamplingParams
+from astrai_core.inference.engine import EngineClient, SamplingParams
 from astrai_core.runtime.errors import AstraiError
 from astrai_core.tokenizer.chat import ChatFormat
 from serving.errors import ApiError

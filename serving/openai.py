@@ -10,7 +10,7 @@ from typing import AsyncIterator, Literal
 
 from fastapi import APIRouter, Depends, Request
 
-from astrai_core.engine import TokenLogprob
+from astrai_core.inference.engine import TokenLogprob
 from serving.auth import API, require_json
 from serving.errors import ApiError, error_body
 from serving.model import ServedModel

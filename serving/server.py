@@ -18,7 +18,7 @@ import threading
 import uvicorn
 from fastapi import FastAPI
 
-from astrai_core.engine import EngineClient
+from astrai_core.inference.engine import EngineClient
 
 ENGINE_DIED = 1  # exit status
 GRACE_SECONDS = 5  # for open requests when the server stops

@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from prometheus_client import Histogram
 
-from astrai_core.engine import EngineClient, QueueFull, SamplingParams, TokenLogprob
+from astrai_core.inference.engine import EngineClient, QueueFull, SamplingParams, TokenLogprob
 from serving.errors import ApiError
 from serving.text_stream import TextStream
 

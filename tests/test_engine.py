@@ -1,5 +1,5 @@
-"""The serving engine (astrai_core/engine): the block allocator and prefix cache on their own, then the engine
-driven step by step (no thread, no HTTP) against astrai_core.generate.generate on each request alone."""
+"""The serving engine (astrai_core/inference/engine): the block allocator and prefix cache on their own, then the engine
+driven step by step (no thread, no HTTP) against astrai_core.inference.generate.generate on each request alone."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from astrai_core.engine import Engine, EngineClient, EngineConfig, QueueFull, SamplingParams
-from astrai_core.engine.block_manager import BlockManager
-from astrai_core.engine.runner import gemm_invariant_rows
-from astrai_core.engine.scheduler import Scheduler
-from astrai_core.engine.sequence import Sequence
-from astrai_core.generate import generate
+from astrai_core.inference.engine import Engine, EngineClient, EngineConfig, QueueFull, SamplingParams
+from astrai_core.inference.engine.block_manager import BlockManager
+from astrai_core.inference.engine.runner import gemm_invariant_rows
+from astrai_core.inference.engine.scheduler import Scheduler
+from astrai_core.inference.engine.sequence import Sequence
+from astrai_core.inference.generate import generate
 from astrai_core.model.transformer import KVCache, Transformer
 from conftest import Collector, sharp_random_model
 

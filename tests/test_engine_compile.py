@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from astrai_core.engine import Engine, EngineConfig, runner
+from astrai_core.inference.engine import Engine, EngineConfig, runner
 from test_engine import capped, greedy, model_for, one_thread, prompts_for, reference_logprobs, run, solo  # noqa: F401
 
 VARIANTS = ["default", "moe"]  # moe: its routing (data-dependent shapes) splits the graph

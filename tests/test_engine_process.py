@@ -1,4 +1,4 @@
-"""EngineProcess (astrai_core/engine/process.py): the engine in a child process behind Engine's interface, as
+"""EngineProcess (astrai_core/inference/engine/process.py): the engine in a child process behind Engine's interface, as
 `astrai serve` runs it. A real child process (spawned), a real checkpoint on disk."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from astrai_core.checkpoint.model_dir import save_checkpoint
-from astrai_core.engine import EngineClient, EngineConfig, EngineProcess, QueueFull, SamplingParams
-from astrai_core.generate import generate
+from astrai_core.inference.engine import EngineClient, EngineConfig, EngineProcess, QueueFull, SamplingParams
+from astrai_core.inference.generate import generate
 from astrai_core.tokenizer.bpe import train_tokenizer
 from conftest import Collector, sharp_random_model
 
@@ -64,7 +64,7 @@ def test_requests_in_the_child_equal_solo_generate_and_after_step_follows_their_
 
 def test_logprobs_cross_the_pipe_as_the_engine_sends_them(checkpoint):
     """A request with logprobs gets the same TokenLogprob entries from the child as from an Engine here."""
-    from astrai_core.engine import Engine
+    from astrai_core.inference.engine import Engine
 
     ckpt, model = checkpoint
     params = SamplingParams(max_tokens=5, temperature=0, logprobs=2, prompt_logprobs=2)

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from astrai_core.generate import generate, generate_batch, sample_next, sample_rows
+from astrai_core.inference.generate import generate, generate_batch
+from astrai_core.inference.sampling import sample_next, sample_rows
 from astrai_core.model.transformer import Transformer
 from conftest import sharp_random_model
 
@@ -109,7 +110,8 @@ def test_each_row_samples_with_its_own_settings_in_one_call():
 def test_top_k_and_top_p_decided_among_candidates_equal_a_full_sort(monkeypatch):
     """sample_rows finds what top-k / top-p keep among the CANDIDATES most likely tokens (a row whose nucleus
     reaches past them is sorted whole): the same tokens as with every token a candidate, flat rows and peaked."""
-    import astrai_core.generate as gen
+    import astrai_core.inference.sampling as gen
+
     logits = torch.randn(12, 5000, generator=torch.Generator().manual_seed(0))
     logits[::2] *= 8  # peaked rows: their nucleus is a few tokens; the others' reaches past 256
     top_k = [None, 5, None, 300, None, None, 1, None, 40, None, None, 2]

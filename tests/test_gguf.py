@@ -26,7 +26,7 @@ from tokenizers import Tokenizer
 
 from astrai_core.checkpoint.model_dir import load_model, save_checkpoint
 from astrai_core.convert.gguf_export import export_gguf, rope_adjacent_pairs
-from astrai_core.generate import generate
+from astrai_core.inference.generate import generate
 from astrai_core.model.config import ModelConfig
 from astrai_core.model.transformer import apply_rope, rope_tables
 from astrai_core.runtime.errors import AstraiError

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from astrai_core.checkpoint.model_dir import load_model, save_checkpoint  # noqa: E402
 from astrai_core.convert.hf import export_hf, hf_model_type, import_hf  # noqa: E402
-from astrai_core.generate import generate  # noqa: E402
+from astrai_core.inference.generate import generate  # noqa: E402
 from astrai_core.model.config import ModelConfig  # noqa: E402
 from astrai_core.model.transformer import Transformer  # noqa: E402
 from astrai_core.runtime.errors import AstraiError  # noqa: E402

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from astrai_core.checkpoint.model_dir import load_model  # noqa: E402
 from astrai_core.convert.hf import export_hf, import_hf  # noqa: E402
-from astrai_core.generate import generate  # noqa: E402
+from astrai_core.inference.generate import generate  # noqa: E402
 from astrai_core.runtime.errors import AstraiError  # noqa: E402
 from astrai_core.runtime.io import sha256_file  # noqa: E402
 from astrai_core.tokenizer.bpe import SPECIAL_TOKENS, load_tokenizer  # noqa: E402

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai_core.checkpoint.model_dir import load_model, save_checkpoint
-from astrai_core.generate import generate_batch
+from astrai_core.inference.generate import generate_batch
 from astrai_core.model.config import ModelConfig
 from astrai_core.model.transformer import Transformer
 from astrai_core.scoring.metrics import continuation_logprobs, sequence_nll
@@ -179,7 +179,7 @@ def test_lm_eval_scores_equal_the_projects_offline_scoring(setup, http_run):
 
     # The families' greedy replies: each task's `until` is ["<|end_of_turn|>"], which local-completions sends as
     # `stop` (with the end-of-text token's text); the server stops at that special token, so a reply is the
-    # answer alone, as astrai_core.generate gives it stopping at the end of the turn or the text, and exact_match
+    # answer alone, as astrai_core.inference.generate gives it stopping at the end of the turn or the text, and exact_match
     # (surrounding whitespace aside) is what it counts.
     stop_ids = (special_id(tok, "end_of_turn"), eos)
     for task in FAMILY_TASKS:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from astrai_core.checkpoint.model_dir import load_model, save_checkpoint
-from astrai_core.generate import generate, generate_text
+from astrai_core.inference.generate import generate, generate_text
 from astrai_core.model.config import ModelConfig
 from astrai_core.model.losses import cross_entropy_loss
 from astrai_core.model.transformer import RMSNorm, Transformer, apply_rope, rope_tables

@@ -5,7 +5,7 @@ here for the whole module: a 2-layer model trained for a few seconds on chat-for
 replies are words and it ends its turns with <|end_of_turn|>. Two more servers start for what cannot share it:
 one whose engine is made to fail (the app on uvicorn in this process, its engine's step patched) and one serving
 from an MLflow registry.
-Expected outputs come from astrai_core.generate.generate on the same weights, one request alone.
+Expected outputs come from astrai_core.inference.generate.generate on the same weights, one request alone.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from astrai_core.checkpoint.model_dir import load_model, save_checkpoint
-from astrai_core.generate import generate
+from astrai_core.inference.generate import generate
 from astrai_core.model.config import ModelConfig
 from astrai_core.model.transformer import Transformer
 from astrai_core.tokenizer.bpe import special_id, train_tokenizer
@@ -717,7 +717,7 @@ def _server_with_failing_engine(served, steps: int):
     engine whose loop raises after `steps` steps that had work, as a crashed model would."""
     import uvicorn
 
-    from astrai_core.engine import Engine, EngineConfig
+    from astrai_core.inference.engine import Engine, EngineConfig
     from serving.app import create_app
 
     engine = Engine(served["model"], EngineConfig(kv_blocks=32))

@@ -153,7 +153,7 @@ def test_launch_polls_the_alias_only_when_named_by_one_and_asked_to(monkeypatch)
     """launch.serve builds the watch from the --model reference; --alias-poll 0 means no watch and no polling."""
     from types import SimpleNamespace
 
-    from astrai_core.engine import EngineConfig
+    from astrai_core.inference.engine import EngineConfig
     from serving import launch
 
     apps, polled = [], []

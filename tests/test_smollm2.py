@@ -47,7 +47,7 @@ def imported(gguf_file, tmp_path_factory) -> Path:
 
 def test_imported_as_itself_and_answers_in_its_own_format(imported):
     from astrai_core.checkpoint.model_dir import load_model
-    from astrai_core.generate import generate
+    from astrai_core.inference.generate import generate
     from astrai_core.tokenizer.chat import load_chat
 
     config = json.loads((imported / "config.json").read_text())
@@ -81,7 +81,7 @@ def test_a_few_sft_steps_at_the_finetune_profiles_settings_keep_it_itself(import
     import openai
 
     from astrai_core.checkpoint.model_dir import load_model
-    from astrai_core.generate import generate
+    from astrai_core.inference.generate import generate
     from astrai_core.tokenizer.chat import load_chat
     from conftest import VENV_BIN, run_ok
     from tasks.run.params import load_profile, run_params_text

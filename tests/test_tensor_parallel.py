@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from astrai_core.generate import generate, generate_batch
+from astrai_core.inference.generate import generate, generate_batch
 from astrai_core.model.config import ModelConfig
 from astrai_core.model.config import check_tensor_parallel
 from astrai_core.model.lora import apply_lora

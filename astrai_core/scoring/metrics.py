@@ -136,7 +136,7 @@ def answer_questions(model: torch.nn.Module, chat, records: list[dict], max_new_
     """Replies to GRPO-style questions ({"prompt", ...}): `samples` per question, greedy at temperature 0 (then one
     is enough), else sampled from the full distribution with a generator seeded by `seed`. A question's prompt is
     encoded once for all its samples (generate_batch's samples_per_prompt)."""
-    from astrai_core.generate import generate_batch
+    from astrai_core.inference.generate import generate_batch
 
     generator = torch.Generator(model_device(model)).manual_seed(seed)
     questions_per_batch = max(1, rows_per_batch // samples)

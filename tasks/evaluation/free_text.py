@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from astrai_core.generate import generate_batch
+from astrai_core.inference.generate import generate_batch
 
 MAX_UNIT = 4  # tokens in the repeating unit, at most
 MIN_REPEATS = 4  # times in a row it must repeat to count as a loop

@@ -1,6 +1,6 @@
 """lm-evaluation-harness inside the evaluate stage: the project's tasks in evals/lm_eval_tasks/ run in process on
 each model of the chain through an lm-eval `LM` over the project's model (no HTTP server), scored by
-astrai_core.scoring.metrics (loglikelihood requests, batched) and astrai_core.generate (generate_until, greedy,
+astrai_core.scoring.metrics (loglikelihood requests, batched) and astrai_core.inference.generate (generate_until, greedy,
 batched).
 
 It scores exactly what lm-eval's `local-completions` gets from `astrai serve` (tests/test_lm_eval.py checks them
@@ -28,7 +28,7 @@ import torch
 import yaml
 from tokenizers import Tokenizer
 
-from astrai_core.generate import generate_batch
+from astrai_core.inference.generate import generate_batch
 from astrai_core.runtime.errors import AstraiError
 from astrai_core.runtime.io import sha256_file
 from astrai_core.scoring.metrics import target_logprobs

@@ -10,7 +10,7 @@ from typing import Iterator
 
 import torch
 
-from astrai_core.generate import generate_text
+from astrai_core.inference.generate import generate_text
 from astrai_core.runtime.device import model_device
 
 DEMO_PROMPTS = ["ROMEO.\n", "To be, or not to be", "KING.\nMy lords,"]  # on Shakespeare's plays

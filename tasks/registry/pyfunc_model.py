@@ -23,7 +23,7 @@ class AstraiLanguageModel(mlflow.pyfunc.PythonModel):
 
     # Type hints: MLflow validates the input against them (and infers the signature) instead of warning.
     def predict(self, context, model_input: list[str], params: dict[str, Any] | None = None) -> list[str]:
-        from astrai_core.generate import generate_text
+        from astrai_core.inference.generate import generate_text
 
         params = params or {}
         if hasattr(model_input, "columns"):  # MLflow turns a list input into a one-column DataFrame

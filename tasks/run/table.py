@@ -32,10 +32,12 @@ NAME = re.compile(r"[a-z][a-z0-9_]*")  # a stage's name: its `astrai stage NAME`
 # The training core: every training stage runs it (astrai_core/training/train.py on every rank), so a change to any
 # file of these reruns them. Folders, so a module added to one is covered; tests/test_stage_table.py fails when the
 # ranks import a file outside them (.dvcignore keeps bytecode out of DVC's hash of a folder).
+# The decoding GRPO's rollouts, evaluate and dpo_reference run (the serving engine beside it is not theirs).
+DECODE_CODE = tuple(f"astrai_core/inference/{f}" for f in ("__init__.py", "generate.py", "sampling.py"))
 TRAINING_CODE = ("tasks/stages/training.py", "tasks/registry/models.py",
                  *(f"astrai_core/{part}" for part in ("runtime", "tokenizer", "model", "data", "checkpoint", "scoring",
                                                       "training")),
-                 "astrai_core/generate.py")
+                 *DECODE_CODE)
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ STAGES: tuple[Stage, ...] = (
     # DPO's reference log-probabilities (and on-policy pairs) from the model dpo starts from: the models before it
     Stage("dpo_reference", reads=("chat_data",), models="before",
           code=("tasks/stages/dpo_reference.py", "tasks/stages/chat_data.py", "astrai_core/training/strategies",
-                "astrai_core/scoring", "astrai_core/data", "astrai_core/generate.py",
+                "astrai_core/scoring", "astrai_core/data", *DECODE_CODE,
                 "astrai_core/training/rewards.py"),
           params=("dpo.enabled", "dpo.dtype", "dpo.rejected", "chat_data.seed", "grpo.objective.max_new_tokens",
                   "pretrain.seq_len", "chat_data.on_bad_record")),
@@ -113,7 +115,7 @@ STAGES: tuple[Stage, ...] = (
           # table.py: which models there are (a removed stage's results must not stand: DVC does not see a
           # dependency that left the list)
           code=("tasks/run/table.py", "tasks/stages/evaluate.py", "tasks/evaluation", "evals/lm_eval_tasks",
-                "astrai_core/scoring", "astrai_core/generate.py", "astrai_core/training/rewards.py",
+                "astrai_core/scoring", *DECODE_CODE, "astrai_core/training/rewards.py",
                 "astrai_core/data"),
           params=("evaluate", "corpus.source", "pretrain.seq_len", "grpo.objective.max_new_tokens", "dpo.enabled",
                   "dpo.rejected"),

@@ -95,7 +95,7 @@ class GRPOStrategy(BaseStrategy):
     def validate(self, model, raw_model, dp):
         """Greedy replies to this rank's share of the held-out prompts: the share exactly right and the mean
         reward, over all ranks."""
-        from astrai_core.generate import generate_batch
+        from astrai_core.inference.generate import generate_batch
         from astrai_core.training.rewards import exact_answer
 
         mine = self.val_records[self.rank :: self.world_size]
@@ -130,7 +130,7 @@ class GRPOStrategy(BaseStrategy):
         """This rank's rollout batches of `items` (oversample x per_step prompts: group_size completions of each,
         scored; the groups kept turned into advantages) and their statistics as (sum, count) pairs. Every rank
         returns grad_accum batches of batch_size groups, whatever the rewards."""
-        from astrai_core.generate import generate_batch
+        from astrai_core.inference.generate import generate_batch
 
         g, b = self.cfg.grpo, self.cfg.batch_size
         # Sampling randomness is a function of (seed, step, rank): a resumed run samples the same completions.

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, runtime_checkable
 
-from astrai_core.engine.engine import EngineConfig
-from astrai_core.engine.sequence import OnEvent, SamplingParams
+from astrai_core.inference.engine.engine import EngineConfig
+from astrai_core.inference.engine.sequence import OnEvent, SamplingParams
 
 
 @runtime_checkable

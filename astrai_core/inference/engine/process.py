@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from astrai_core.engine.engine import Engine, EngineConfig, QueueFull, check_prompt, run_listeners
-from astrai_core.engine.sequence import OnEvent, SamplingParams
+from astrai_core.inference.engine.engine import Engine, EngineConfig, QueueFull, check_prompt, run_listeners
+from astrai_core.inference.engine.sequence import OnEvent, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def _child(commands, events, checkpoint: str, config: EngineConfig, device: str,
 
 
 class EngineProcess:
-    """EngineClient (astrai_core/engine/client.py) over an Engine running in a child process."""
+    """EngineClient (astrai_core/inference/engine/client.py) over an Engine running in a child process."""
 
     def __init__(self, checkpoint: Path, config: EngineConfig | None = None, device: str = "cpu",
                  threads: int = 1) -> None:

@@ -14,9 +14,9 @@ from collections import deque
 
 import torch
 
-from astrai_core.engine.block_manager import BlockManager
-from astrai_core.engine.sequence import Sequence, Status, TokenLogprob
-from astrai_core.generate import sample_rows
+from astrai_core.inference.engine.block_manager import BlockManager
+from astrai_core.inference.engine.sequence import Sequence, Status, TokenLogprob
+from astrai_core.inference.sampling import sample_rows
 
 
 class Scheduler:

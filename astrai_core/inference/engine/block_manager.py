@@ -20,7 +20,7 @@ from collections import OrderedDict, deque
 
 import numpy as np
 
-from astrai_core.engine.sequence import Sequence
+from astrai_core.inference.engine.sequence import Sequence
 
 
 def chain_hash(prev: bytes, tokens: list[int]) -> bytes:

@@ -13,9 +13,9 @@ The public API: Engine, EngineProcess, EngineConfig, SamplingParams, TokenLogpro
 (serving/ is typed with it and uses nothing else of the engine but the data types SamplingParams and TokenLogprob).
 """
 
-from astrai_core.engine.client import EngineClient
-from astrai_core.engine.engine import Engine, EngineConfig, QueueFull
-from astrai_core.engine.process import EngineProcess
-from astrai_core.engine.sequence import SamplingParams, TokenLogprob
+from astrai_core.inference.engine.client import EngineClient
+from astrai_core.inference.engine.engine import Engine, EngineConfig, QueueFull
+from astrai_core.inference.engine.process import EngineProcess
+from astrai_core.inference.engine.sequence import SamplingParams, TokenLogprob
 
 __all__ = ["Engine", "EngineClient", "EngineConfig", "EngineProcess", "QueueFull", "SamplingParams", "TokenLogprob"]

@@ -24,10 +24,10 @@ from typing import Callable
 
 import torch
 
-from astrai_core.engine.block_manager import BlockManager
-from astrai_core.engine.runner import KVPool, Runner, bytes_per_block
-from astrai_core.engine.scheduler import Scheduler
-from astrai_core.engine.sequence import OnEvent, SamplingParams, Sequence, Status
+from astrai_core.inference.engine.block_manager import BlockManager
+from astrai_core.inference.engine.runner import KVPool, Runner, bytes_per_block
+from astrai_core.inference.engine.scheduler import Scheduler
+from astrai_core.inference.engine.sequence import OnEvent, SamplingParams, Sequence, Status
 from astrai_core.model.transformer import Transformer
 
 log = logging.getLogger(__name__)

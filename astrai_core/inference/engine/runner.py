@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from astrai_core.engine.block_manager import Slots
-from astrai_core.engine.sequence import Sequence
+from astrai_core.inference.engine.block_manager import Slots
+from astrai_core.inference.engine.sequence import Sequence
 from astrai_core.model.transformer import Transformer
 
 
