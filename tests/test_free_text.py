@@ -24,4 +24,4 @@ def test_prompts_are_evenly_spaced_windows_of_the_test_split():
     tokens = np.arange(1000)
     prompts = free_prompts(tokens, 5, length=16)
     assert [p[0] for p in prompts] == [0, 246, 492, 738, 984] and all(len(p) == 16 for p in prompts)
-    assert free_prompts(np.arange(10), 5, length=16) == []
+    assert free_prompts(np.arange(10), 5, length=16) == [] and free_prompts(tokens, 0) == []

@@ -223,10 +223,10 @@ def _score(params: Params, root: Path, tokens: np.ndarray, n_chars: int, questio
         lm_metrics, lm_items = scores(run_tasks(model, chat, p.lm_eval_tasks, lm_eval_data, p.batch_size))
         m |= lm_metrics
         items |= lm_items
-    if p.free_samples:  # free text: does it still continue text, or loop on post-training's answers?
-        print(f"evaluate: {stage}: {p.free_samples} free continuations of test text", flush=True)
-        items["loop_free_rate"] = loop_free(model, free_prompts(tokens, p.free_samples), p.max_new_tokens,
-                                            p.temperature, p.top_k, p.seed)
+    # Free text: does it still continue text, or loop on post-training's answers? (none: a test split too short)
+    if prompts := free_prompts(tokens, p.free_samples):
+        print(f"evaluate: {stage}: {len(prompts)} free continuations of test text", flush=True)
+        items["loop_free_rate"] = loop_free(model, prompts, p.max_new_tokens, p.temperature, p.top_k, p.seed)
         m |= accuracy("loop_free_rate", items["loop_free_rate"])
     print(f"evaluate: {stage}: done", flush=True)
     samples = samples_markdown(model, tok, sample_prompts(p.prompts, params.corpus.source, root / CORPUS),
