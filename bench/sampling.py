@@ -31,8 +31,8 @@ from bench.serving import machine  # noqa: E402
 
 
 def sample_next_at(rev: str):
-    """The scheduler's sampler as it was at git revision `rev` (one call per row: sample_next, then in
-    astrai_core/generate.py), from git itself."""
+    """The scheduler's sampler as it was at git revision `rev` (one call per row: sample_next, in the core's
+    generate.py then), from git itself."""
     src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:astrai_core/generate.py"], capture_output=True,
                          text=True, check=True).stdout
     namespace: dict = {}

@@ -1,7 +1,8 @@
 """Every file the docs, the README and the code's docstrings and comments name exists (issue 45): a reader who
 follows `tasks/stages/evaluate.py` or `docs/serving.md` finds it. Generated outputs (data/, reports, lm-eval data) and
-placeholders (profiles/NAME.yaml) are not checked; DESIGN.md is the team's shared page, outside the project, and
-is not cited as if it were in it."""
+placeholders (profiles/NAME.yaml) are not checked, nor a file at a git revision (`REV:path`, what a bench reads
+from an older commit); DESIGN.md is the team's shared page, outside the project, and is not cited as if it were in
+it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from conftest import PROJECT_ROOT
 TEXTS = ["*.md", "docs/*.md", "Makefile", "dvc.yaml", "params.yaml", "profiles/*.yaml", ".ci/run",
          *(f"{d}/**/*.py" for d in ("astrai", "astrai_core", "tasks", "flows", "serving", "bench", "tests", "scripts"))]
 # A path into the project's source: a folder of it, then a file of a kind that is written by hand, not generated.
-SOURCE = re.compile(r"(?<![\w./-])((?:astrai|astrai_core|tasks|flows|serving|bench|tests|docs|scripts|profiles|evals)"
+SOURCE = re.compile(r"(?<![\w./:-])((?:astrai|astrai_core|tasks|flows|serving|bench|tests|docs|scripts|profiles|evals)"
                     r"/[\w./-]*\w\.(?:py|md|yaml|sh|toml))\b")
 
 
