@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from astrai_core.inference.generate import generate_batch
+from astrai_core.runtime.device import model_device
 
 MAX_UNIT = 4  # tokens in the repeating unit, at most
 MIN_REPEATS = 4  # times in a row it must repeat to count as a loop
@@ -47,7 +48,7 @@ def loop_free(model, prompts: list[list[int]], max_new_tokens: int, temperature:
     """Per prompt, 1 if the model's sampled continuation (max_new_tokens, no stop: as samples.md's) does not loop,
     else 0; seeded, in batches of the same prompts for every model."""
     max_new_tokens = min(max_new_tokens, model.cfg.max_seq_len - max(map(len, prompts)))
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    generator = torch.Generator(device=model_device(model)).manual_seed(seed)
     out = []
     for i in range(0, len(prompts), batch_size):
         for ids in generate_batch(model, prompts[i:i + batch_size], max_new_tokens, temperature=temperature,
