@@ -266,3 +266,41 @@ def test_parsing_the_settings_touches_nothing(tmp_path, monkeypatch):
 def test_the_local_launcher_is_the_default_and_needs_none_of_it(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch, sqlite tracking: fine locally
     assert _parse({}, tmp_path).cluster.launcher == "local"
+
+
+# --- the job script --------------------------------------------------------------------------------------------
+
+def test_a_node_that_lost_the_first_one_writes_the_error_file_even_with_its_output_gone(tmp_path):
+    """When the job's first node is lost, srun there (which carries every node's output to the log) is gone too:
+    the other node's agent fails and its task says so in the error file, the stage's only way to learn of it. A
+    write to the closed output pipe kills the writer (SIGPIPE), so the file must be written first (a CI run whose
+    `echo | tee -a FILE >&2` died before writing FILE waited 300 s). Here the node's part of the script runs as
+    Slurm would start it on node rank 1, with a closed port as the rendezvous, its agent replaced by `false` (an
+    agent that failed: the real one only gives up after ~90 s), and its output pipe closed after its first line."""
+    import shlex
+    import socket
+
+    from astrai_core.training.config import TrainConfig
+    from tasks.run.schema import ClusterParams
+    from tasks.run.slurm import batch_script
+
+    cfg = TrainConfig(train_data="x.h5", tokenizer="tokenizer.json", out_dir=str(tmp_path / "pretrain"))
+    script = batch_script(cfg, ClusterParams(launcher="slurm", nodes=2), 1, 0, tmp_path / "c.json",
+                          tmp_path / "pretrain-%j.out", tmp_path)
+    on_node = shlex.split(next(line for line in script.splitlines() if line.startswith("srun ")))[-1]
+    parts = on_node.split("; ")
+    agent = next(i for i, part in enumerate(parts) if "torch.distributed.run" in part)
+    with socket.socket() as s:  # a port nothing listens on: the rendezvous no longer answers
+        s.bind(("127.0.0.1", 0))
+        rdzv = f"127.0.0.1:{s.getsockname()[1]}"
+    errors = tmp_path / "pretrain-7.errors"
+    env = {**os.environ, "SLURMD_NODENAME": "n2", "SLURM_PROCID": "1", "SLURM_JOB_ID": "7", "ASTRAI_RDZV": rdzv,
+           "ASTRAI_RDZV_NODE": "n1", "ASTRAI_ERROR_FILE": str(errors),
+           "BASH_FUNC_node_addr%%": "() { echo 127.0.0.1; }"}  # the script's node_addr asks scontrol
+    proc = subprocess.Popen(["bash", "-c", "; ".join([*parts[:agent], "false", *parts[agent + 1:]])], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout.readline().startswith(b"astrai: node n2 (rank 1)")
+    proc.stdout.close()  # srun on the first node is gone
+    assert proc.wait(timeout=60) != 0
+    assert errors.read_text() == (f"error: node n2 (node rank 1) lost node n1 (node rank 0): the rendezvous at {rdzv} "
+                                  "no longer answers\n")

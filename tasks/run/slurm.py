@@ -66,9 +66,13 @@ def batch_script(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
     # The shell stays (no exec) to say it; `trap :` keeps a signal to the step (Slurm signals every process of
     # it: --signal, scancel) from ending the shell before the agent and its ranks have checkpointed and exited.
     store = '"exec 3<>/dev/tcp/${ASTRAI_RDZV%:*}/${ASTRAI_RDZV##*:}"'
+    # The file first: with srun on the first node gone, the step's output pipe may be closed, and a write to it
+    # kills the writer (SIGPIPE): `... | tee -a FILE >&2` died on its stdout before it wrote FILE (a CI run waited
+    # 300 s, until Slurm found the node not responding).
     lost_first = (f'[ "$SLURM_PROCID" -gt 0 ] && ! timeout 5 bash -c {store} 2>/dev/null && '
-                  'echo "error: node $SLURMD_NODENAME (node rank $SLURM_PROCID) lost node $ASTRAI_RDZV_NODE '
-                  '(node rank 0): the rendezvous at $ASTRAI_RDZV no longer answers" | tee -a "$ASTRAI_ERROR_FILE" >&2')
+                  '{ line="error: node $SLURMD_NODENAME (node rank $SLURM_PROCID) lost node $ASTRAI_RDZV_NODE '
+                  '(node rank 0): the rendezvous at $ASTRAI_RDZV no longer answers"; '
+                  'echo "$line" >> "$ASTRAI_ERROR_FILE"; echo "$line" >&2; }')
     on_node = ['addr=$(node_addr "$SLURMD_NODENAME")',
                f"export GLOO_SOCKET_IFNAME=${{GLOO_SOCKET_IFNAME:-{interface}}}",
                'echo "astrai: node $SLURMD_NODENAME (rank $SLURM_PROCID) at $addr, gloo on $GLOO_SOCKET_IFNAME"',
