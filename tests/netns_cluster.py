@@ -80,17 +80,33 @@ def _links() -> list[str]:
 
 
 def _kill_namespace(ns: str) -> None:
-    """SIGKILL every process in `ns` and wait (10 s at most) until none is left."""
+    """Every process in `ns` dies at once, as on a machine that dies: each is stopped (SIGSTOP) until no new one
+    appears, then all are killed (SIGKILL), and this waits (10 s at most) until none is left. Killed one by one,
+    the ones still running react to the others' deaths: srun, seeing its task killed, had Slurm kill the job's
+    tasks on the other nodes (--kill-on-bad-exit) before they could report the lost node, and then died itself,
+    so nothing ended the job until Slurm found the node not responding (300 s; a CI run)."""
+    stopped: set[int] = set()
+    for _ in range(100):
+        pids = {int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split()}
+        if not pids - stopped:
+            break
+        for pid in pids - stopped:
+            _signal(pid, signal.SIGSTOP)
+        stopped |= pids
     for _ in range(100):
         pids = [int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split()]
         if not pids:
             return
         for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _signal(pid, signal.SIGKILL)
         time.sleep(0.1)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _remove(tag: str) -> None:

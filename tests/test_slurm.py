@@ -273,8 +273,8 @@ def test_the_local_launcher_is_the_default_and_needs_none_of_it(tmp_path, monkey
 def test_a_node_that_lost_the_first_one_writes_the_error_file_even_with_its_output_gone(tmp_path):
     """When the job's first node is lost, srun there (which carries every node's output to the log) is gone too:
     the other node's agent fails and its task says so in the error file, the stage's only way to learn of it. A
-    write to the closed output pipe kills the writer (SIGPIPE), so the file must be written first (a CI run whose
-    `echo | tee -a FILE >&2` died before writing FILE waited 300 s). Here the node's part of the script runs as
+    write to the closed output pipe kills the writer (SIGPIPE), so the file must be written first (`echo | tee -a
+    FILE >&2` died before writing FILE: seen with this test). Here the node's part of the script runs as
     Slurm would start it on node rank 1, with a closed port as the rendezvous, its agent replaced by `false` (an
     agent that failed: the real one only gives up after ~90 s), and its output pipe closed after its first line."""
     import shlex

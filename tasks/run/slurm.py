@@ -67,8 +67,7 @@ def batch_script(cfg: TrainConfig, cluster: ClusterParams, nproc: int, max_resta
     # it: --signal, scancel) from ending the shell before the agent and its ranks have checkpointed and exited.
     store = '"exec 3<>/dev/tcp/${ASTRAI_RDZV%:*}/${ASTRAI_RDZV##*:}"'
     # The file first: with srun on the first node gone, the step's output pipe may be closed, and a write to it
-    # kills the writer (SIGPIPE): `... | tee -a FILE >&2` died on its stdout before it wrote FILE (a CI run waited
-    # 300 s, until Slurm found the node not responding).
+    # kills the writer (SIGPIPE): `... | tee -a FILE >&2` dies on its stdout before it writes FILE.
     lost_first = (f'[ "$SLURM_PROCID" -gt 0 ] && ! timeout 5 bash -c {store} 2>/dev/null && '
                   '{ line="error: node $SLURMD_NODENAME (node rank $SLURM_PROCID) lost node $ASTRAI_RDZV_NODE '
                   '(node rank 0): the rendezvous at $ASTRAI_RDZV no longer answers"; '
