@@ -344,7 +344,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="checkpoint directory (default: random weights at the demo shape)")
     ap.add_argument("--corpus", type=Path, help="the corpus folder (data/corpus) for the streams prompts "
                                                 "(default: random words)")
-    ap.add_argument("--quick", action="store_true", help="levels 1 4 16, fewer requests, one round, no random load")
+    ap.add_argument("--quick", action="store_true", help="levels 1 4 16, fewer requests, one round (unless --rounds), no random load")
     ap.add_argument("--levels", type=int, nargs="*", help="concurrent streams (default 1 2 4 8 16 64)")
     ap.add_argument("--requests", type=int, default=32, help="streams requests per level (at least 2 x streams)")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -352,7 +352,7 @@ def main() -> None:
     ap.add_argument("--random-output", type=int, nargs=2, default=(32, 128), help="random load: max_tokens, a range")
     ap.add_argument("--random-requests", type=int, default=64)
     ap.add_argument("--rates", type=float, nargs="*", default=(8.0, 16.0, 32.0), help="Poisson arrivals, requests/s")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of every server; medians are reported")
+    ap.add_argument("--rounds", type=int, help="rounds of every server; medians are reported (default 3, --quick 1)")
     ap.add_argument("--peer-venv", type=Path, help="a venv with transformers[serving]: also measure `transformers "
                     "serve --continuous-batching` on the same model (exported with astrai export-hf)")
     ap.add_argument("--llama-cpp", type=Path, help="llama.cpp's bin/ (scripts/build_llama_cpp.sh): also measure "
@@ -361,12 +361,15 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also measure `astrai serve --compile-first` (decode steps "
                     "and prefill chunks as torch.compile'd graphs from the first request: the default server once its "
                     "background compile is done), as the server astrai_compile; the server astrai is --no-compile")
+    ap.add_argument("--astrai-threads", type=int, nargs="*", default=(), help="also measure `astrai serve --no-compile "
+                    "--threads N` for each N, as the server astrai_N_threads (the server astrai takes --threads auto)")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine alone (its ratios are then missing)")
     ap.add_argument("--no-prefix-scenario", action="store_true", help="skip the shared-prefix TTFT comparison")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "serving_report.json")
     args = ap.parse_args()
     if args.quick:
-        args.levels, args.requests, args.rounds, args.rates = args.levels or [1, 4, 16], 8, 1, ()
+        args.levels, args.requests, args.rates = args.levels or [1, 4, 16], 8, ()
+    args.rounds = args.rounds or (1 if args.quick else 3)
     levels = args.levels or [1, 2, 4, 8, 16, 64]
     report = {"machine": machine(), "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                                                 if k != "out"}}
@@ -388,6 +391,8 @@ def main() -> None:
                               for i, r in enumerate(args.rates)})
 
         servers = {"astrai": lambda: astrai_server(ckpt, tmp, ("--no-compile",))}
+        for n in args.astrai_threads:  # bind n now, not when the lambda runs
+            servers[f"astrai_{n}_threads"] = partial(astrai_server, ckpt, tmp, ("--no-compile", "--threads", str(n)))
         if args.compile:  # the steps compiled before it answers: the default server once its background compile ends
             servers["astrai_compile"] = lambda: astrai_server(ckpt, tmp, ("--compile-first",))
         if args.peer_venv:
@@ -472,7 +477,9 @@ def main() -> None:
         if not args.no_prefix_scenario:
             report["shared_prefix"] = shared_prefix(ckpt, tokenizer, cfg.max_seq_len, tmp, args.rounds)
 
-    for key, name in (("ratios", "astrai"), ("ratios_compile", "astrai_compile")):
+    ours_named = [("ratios", "astrai"), ("ratios_compile", "astrai_compile"),
+                  *((f"ratios_{n}_threads", f"astrai_{n}_threads") for n in args.astrai_threads)]
+    for key, name in ours_named:
         if name not in report["servers"]:
             continue
         ours, report[key] = report["servers"][name], {}
@@ -487,7 +494,7 @@ def main() -> None:
             report[key][w] = ratio
     report["machine"]["load_average_at_end"] = os.getloadavg()
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report[k] for k in ("ratios", "ratios_compile") if k in report}, indent=1))
+    print(json.dumps({k: report[k] for k, _ in ours_named if k in report}, indent=1))
     print(f"wrote {args.out}")
 
 
