@@ -80,41 +80,62 @@ def _links() -> list[str]:
 
 
 def _kill_namespace(ns: str) -> None:
-    """Every process in `ns` dies at once, as on a machine that dies: each is stopped (SIGSTOP) until no new one
-    appears, then all are killed (SIGKILL), and this waits (10 s at most) until none is left. Killed one by one,
-    the ones still running react to the others' deaths: srun, seeing its task killed, had Slurm kill the job's
-    tasks on the other nodes (--kill-on-bad-exit) before they could report the lost node, and then died itself,
-    so nothing ended the job until Slurm found the node not responding (300 s; a CI run)."""
-    stopped: set[int] = set()
-    for _ in range(100):
-        pids = {int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split()}
-        if not pids - stopped:
-            break
-        for pid in pids - stopped:
-            _signal(pid, signal.SIGSTOP)
-        stopped |= pids
+    """SIGKILL every process in `ns` and wait (10 s at most) until none is left."""
     for _ in range(100):
         pids = [int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split()]
         if not pids:
             return
         for pid in pids:
-            _signal(pid, signal.SIGKILL)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         time.sleep(0.1)
 
 
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
+# Each compute node's slurmd and everything it starts run in a freezer cgroup (v1) of their own, so that a node can
+# die at once (NetnsCluster.kill). Killed one by one, the processes still running reacted to the others' deaths:
+# srun on the first node, seeing its task killed, had Slurm kill the job's tasks on the other node (--kill-on-bad-
+# exit) before they could report the lost node, then died itself, and nothing ended the job until Slurm found the
+# node not responding (300 s: the CI failure of stop 55, seen in slurmd's debug2 log; stopping them one by one with
+# SIGSTOP first was not enough either: srun logged "got SIGCONT", "forcing job termination").
+FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+def _freeze_and_kill(cgroup: Path) -> None:
+    """Freeze every process of `cgroup`, SIGKILL them all, then thaw: each dies before it runs again."""
+    (cgroup / "freezer.state").write_text("FROZEN")
+    end = time.monotonic() + 10
+    while (cgroup / "freezer.state").read_text().strip() != "FROZEN" and time.monotonic() < end:
+        time.sleep(0.01)
+    for pid in (cgroup / "cgroup.procs").read_text().split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    (cgroup / "freezer.state").write_text("THAWED")
 
 
 def _remove(tag: str) -> None:
-    """Everything of the cluster tagged `tag`: its namespaces' processes, the namespaces, its links, hosts lines."""
+    """Everything of the cluster tagged `tag`: its namespaces' processes, the namespaces, its freezer cgroups, its
+    links, hosts lines."""
     for ns in _namespaces():
         if ns.startswith(f"{tag}-"):
             _kill_namespace(ns)
             _ip("netns", "del", ns, check=False)
+    for cgroup in FREEZER.glob(f"{tag}-*") if FREEZER.is_dir() else ():
+        (cgroup / "freezer.state").write_text("THAWED")
+        for pid in (cgroup / "cgroup.procs").read_text().split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for _ in range(100):
+            try:
+                cgroup.rmdir()
+                break
+            except OSError:  # its last processes not yet reaped
+                time.sleep(0.1)
     number = tag.removeprefix("astrai")
     for link in _links():
         if (m := LINK.match(link)) and m.group(1) == number:
@@ -175,6 +196,10 @@ class NetnsCluster(slurm_cluster.Cluster):
         if daemon == "slurmctld":  # slurmctld runs only where its host name is the SlurmctldHost's
             return [*self.enter(role), "unshare", "--uts", "--", "sh", "-c", f'hostname {self.ns[role]} && exec "$@"',
                     "sh"]
+        if daemon == "slurmd" and FREEZER.is_dir():  # the node's processes in its freezer cgroup (kill)
+            cgroup = self._cgroup(role)
+            cgroup.mkdir(exist_ok=True)
+            return [*self.enter(role), "sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"]
         return self.enter(role)
 
     def run(self, role: str, cmd: list, **kw) -> subprocess.CompletedProcess:
@@ -210,8 +235,14 @@ class NetnsCluster(slurm_cluster.Cluster):
             f.writelines(f"{addr} {ns} {MARK} {self.tag}\n" for ns, addr in self.addr.items())
 
     def kill(self, role: str) -> None:
-        """SIGKILL every process in `role`'s namespace (its slurmd and whatever runs there): the machine dies."""
+        """Every process in `role`'s namespace (its slurmd and whatever runs there) dies at once: the machine dies.
+        Frozen first where the freezer cgroup exists (FREEZER); else killed one by one."""
+        if (cgroup := self._cgroup(role)).is_dir():
+            _freeze_and_kill(cgroup)
         _kill_namespace(self.ns[role])
+
+    def _cgroup(self, role: str) -> Path:
+        return FREEZER / self.ns[role]
 
     def heal(self, timeout: float = 300.0) -> None:
         """Whatever a test did to the nodes, undone: no job left, every link up, a slurmd in every compute namespace
