@@ -344,7 +344,8 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="checkpoint directory (default: random weights at the demo shape)")
     ap.add_argument("--corpus", type=Path, help="the corpus folder (data/corpus) for the streams prompts "
                                                 "(default: random words)")
-    ap.add_argument("--quick", action="store_true", help="levels 1 4 16, fewer requests, one round (unless --rounds), no random load")
+    ap.add_argument("--quick", action="store_true", help="levels 1 4 16, fewer requests, one round (unless "
+                    "--rounds), no random load")
     ap.add_argument("--levels", type=int, nargs="*", help="concurrent streams (default 1 2 4 8 16 64)")
     ap.add_argument("--requests", type=int, default=32, help="streams requests per level (at least 2 x streams)")
     ap.add_argument("--max-tokens", type=int, default=128)

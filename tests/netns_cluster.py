@@ -124,12 +124,7 @@ def _remove(tag: str) -> None:
             _kill_namespace(ns)
             _ip("netns", "del", ns, check=False)
     for cgroup in FREEZER.glob(f"{tag}-*") if FREEZER.is_dir() else ():
-        (cgroup / "freezer.state").write_text("THAWED")
-        for pid in (cgroup / "cgroup.procs").read_text().split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _freeze_and_kill(cgroup)  # whatever is left (a run stopped mid-test), and thawed: then it can go
         for _ in range(100):
             try:
                 cgroup.rmdir()
