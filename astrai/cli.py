@@ -19,6 +19,9 @@ from astrai_core.runtime import env
 env.apply()  # before Prefect, MLflow or DVC is imported
 
 from tasks.registry.models import REFERENCE_HELP  # noqa: E402
+
+DTYPE_HELP = ("The weights' dtype: auto (bf16 where the device computes bf16 natively and the model is big enough for "
+              "it to pay, as measured in astrai_core/runtime/device.py; else fp32), fp32 or bf16.")
 from astrai_core.runtime.errors import AstraiError, Interrupted  # noqa: E402
 from tasks.run.log import command_log, crash_line, log_file, shown  # noqa: E402
 try:
@@ -240,7 +243,8 @@ def generate(model: str = typer.Option(..., help=f"The model: {REFERENCE_HELP}."
              chat: bool = typer.Option(False, "--chat", help="PROMPT is a user message: reply in the chat format "
                                        "(the template stored with the checkpoint's tokenizer), as SFT trained."),
              seed: int = typer.Option(0, help="Sampling seed."),
-             device: str = typer.Option("auto", help="auto (cuda when present, else cpu), cpu or cuda.")) -> None:
+             device: str = typer.Option("auto", help="auto (cuda when present, else cpu), cpu or cuda."),
+             dtype: str = typer.Option("auto", help=DTYPE_HELP)) -> None:
     """Generate a continuation of PROMPT (or, with --chat, a reply to it) with a checkpoint or a registered model."""
     for bad, msg in ((not prompt, "--prompt: empty; give some text to continue"),
                      (max_new_tokens < 1, f"--max-new-tokens {max_new_tokens}: must be at least 1"),
@@ -255,18 +259,19 @@ def generate(model: str = typer.Option(..., help=f"The model: {REFERENCE_HELP}."
     import torch
 
     from tasks.registry.models import resolve_model
-    from astrai_core.checkpoint.model_dir import load_model
+    from astrai_core.checkpoint.model_dir import inference_dtype_of, load_model
     from astrai_core.inference.generate import generate, generate_text
-    from astrai_core.runtime.device import resolve_device
+    from astrai_core.runtime.device import check_dtype_choice, resolve_device
     from astrai_core.tokenizer.chat import load_chat
 
     with tempfile.TemporaryDirectory(prefix="astrai-generate-") as tmp:  # a registry download, gone once loaded
         try:
+            check_dtype_choice(dtype)
             where = resolve_device(device)
             checkpoint = resolve_model(model, Path(tmp)).checkpoint
-            m, tok, _ = load_model(checkpoint, device=where)
+            m, tok, _ = load_model(checkpoint, device=where, dtype=inference_dtype_of(checkpoint, dtype, where)[0])
             fmt = load_chat(checkpoint / "tokenizer.json") if chat else None
-        except AstraiError as e:
+        except (AstraiError, ValueError) as e:
             _fail(str(e))
     sampling = dict(temperature=temperature, top_k=top_k or None, top_p=top_p,
                     generator=torch.Generator(where).manual_seed(seed))
@@ -310,6 +315,7 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
           compile_first: bool = typer.Option(False, "--compile-first", help="Compile before answering the first "
                                              "request instead of in the background."),
           device: str = typer.Option("auto", help="auto (cuda when present, else cpu), cpu or cuda."),
+          dtype: str = typer.Option("auto", help=DTYPE_HELP),
           threads: str = typer.Option("auto", help="torch intra-op threads: auto = the cores this process may use "
                                       "minus one, kept for the HTTP event loop (at least 1; OMP_NUM_THREADS wins "
                                       "when set), or a number."),
@@ -332,8 +338,9 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
     import tempfile
 
     from tasks.registry.models import alias_version, resolve_model
+    from astrai_core.checkpoint.model_dir import inference_dtype_of
     from astrai_core.inference.engine import EngineConfig
-    from astrai_core.runtime.device import resolve_device
+    from astrai_core.runtime.device import check_dtype_choice, resolve_device
     from serving.auth import check_exposure
     from serving import launch
 
@@ -348,6 +355,7 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
         _fail(f"--{e}")
     try:
         n_threads, why = launch.torch_threads(threads)
+        check_dtype_choice(dtype)
     except ValueError as e:
         _fail(str(e))
     options = {"kv_blocks": kv_blocks, "kv_memory_mb": kv_memory_mb, "block_size": block_size,
@@ -362,11 +370,13 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
     with tempfile.TemporaryDirectory(prefix="astrai-serve-") as tmp:  # a registry download, gone once loaded
         try:
             checkpoint, model_id, aliases = resolve_model(model, Path(tmp))
-            engine, chat = launch.load_engine(checkpoint, config, device, n_threads, engine_process)
+            weights, dtype_why = inference_dtype_of(checkpoint, dtype, resolve_device(device))
+            engine, chat = launch.load_engine(checkpoint, config, device, n_threads, engine_process, weights)
         except (AstraiError, ValueError) as e:
             _fail(str(e))
     status = launch.serve(engine, chat, model_id, aliases, host=host, port=port, api_key=api_key,
-                          allowed_hosts=allowed_host, device=device, threads=(n_threads, why), reference=model,
+                          allowed_hosts=allowed_host, device=device, threads=(n_threads, why), dtype_why=dtype_why,
+                          reference=model,
                           look_up=alias_version, alias_poll=alias_poll)
     if status:
         raise typer.Exit(status)
@@ -399,8 +409,9 @@ def export_hf(model: str = typer.Argument(..., help=f"The model: {REFERENCE_HELP
 def export_gguf(model: str = typer.Argument(..., help=f"The model: {REFERENCE_HELP}."),
                 out: Path = typer.Argument(..., help="GGUF file to write: a new file, or an earlier export "
                                            "(replaced); never a file of the model's."),
-                type_: str = typer.Option("f32", "--type", help="f32 (the checkpoint's numbers) or q8_0 (8-bit "
-                                          "blocks, about a quarter of the size)."),
+                type_: str = typer.Option("f32", "--type", help="f32 (the checkpoint's numbers), q8_0 (8-bit "
+                                          "blocks, about a quarter of the size) or bf16 (half the size: the weights "
+                                          "`astrai serve --dtype bf16` computes with)."),
                 force: bool = typer.Option(False, "--force", help="Replace OUT even if export-gguf did not write "
                                            "it.")) -> None:
     """Write MODEL as one GGUF file OUT that llama.cpp runs (llama-cli, llama-server, ...): weights, the tokenizer

@@ -4,13 +4,14 @@ step that prefills new prompts (1 or 4 of 16 or 64 tokens), eager and compiled.
 
     python bench/decode_step.py [--batches 1 4 16 64] [--steps 200] [--modes eager compiled]
                                 [--temperature 0.8 --top-p 0.95 --seeded] [--out bench/decode_step_report.json]
+                                [--model CHECKPOINT --kv-memory-mb 1024] [--threads 1 2]
 
 Parts: schedule (Scheduler.schedule: admission, block tables), inputs (Runner.run around the forward: the tensors
 built from the sequences, the logits picked), forward (the model with the paged KV: Runner._forward eager, or the
 compiled graph), sample (Scheduler.postprocess: the sampling of every row, bookkeeping; greedy unless
 --temperature, each request its own generator with --seeded), rest (Engine.step's own: events,
-the inbox). The demo's shape (params.yaml) with random weights, 1 torch thread (what `astrai serve` picks on
-2 cores). Compile time (the warm-up at Engine construction) is reported too; torch caches compiled code on disk,
+the inbox). The demo's shape (params.yaml) with random weights, or --model's checkpoint; 1 torch thread (what
+`astrai serve` picks on 2 cores), or each of --threads in turn for every batch size (interleaved). Compile time (the warm-up at Engine construction) is reported too; torch caches compiled code on disk,
 so a second run compiles faster.
 """
 
@@ -30,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from astrai_core.checkpoint.model_dir import load_model  # noqa: E402
 from astrai_core.inference.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from astrai_core.model.transformer import Transformer  # noqa: E402
 from bench.serving import machine  # noqa: E402
@@ -113,31 +115,52 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seeded", action="store_true", help="each request its own seed (a generator per row)")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill steps")
+    ap.add_argument("--model", type=Path, help="a checkpoint directory (default: the demo's shape, random weights)")
+    ap.add_argument("--kv-memory-mb", type=int, default=256, help="the engine's KV pool (a full context must fit)")
+    ap.add_argument("--threads", type=int, nargs="*", default=[1], help="torch threads; with several, each batch "
+                    "size and prefill shape runs at each in turn")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "decode_step_report.json")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    cfg = load_params(ROOT / "params.yaml").model
+    if args.model:
+        model, _, cfg = load_model(args.model)
+    else:
+        cfg = load_params(ROOT / "params.yaml").model
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+    model.eval()
     if args.steps + 20 > cfg.max_seq_len:
-        sys.exit(f"--steps {args.steps}: at most {cfg.max_seq_len - 20} (params.yaml's model.max_seq_len - 20)")
-    torch.manual_seed(0)
-    model = Transformer(cfg).eval()
+        sys.exit(f"--steps {args.steps}: at most {cfg.max_seq_len - 20} (the model's max_seq_len - 20)")
     def params(i: int) -> SamplingParams:
         return SamplingParams(max_tokens=args.steps + 10, temperature=args.temperature, top_p=args.top_p,
                               seed=i if args.seeded else None)
 
-    settings = {k: getattr(args, k) for k in ("batches", "steps", "temperature", "top_p", "seeded")}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"}
     report = {"machine": machine(), "settings": settings, "modes": {}}
     for mode in args.modes:
+        torch.set_num_threads(args.threads[0])
         start = time.perf_counter()
-        engine = Engine(model, EngineConfig(kv_memory_mb=256, compile=mode == "compiled"))
-        rows = [profile(engine, b, args.steps, params) for b in args.batches]
+        engine = Engine(model, EngineConfig(kv_memory_mb=args.kv_memory_mb, compile=mode == "compiled"))
         built = round(time.perf_counter() - start, 1)
-        engine = Engine(model, EngineConfig(kv_memory_mb=256, compile=mode == "compiled", prefix_cache=False))
-        shapes = () if args.no_prefill else ((1, 16), (1, 64), (4, 64))
-        prefills = [prefill(engine, r, t, reps=20) for r, t in shapes]
-        report["modes"][mode] = {"engine_built_s": built, "rows": rows, "prefill": prefills}
-        for row in rows + prefills:
-            print(mode, json.dumps(row), flush=True)
+        rows: dict[int, list[dict]] = {t: [] for t in args.threads}
+        for b in args.batches:
+            for t in args.threads:
+                torch.set_num_threads(t)
+                rows[t].append(profile(engine, b, args.steps, params))
+                print(mode, f"{t} thread(s)", json.dumps(rows[t][-1]), flush=True)
+        engine = Engine(model, EngineConfig(kv_memory_mb=args.kv_memory_mb, compile=mode == "compiled",
+                                            prefix_cache=False))
+        prefills: dict[int, list[dict]] = {t: [] for t in args.threads}
+        for r, n in () if args.no_prefill else ((1, 16), (1, 64), (4, 64)):
+            for t in args.threads:
+                torch.set_num_threads(t)
+                prefills[t].append(prefill(engine, r, n, reps=20))
+                print(mode, f"{t} thread(s)", json.dumps(prefills[t][-1]), flush=True)
+        if len(args.threads) == 1:  # the report's layout of one thread count
+            report["modes"][mode] = {"engine_built_s": built, "rows": rows[args.threads[0]],
+                                     "prefill": prefills[args.threads[0]]}
+        else:
+            report["modes"][mode] = {"engine_built_s": built, **{f"{t}_threads": {"rows": rows[t], "prefill":
+                                                                                    prefills[t]} for t in args.threads}}
     report["machine"]["load_average_at_end"] = os.getloadavg()
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -25,7 +25,8 @@ interleave the servers, and every figure is the median over --rounds):
   --continuous-batching` from VENV (a separate venv with transformers[serving], not a project dependency), with
   its defaults and with OMP_NUM_THREADS=1; the same prompts, as text. On failure the report says why.
 * llama.cpp (--llama-cpp BIN, the bin/ of scripts/build_llama_cpp.sh): the same model exported with `astrai
-  export-gguf` as f32 (astrai serves float32 on CPU: the same numbers, the same work per token), served by
+  export-gguf` as f32 (the checkpoint's numbers), and as bf16 with --llama-types f32 bf16 (the weights `astrai
+  serve` computes with where its --dtype auto picks bf16: the start-up line in the report says which), served by
   `llama-server` with continuous batching and --parallel set to each workload's streams (so every stream has a slot
   of the model's whole context; the burst and Poisson loads get the highest level's), with -t 1 and with -t 2 (its
   threads for generation and for prompts); the same prompts, as text. A server per workload, in each round.
@@ -63,7 +64,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from astrai_core.checkpoint.model_dir import load_model, save_checkpoint  # noqa: E402
+from astrai_core.checkpoint.model_dir import inference_dtype_of, load_model, save_checkpoint  # noqa: E402
 from astrai_core.inference.engine import Engine, SamplingParams  # noqa: E402
 from astrai_core.model.transformer import Transformer  # noqa: E402
 from astrai_core.tokenizer.bpe import train_tokenizer  # noqa: E402
@@ -357,13 +358,20 @@ def main() -> None:
     ap.add_argument("--peer-venv", type=Path, help="a venv with transformers[serving]: also measure `transformers "
                     "serve --continuous-batching` on the same model (exported with astrai export-hf)")
     ap.add_argument("--llama-cpp", type=Path, help="llama.cpp's bin/ (scripts/build_llama_cpp.sh): also measure "
-                    "`llama-server` on the same model exported with astrai export-gguf (f32), -t 1 and -t 2")
+                    "`llama-server` on the same model exported with astrai export-gguf (--llama-types), with each of "
+                    "--llama-threads")
     ap.add_argument("--llama-threads", type=int, nargs="*", default=(1, 2), help="llama-server's -t (and -tb) settings")
+    ap.add_argument("--llama-types", nargs="*", default=("f32",), choices=("f32", "bf16", "q8_0"), help="the GGUF "
+                    "types llama-server runs (astrai export-gguf --type), each as a server of its own (f32's named "
+                    "llama_server_T_threads, the others with _TYPE after it)")
     ap.add_argument("--compile", action="store_true", help="also measure `astrai serve --compile-first` (decode steps "
                     "and prefill chunks as torch.compile'd graphs from the first request: the default server once its "
                     "background compile is done), as the server astrai_compile; the server astrai is --no-compile")
     ap.add_argument("--astrai-threads", type=int, nargs="*", default=(), help="also measure `astrai serve --no-compile "
                     "--threads N` for each N, as the server astrai_N_threads (the server astrai takes --threads auto)")
+    ap.add_argument("--astrai-dtypes", nargs="*", default=(), choices=("fp32", "bf16"), help="also measure `astrai "
+                    "serve --no-compile --dtype D` for each D, as the server astrai_D (the server astrai takes --dtype "
+                    "auto)")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine alone (its ratios are then missing)")
     ap.add_argument("--no-prefix-scenario", action="store_true", help="skip the shared-prefix TTFT comparison")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "serving_report.json")
@@ -377,7 +385,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         ckpt = args.model or demo_shape_checkpoint(tmp)
-        model, tokenizer, cfg = load_model(ckpt)
+        # the engine alone computes in the dtype `astrai serve` picks (--dtype auto)
+        model, tokenizer, cfg = load_model(ckpt, dtype=inference_dtype_of(ckpt, "auto", torch.device("cpu"))[0])
         report["model"] = {"checkpoint": str(args.model or "random weights, demo shape"), **cfg.model_dump(
             include={"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len", "mlp"}),
             "parameters": sum(p.numel() for p in model.parameters())}
@@ -394,6 +403,8 @@ def main() -> None:
         servers = {"astrai": lambda: astrai_server(ckpt, tmp, ("--no-compile",))}
         for n in args.astrai_threads:  # bind n now, not when the lambda runs
             servers[f"astrai_{n}_threads"] = partial(astrai_server, ckpt, tmp, ("--no-compile", "--threads", str(n)))
+        for d in args.astrai_dtypes:
+            servers[f"astrai_{d}"] = partial(astrai_server, ckpt, tmp, ("--no-compile", "--dtype", d))
         if args.compile:  # the steps compiled before it answers: the default server once its background compile ends
             servers["astrai_compile"] = lambda: astrai_server(ckpt, tmp, ("--compile-first",))
         if args.peer_venv:
@@ -405,12 +416,14 @@ def main() -> None:
         # llama-server: one server per workload (its --parallel is the workload's streams).
         per_workload: dict[str, partial] = {}
         if args.llama_cpp:
-            gguf = tmp / "model.gguf"
-            subprocess.run([sys.executable, "-m", "astrai.cli", "export-gguf", str(ckpt), str(gguf), "--type", "f32"],
-                           cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)
-            for t in args.llama_threads:
-                per_workload[f"llama_server_{t}_thread{'s' * (t > 1)}"] = partial(
-                    llama_server, args.llama_cpp, gguf, cfg.max_seq_len, tmp, t)
+            for gguf_type in args.llama_types:
+                gguf = tmp / f"model-{gguf_type}.gguf"
+                subprocess.run([sys.executable, "-m", "astrai.cli", "export-gguf", str(ckpt), str(gguf), "--type",
+                                gguf_type], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                               stdout=subprocess.DEVNULL)
+                for t in args.llama_threads:
+                    name = f"llama_server_{t}_thread{'s' * (t > 1)}" + ("" if gguf_type == "f32" else f"_{gguf_type}")
+                    per_workload[name] = partial(llama_server, args.llama_cpp, gguf, cfg.max_seq_len, tmp, t)
         rows: dict[str, list[dict]] = {name: [] for name in [*servers, *per_workload]}
         errors: dict[str, str] = {}
         retries: dict[str, list[str]] = {}  # llama-server workloads run again after a dropped connection
@@ -479,7 +492,8 @@ def main() -> None:
             report["shared_prefix"] = shared_prefix(ckpt, tokenizer, cfg.max_seq_len, tmp, args.rounds)
 
     ours_named = [("ratios", "astrai"), ("ratios_compile", "astrai_compile"),
-                  *((f"ratios_{n}_threads", f"astrai_{n}_threads") for n in args.astrai_threads)]
+                  *((f"ratios_{n}_threads", f"astrai_{n}_threads") for n in args.astrai_threads),
+                  *((f"ratios_{d}", f"astrai_{d}") for d in args.astrai_dtypes)]
     for key, name in ours_named:
         if name not in report["servers"]:
             continue

@@ -4,6 +4,10 @@ and continuations), without scoring every model of the chain. For comparing one 
 
     python bench/task_accuracy.py --root RUN --params RUN/params.yaml RUN/data/dpo OUT/grpo_a OUT/grpo_b \
         [--out bench/REPORT.json]
+    python bench/task_accuracy.py --root RUN --params RUN/params.yaml RUN/data/grpo --dtypes fp32 bf16   # serving's bf16
+
+--dtypes: each checkpoint is scored with its weights in each dtype in turn (as `astrai serve --dtype` loads them;
+evaluate computes in fp32); the first checkpoint in the first dtype is the baseline.
 
 RUN: a checkout whose data/ holds the run (data/chat/grpo_test.jsonl, data/packed/test.h5); the first
 evaluate.task_examples questions, evaluate.max_tokens test tokens in windows of evaluate.seq_len.
@@ -22,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from astrai_core.checkpoint.model_dir import load_model  # noqa: E402
+from astrai_core.runtime.device import INFERENCE_DTYPES  # noqa: E402
 from astrai_core.scoring.metrics import answer_questions, sequence_nll  # noqa: E402
 from astrai_core.scoring.statistics import paired_difference, summarize  # noqa: E402
 from astrai_core.tokenizer.chat import load_chat  # noqa: E402
@@ -38,6 +43,7 @@ def main() -> None:
     ap.add_argument("checkpoints", type=Path, nargs="+", help="the first is the baseline")
     ap.add_argument("--root", type=Path, required=True)
     ap.add_argument("--params", type=Path, required=True)
+    ap.add_argument("--dtypes", nargs="+", default=["fp32"], choices=list(INFERENCE_DTYPES))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     params = load_params(args.params)
@@ -46,23 +52,26 @@ def main() -> None:
     tokens, n_chars, _ = read_test_tokens(args.root / PACKED / "test.h5", args.checkpoints[0], p.max_tokens)
     prompts = free_prompts(tokens, p.free_samples)
     rows, right, free = [], {}, {}
-    for ckpt in args.checkpoints:
-        model, _, cfg = load_model(ckpt)
+    runs = [(ckpt, dtype) for ckpt in args.checkpoints for dtype in args.dtypes]
+    for run in runs:
+        ckpt, dtype = run
+        model, _, cfg = load_model(ckpt, dtype=INFERENCE_DTYPES[dtype])
         nll, n = sequence_nll(model, tokens, min(p.seq_len or cfg.max_seq_len, cfg.max_seq_len), p.batch_size)
         replies = [r[0] for r in answer_questions(model, load_chat(ckpt / "tokenizer.json"), questions,
                                                   params.grpo.objective.max_new_tokens)]
-        right[ckpt] = [bool(exact_answer(c, q)) for c, q in zip(replies, questions)]
+        right[run] = [bool(exact_answer(c, q)) for c, q in zip(replies, questions)]
         families: dict[str, list[bool]] = {}
-        for ok, q in zip(right[ckpt], questions):
+        for ok, q in zip(right[run], questions):
             families.setdefault(q.get("task"), []).append(ok)
-        free[ckpt] = loop_free(model, prompts, p.max_new_tokens, p.temperature, p.top_k, p.seed) if prompts else []
-        row = {"checkpoint": str(ckpt), "test_bits_per_char": round(summarize(nll, n, n_chars)["bits_per_char"], 4),
-               "task_accuracy": round(sum(right[ckpt]) / len(questions), 4),
+        free[run] = loop_free(model, prompts, p.max_new_tokens, p.temperature, p.top_k, p.seed) if prompts else []
+        row = {"checkpoint": str(ckpt), "dtype": dtype,
+               "test_bits_per_char": round(summarize(nll, n, n_chars)["bits_per_char"], 4),
+               "task_accuracy": round(sum(right[run]) / len(questions), 4),
                "families": {k: round(sum(v) / len(v), 3) for k, v in families.items()},
-               "loop_free_rate": round(sum(free[ckpt]) / max(1, len(prompts)), 4)}
-        if ckpt != args.checkpoints[0]:
+               "loop_free_rate": round(sum(free[run]) / max(1, len(prompts)), 4)}
+        if run != runs[0]:
             for name, per_item in (("task_accuracy", right), ("loop_free_rate", free)):
-                diff = paired_difference(per_item[args.checkpoints[0]], per_item[ckpt]) if per_item[ckpt] else ()
+                diff = paired_difference(per_item[runs[0]], per_item[run]) if per_item[run] else ()
                 row[f"{name}_difference"] = [round(x, 4) for x in diff]
         print(json.dumps(row), flush=True)
         rows.append(row)

@@ -4,9 +4,11 @@ resolving a registry reference is the pipeline's, and serving never imports it).
     api_key = check_exposure("127.0.0.1", None, False, ())     # serving.auth: who must have a key (ValueError)
     check_port_free("127.0.0.1", 8000)                          # ValueError naming --port
     n_threads, why = torch_threads("auto")                      # torch's threads, and why that many
-    engine, chat = load_engine(checkpoint, EngineConfig(), "cpu", n_threads, engine_process=True)
+    dtype, dtype_why = inference_dtype_of(checkpoint, "auto", torch.device("cpu"))  # bf16 where it pays
+    engine, chat = load_engine(checkpoint, EngineConfig(), "cpu", n_threads, engine_process=True, dtype=dtype)
     status = serve(engine, chat, "astrai/3", (), host="127.0.0.1", port=8000, api_key=api_key, allowed_hosts=(),
                    device="cpu", threads=(n_threads, why),      # 0: stopped; 1: the engine died (server.py)
+                   dtype_why=dtype_why,
                    reference="models:/astrai@champion", look_up=alias_version)  # the alias polled (AliasWatch)
 
 Loading and serving are two calls so that a registry download can be deleted once the engine has loaded it,
@@ -61,25 +63,25 @@ def torch_threads(choice: str) -> tuple[int, str]:
     return max(1, cores - 1), f"{cores} core(s), one left for the event loop"
 
 
-def load_engine(checkpoint: Path, config: EngineConfig, device: str, threads: int,
-                engine_process: bool) -> tuple[EngineClient, ChatFormat]:
+def load_engine(checkpoint: Path, config: EngineConfig, device: str, threads: int, engine_process: bool,
+                dtype: torch.dtype = torch.float32) -> tuple[EngineClient, ChatFormat]:
     """The engine over `checkpoint`'s model, not started, in a process of its own (EngineProcess) or in this one
     (Engine: torch then uses `threads` threads here), and the chat format of its tokenizer. Once this returns the
     checkpoint directory is no longer read. AstraiError or ValueError when the checkpoint cannot be served."""
     chat = load_chat(checkpoint / "tokenizer.json")
     if engine_process:
-        return EngineProcess(checkpoint, config, device=device, threads=threads), chat
+        return EngineProcess(checkpoint, config, device=device, threads=threads, dtype=dtype), chat
     torch.set_num_threads(threads)
-    return Engine(load_model(checkpoint, device=device)[0], config), chat
+    return Engine(load_model(checkpoint, device=device, dtype=dtype)[0], config), chat
 
 
 def serve(engine: EngineClient, chat: ChatFormat, model_id: str, aliases: Sequence[str], *, host: str, port: int,
           api_key: str | None, allowed_hosts: Sequence[str], device: str, threads: tuple[int, str],
-          reference: str = "", look_up: Callable[[str, str], str] | None = None, alias_poll: float = 60.0) -> int:
+          dtype_why: str, reference: str = "", look_up: Callable[[str, str], str] | None = None, alias_poll: float = 60.0) -> int:
     """Serve `engine` (from load_engine) as `model_id` and `aliases` on host:port until stopped (-> 0) or until
     the engine dies (-> 1, server.py), after one start-up line on stderr that says what the engine's options came
     to; the engine is started here and stopped on the way out. `threads`: (count, why) as torch_threads gave them,
-    for that line. `reference`: the model as the user named it; when that is a registry alias (models:/NAME@ALIAS)
+    `dtype_why`: why the weights have the dtype they have (model_dir.inference_dtype_of), for that line. `reference`: the model as the user named it; when that is a registry alias (models:/NAME@ALIAS)
     and `alias_poll` > 0, `look_up(name, alias)` gives the version it points to now (or raises), every
     `alias_poll` s (AliasWatch, reported by /health and /v1/models)."""
     watch = AliasWatch.started_by(reference, model_id) if alias_poll > 0 else None
@@ -88,13 +90,14 @@ def serve(engine: EngineClient, chat: ChatFormat, model_id: str, aliases: Sequen
                          daemon=True).start()
     application = create_app(engine, chat, model_id, api_key=api_key, aliases=aliases,
                              hosts=Hosts(host, tuple(allowed_hosts)), watch=watch)
-    c, (n_threads, why) = engine.config, threads
+    c, (n_threads, why), stats = engine.config, threads, engine.stats()
     where = "process" if isinstance(engine, EngineProcess) else "thread"
-    seconds = engine.stats()["compile_seconds"]
+    seconds = stats["compile_seconds"]
     compiled = "" if not c.compile else f"; steps compiled in {seconds} s" if seconds is not None else \
         "; steps compiling in the background, eager until then"
-    print(f"astrai: serving {', '.join([model_id, *aliases])} on http://{host}:{port}/v1 ({device}, {n_threads} "
-          f"torch thread(s): {why}; engine {where}; batch cap {c.max_batch_size}, {engine.stats()['kv_blocks_total']} "
+    print(f"astrai: serving {', '.join([model_id, *aliases])} on http://{host}:{port}/v1 ({device}, "
+          f"{stats['weights_dtype']} weights: {dtype_why}; {n_threads} "
+          f"torch thread(s): {why}; engine {where}; batch cap {c.max_batch_size}, {stats['kv_blocks_total']} "
           f"KV blocks of {c.block_size} tokens, queue {c.max_waiting}{compiled})", file=sys.stderr, flush=True)
     engine.start()
     try:

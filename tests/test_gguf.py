@@ -132,15 +132,15 @@ def test_rope_permutation_gives_the_same_attention_scores():
 
 
 def test_file_holds_the_tokenizer_and_weights(tmp_path, tokenizer_path):
-    """Read back with gguf's reader: architecture, vocabulary, special tokens, and Q8_0 weights within a block's
-    rounding of the f32 ones."""
+    """Read back with gguf's reader: architecture, vocabulary, special tokens, Q8_0 weights within a block's
+    rounding of the f32 ones, and bf16 weights equal to torch's bf16 rounding of them (what --dtype bf16 serves)."""
     import gguf
 
     model = sharp_random_model(vocab_size=384, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
                                mlp="relu2", tie_embeddings=False)
     ckpt = save_checkpoint(tmp_path / "ckpt", model, model.cfg, tokenizer_path)
     tok = Tokenizer.from_file(str(tokenizer_path))
-    for out_type in ("f32", "q8_0"):
+    for out_type in ("f32", "q8_0", "bf16"):
         reader = gguf.GGUFReader(export_gguf(ckpt, tmp_path / f"{out_type}.gguf", out_type))
         field = lambda key: reader.fields[key].contents()  # noqa: E731
         assert field("general.architecture") == "arcee" and field("tokenizer.ggml.pre") == "gpt-2"
@@ -153,10 +153,12 @@ def test_file_holds_the_tokenizer_and_weights(tmp_path, tokenizer_path):
         assert "output.weight" in tensors and "blk.0.ffn_gate.weight" not in tensors  # untied; relu2 has no gate
         down = tensors["blk.1.ffn_down.weight"]
         values = gguf.quants.dequantize(down.data, down.tensor_type).reshape(model.layers[1].mlp.down_proj.weight.shape)
-        expected = model.layers[1].mlp.down_proj.weight.detach().numpy()
-        tolerance = 0 if out_type == "f32" else np.abs(expected).max() / 127
+        weight = model.layers[1].mlp.down_proj.weight.detach()
+        expected = (weight.to(torch.bfloat16) if out_type == "bf16" else weight).float().numpy()
+        tolerance = np.abs(expected).max() / 127 if out_type == "q8_0" else 0
         assert np.abs(values - expected).max() <= tolerance
-        assert down.tensor_type == (gguf.GGMLQuantizationType.Q8_0 if out_type == "q8_0" else gguf.GGMLQuantizationType.F32)
+        assert down.tensor_type == gguf.GGMLQuantizationType[out_type.upper()]
+        assert tensors["blk.1.attn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
 
 
 @pytest.mark.parametrize("overrides, named", [
@@ -209,7 +211,7 @@ def test_cli_export_and_refusal(tmp_path, tokenizer_path):
     assert result.output.startswith("astrai: error: cannot export to GGUF: model.attn_gate is set")
     assert result.output.count("\n") == 1  # one line
     result = CliRunner().invoke(app, ["export-gguf", str(ckpt), str(tmp_path / "g.gguf"), "--type", "q4_k"])
-    assert result.exit_code == 2 and "--type q4_k: expected one of f32, q8_0" in result.output
+    assert result.exit_code == 2 and "--type q4_k: expected one of f32, q8_0, bf16" in result.output
 
 
 # ---- against llama.cpp ----
@@ -262,7 +264,7 @@ def astrai_generate(ckpt: Path, prompt: str, n: int) -> str:
     from astrai.cli import app
 
     result = CliRunner().invoke(app, ["generate", "--model", str(ckpt), "--prompt", prompt, "--max-new-tokens", str(n),
-                                      "--temperature", "0"])
+                                      "--temperature", "0", "--dtype", "fp32"])
     assert result.exit_code == 0, result.output
     assert result.output.startswith(prompt)
     return result.output[len(prompt):].removesuffix("\n")

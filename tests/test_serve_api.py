@@ -1079,3 +1079,32 @@ def test_an_api_key_no_client_can_send_is_refused_at_start(served):
                                           "--port", str(port)])
     assert result.exit_code == 2 and result.stderr.startswith("astrai: error: --api-key"), result.output
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_bf16_weights_serve_what_generate_gives_with_them(served, tmp_path):
+    """--dtype bf16 (what auto picks for a big model on a CPU that computes bf16 natively): the engine's weights are
+    bf16 (its start-up line reads them from the engine), greedy completions equal generate() on the model loaded in
+    bf16, and the echoed prompt's logprobs are the bf16 model's, not the fp32 one's."""
+    from astrai_core.scoring.metrics import sequence_nll
+
+    model16 = load_model(served["ckpt"], dtype=torch.bfloat16)[0]
+    tok = served["tokenizer"]
+    ids = tok.encode(TEXT, add_special_tokens=False).ids
+    nll = {name: sequence_nll(m, np.array(ids), seq_len=len(ids) - 1, batch_size=1)[0]
+           for name, m in (("fp32", served["model"]), ("bf16", model16))}
+    proc, url = _start_server(["--model", str(served["ckpt"]), "--dtype", "bf16"], tmp_path)
+    try:
+        assert "bfloat16 weights: --dtype" in next(tmp_path.glob("server-*.log")).read_text()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        for prompt in ("the king", "my lady waits for the horse in the rain", "ghost"):
+            prompt_ids = tok.encode(prompt, add_special_tokens=False).ids
+            expected = tok.decode(generate(model16, prompt_ids, 30, stop_ids=served["chat"].stop_ids))
+            assert client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=30,
+                                             temperature=0).choices[0].text == expected
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL_ID, "prompt": TEXT, "echo": True, "logprobs": 1,
+                                                      "max_tokens": 0}, timeout=60)
+        served_nll = -sum(r.json()["choices"][0]["logprobs"]["token_logprobs"][1:])
+    finally:
+        _stop_server(proc)
+    print(f"echoed nll {served_nll:.5f}, offline bf16 {nll['bf16']:.5f}, fp32 {nll['fp32']:.5f}")
+    assert abs(served_nll - nll["bf16"]) < abs(served_nll - nll["fp32"]) / 4

@@ -162,12 +162,13 @@ def test_launch_polls_the_alias_only_when_named_by_one_and_asked_to(monkeypatch)
     monkeypatch.setattr(launch, "run", lambda *args: 0)
     monkeypatch.setattr(launch, "threading", SimpleNamespace(Thread=lambda target, args, **kwargs: SimpleNamespace(
         start=lambda: target(*args))))  # the poller's thread, run at once
-    engine = SimpleNamespace(config=EngineConfig(), stats=lambda: {"compile_seconds": None, "kv_blocks_total": 8},
+    engine = SimpleNamespace(config=EngineConfig(), stats=lambda: {"compile_seconds": None, "kv_blocks_total": 8,
+                                                                    "weights_dtype": "float32"},
                              start=lambda: None, stop=lambda: None)
     for reference, poll in (("models:/astrai@champion", 0.5), ("models:/astrai@champion", 0), ("models:/astrai/3", 1)):
         apps.clear(), polled.clear()
         assert launch.serve(engine, None, "astrai/3", (), host="127.0.0.1", port=1, api_key=None, allowed_hosts=(),
-                            device="cpu", threads=(1, "test"), reference=reference, look_up=None, alias_poll=poll) == 0
+                            device="cpu", threads=(1, "test"), dtype_why="test", reference=reference, look_up=None, alias_poll=poll) == 0
         if poll and "@" in reference:
             assert apps[0].alias == "champion" and polled == [(apps[0], poll)]
         else:

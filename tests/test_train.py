@@ -450,6 +450,35 @@ def test_dtype_auto_is_bf16_only_where_the_device_has_it_natively(monkeypatch):
     assert uses_bf16("auto", cpu)
 
 
+def test_generation_dtype_auto_is_bf16_only_where_native_and_for_a_model_big_enough(monkeypatch, tmp_path):
+    """`astrai serve` / `astrai generate` --dtype: auto gives bf16 weights only on a bf16-native device and from
+    BF16_FROM_PARAMETERS parameters (counted from config.json); an explicit choice is kept; anything else is refused
+    naming the option."""
+    from astrai_core.checkpoint.model_dir import inference_dtype_of
+    from astrai_core.model.config import ModelConfig
+    from astrai_core.runtime.device import BF16_FROM_PARAMETERS, inference_dtype
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    for native in (False, True):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+        for parameters in (BF16_FROM_PARAMETERS - 1, BF16_FROM_PARAMETERS, 135_000_000):
+            want = torch.bfloat16 if native and parameters >= BF16_FROM_PARAMETERS else torch.float32
+            assert inference_dtype("auto", cpu, parameters)[0] == want, (native, parameters)
+            assert inference_dtype("fp32", cpu, parameters) == (torch.float32, "--dtype")
+            assert inference_dtype("bf16", cpu, parameters) == (torch.bfloat16, "--dtype")
+    with pytest.raises(ValueError, match="--dtype fp16: expected auto, fp32 or bf16"):
+        inference_dtype("fp16", cpu, 10)
+    # counted from the checkpoint's config (on a bf16-native CPU): the demo's model (0.66M) stays fp32, 6.7M go bf16
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    for dim, want in ((128, torch.float32), (384, torch.bfloat16)):
+        cfg = ModelConfig(vocab_size=512, dim=dim, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=64)
+        (tmp_path / str(dim)).mkdir()
+        (tmp_path / str(dim) / "config.json").write_text(cfg.model_dump_json())
+        dtype, why = inference_dtype_of(tmp_path / str(dim), "auto", cpu)
+        assert dtype == want, (dim, why)
+
+
 def test_progress_lines_end_with_the_time_left(core_tiny_data, tmp_path, monkeypatch, capsys):
     from astrai_core.runtime.progress import eta
 

@@ -38,6 +38,7 @@ from tokenizers import Tokenizer
 
 from astrai_core.model.config import ModelConfig
 from astrai_core.model.transformer import Transformer, estimated_params
+from astrai_core.runtime.device import inference_dtype
 from astrai_core.runtime.errors import AstraiError
 from astrai_core.runtime.io import CHECKPOINT, atomic_path, sha256_file, write_json
 from astrai_core.tokenizer.bpe import SPECIALS_FILE, read_tokenizer
@@ -171,9 +172,9 @@ def check_fits_in_memory(cfg: ModelConfig, where: str | os.PathLike, sizes: str 
 
 
 def load_model(
-    ckpt_dir: str | os.PathLike, device: str | torch.device = "cpu"
+    ckpt_dir: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[Transformer, Tokenizer, ModelConfig]:
-    """Verify and load a checkpoint: (model in eval mode on `device`, tokenizer, model config)."""
+    """Verify and load a checkpoint: (model in eval mode on `device` in `dtype`, tokenizer, model config)."""
     ckpt_dir = Path(ckpt_dir)
     verify_checkpoint(ckpt_dir)
     cfg = read_model_config(ckpt_dir / "config.json")
@@ -186,4 +187,10 @@ def load_model(
         detail = " ".join(str(e).split())[:300]  # one line
         raise AstraiError(f"{ckpt_dir / 'model.safetensors'}: does not match config.json ({detail})") from None
     assert not cfg.tie_embeddings or model.lm_head.weight is model.embed_tokens.weight
-    return model.to(device).eval(), tokenizer, cfg
+    return model.to(device, dtype).eval(), tokenizer, cfg
+
+
+def inference_dtype_of(ckpt_dir: str | os.PathLike, choice: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """(dtype, why) that --dtype `choice` gives the checkpoint's model on `device` (runtime.device.inference_dtype),
+    from its config.json alone, before any weight is read."""
+    return inference_dtype(choice, device, estimated_params(read_model_config(Path(ckpt_dir) / "config.json")))

@@ -2,6 +2,7 @@
 
     astrai export-gguf data/pretrain model.gguf                 # f32: the same numbers as the checkpoint
     astrai export-gguf data/pretrain model-q8_0.gguf --type q8_0
+    astrai export-gguf data/pretrain model-bf16.gguf --type bf16   # what `astrai serve --dtype bf16` computes with
 
 Written with the `gguf` package (llama.cpp's own writer and Q8_0 quantizer). Which llama.cpp architecture a
 ModelConfig becomes (gguf_arch); anything else is refused by name, never exported approximately:
@@ -34,7 +35,7 @@ import torch
 from astrai_core.model.config import ModelConfig
 from astrai_core.runtime.errors import AstraiError
 
-TYPES = ("f32", "q8_0")
+TYPES = ("f32", "q8_0", "bf16")
 EXPORT = "astrai export-gguf"  # what atomic_path records as the writer of a GGUF file
 
 # transformer.py parameter -> GGUF tensor (gguf.TENSOR_NAMES spells the same names). lm_head is absent when tied:
@@ -168,8 +169,9 @@ def gguf_written_by(path: Path) -> str | None:
 
 def export_gguf(ckpt_dir: str | os.PathLike, out: str | os.PathLike, out_type: str = "f32",
                 force: bool = False) -> Path:
-    """Write the GGUF file `out` (atomically) from the astrai checkpoint `ckpt_dir`. out_type: f32 or q8_0
-    (every matrix in Q8_0, as llama.cpp's own converter does; norms stay f32). An existing `out` is replaced only
+    """Write the GGUF file `out` (atomically) from the astrai checkpoint `ckpt_dir`. out_type: f32, q8_0 (every
+    matrix in Q8_0, as llama.cpp's own converter does) or bf16 (every matrix rounded to bf16 as torch rounds it, the
+    weights of a model loaded with dtype bf16); norms stay f32. An existing `out` is replaced only
     if an earlier export wrote it, or with `force`; never the checkpoint or a file inside it."""
     import gguf
 
@@ -196,7 +198,10 @@ def export_gguf(ckpt_dir: str | os.PathLike, out: str | os.PathLike, out_type: s
         w = gguf.GGUFWriter(tmp, arch)
         w.add_name(ckpt_dir.resolve().name)
         w.add_string(WRITTEN_BY_KEY, EXPORT)
-        w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if out_type == "q8_0" else gguf.LlamaFileType.ALL_F32)
+        file_type, matrix_type = {"f32": (gguf.LlamaFileType.ALL_F32, None),
+                                  "q8_0": (gguf.LlamaFileType.MOSTLY_Q8_0, gguf.GGMLQuantizationType.Q8_0),
+                                  "bf16": (gguf.LlamaFileType.MOSTLY_BF16, gguf.GGMLQuantizationType.BF16)}[out_type]
+        w.add_file_type(file_type)
         w.add_vocab_size(cfg.vocab_size)
         w.add_context_length(cfg.max_seq_len)
         w.add_embedding_length(cfg.dim)
@@ -229,9 +234,9 @@ def export_gguf(ckpt_dir: str | os.PathLike, out: str | os.PathLike, out_type: s
 
         for name, array in tensors.items():
             # Q8_0 packs rows in blocks of 32 values; a matrix whose rows are not a multiple of 32 stays f32.
-            if out_type == "q8_0" and array.ndim == 2 and array.shape[1] % 32 == 0:
-                w.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
-                             raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            block = gguf.GGML_QUANT_SIZES[matrix_type][0] if matrix_type is not None else 0
+            if matrix_type is not None and array.ndim == 2 and array.shape[1] % block == 0:
+                w.add_tensor(name, gguf.quants.quantize(array, matrix_type), raw_dtype=matrix_type)
             else:
                 w.add_tensor(name, array)
         w.write_header_to_file()

@@ -203,6 +203,7 @@ class Engine:
             "preemptions_total": self.scheduler.preemptions,
             "ttft_seconds": ttft[0], "ttft_seconds_sum": ttft[1], "ttft_seconds_count": ttft[2],
             "torch_threads": torch.get_num_threads(), "compile_seconds": self.compile_seconds,
+            "weights_dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
         }
 
     def start(self) -> None:

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+import torch
+
 from astrai_core.inference.engine.engine import Engine, EngineConfig, QueueFull, check_prompt, run_listeners
 from astrai_core.inference.engine.sequence import OnEvent, SamplingParams
 
@@ -80,17 +82,16 @@ class Step(NamedTuple):
     received: int  # Submit messages the child had received when it took the stats
 
 
-def _child(commands, events, checkpoint: str, config: EngineConfig, device: str, threads: int) -> None:
+def _child(commands, events, checkpoint: str, config: EngineConfig, device: str, threads: int,
+           dtype: torch.dtype) -> None:
     """The engine's process: load the model, run Engine's loop thread, obey commands until Stop or the parent
     goes away (EOF on the command pipe)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops this process
-    import torch
-
     from astrai_core.checkpoint.model_dir import load_model
 
     torch.set_num_threads(threads)
     try:
-        model, _, _ = load_model(Path(checkpoint), device=device)
+        model, _, _ = load_model(Path(checkpoint), device=device, dtype=dtype)
         # The parent bounds the queue (it sees submissions first, and counts those still in the pipe): the child's
         # own bound, counting at other moments, would refuse some the parent accepted.
         engine = Engine(model, dataclasses.replace(config, max_waiting=sys.maxsize))
@@ -147,13 +148,14 @@ class EngineProcess:
     """EngineClient (astrai_core/inference/engine/client.py) over an Engine running in a child process."""
 
     def __init__(self, checkpoint: Path, config: EngineConfig | None = None, device: str = "cpu",
-                 threads: int = 1) -> None:
+                 threads: int = 1, dtype: torch.dtype = torch.float32) -> None:
         self.config = config or EngineConfig()
         ctx = mp.get_context("spawn")  # not fork: this process may already run threads (torch's, the server's)
         child_commands, self._commands = ctx.Pipe(duplex=False)  # (reading end, writing end)
         self._events, child_events = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=_child, name="astrai-engine", daemon=True,
-                                 args=(child_commands, child_events, str(checkpoint), self.config, device, threads))
+                                 args=(child_commands, child_events, str(checkpoint), self.config, device, threads,
+                                       dtype))
         self._proc.start()
         child_commands.close()
         child_events.close()
