@@ -71,9 +71,10 @@ def uses_bf16(dtype: str, device: torch.device) -> bool:
 
 # `astrai serve` and `astrai generate` --dtype auto: a model's weights in bf16 where bf16 is native and the model is
 # big enough for its decode steps to wait on weights (reading them, multiplying them), not on per-operator dispatch.
-# Measured on the AVX-512 BF16 kind (the engine alone, 1 thread, decode steps at 1 / 4 / 16 / 64 rows, bf16 against
-# fp32, 2026-12-02): the demo's 0.66M parameters 0.4-0.7x (slower), 3.7M 1.1-1.8x, 29.9M 1.3-2.5x, SmolLM2's 135M
-# 1.1-2.4x. Below it, and wherever bf16 is emulated (~5x slower), the weights stay fp32.
+# Measured on the AVX-512 BF16 kind (`python bench/weights_dtype.py --model SMOLLM2`, bench/weights_dtype_report.json:
+# the engine alone, 1 thread, medians of 3 interleaved rounds, bf16's speed over fp32 at 1 / 4 / 16 / 64 rows): the
+# demo's 0.66M parameters 0.55 / 0.74 / 0.82 / 0.83 (slower), 5.3M 1.37-1.58, 29.9M 1.11-2.25, SmolLM2's 134.5M
+# 1.33-2.15. Below it, and wherever bf16 is emulated (~5x slower), the weights stay fp32.
 BF16_FROM_PARAMETERS = 2_000_000
 INFERENCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
