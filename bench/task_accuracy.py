@@ -4,7 +4,7 @@ and continuations), without scoring every model of the chain. For comparing one 
 
     python bench/task_accuracy.py --root RUN --params RUN/params.yaml RUN/data/dpo OUT/grpo_a OUT/grpo_b \
         [--out bench/REPORT.json]
-    python bench/task_accuracy.py --root RUN --params RUN/params.yaml RUN/data/grpo --dtypes fp32 bf16   # serving's bf16
+    python bench/task_accuracy.py --root RUN --params RUN/params.yaml --profile finetune RUN/data/grpo --dtypes fp32 bf16
 
 --dtypes: each checkpoint is scored with its weights in each dtype in turn (as `astrai serve --dtype` loads them;
 evaluate computes in fp32); the first checkpoint in the first dtype is the baseline.
@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -34,7 +35,7 @@ from astrai_core.training.rewards import exact_answer  # noqa: E402
 from bench.serving import machine  # noqa: E402
 from tasks.evaluation.free_text import free_prompts, loop_free  # noqa: E402
 from tasks.evaluation.held_out import read_jsonl, read_test_tokens  # noqa: E402
-from tasks.run.params import load_params  # noqa: E402
+from tasks.run.params import load_params, load_profile, parse_params, run_params_text  # noqa: E402
 from tasks.run.table import CHAT, PACKED  # noqa: E402
 
 
@@ -43,10 +44,17 @@ def main() -> None:
     ap.add_argument("checkpoints", type=Path, nargs="+", help="the first is the baseline")
     ap.add_argument("--root", type=Path, required=True)
     ap.add_argument("--params", type=Path, required=True)
+    ap.add_argument("--profile", help="the run's profile: profiles/NAME.yaml merged into --params, as `astrai "
+                    "pipeline --profile NAME` ran it (params.yaml is the user's again once a run ends)")
     ap.add_argument("--dtypes", nargs="+", default=["fp32"], choices=list(INFERENCE_DTYPES))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    params = load_params(args.params)
+    if args.profile:  # pretrain.init_from as the run had it (a profile without pretraining needs one): its copy
+        start = {"pretrain.init_from": str(args.root / "data" / "pretrain")}
+        params = parse_params(yaml.safe_load(run_params_text(args.params, start, load_profile(ROOT, args.profile))),
+                              str(args.params))
+    else:
+        params = load_params(args.params)
     p = params.evaluate
     questions = read_jsonl(args.root / CHAT / "grpo_test.jsonl")[: p.task_examples]
     tokens, n_chars, _ = read_test_tokens(args.root / PACKED / "test.h5", args.checkpoints[0], p.max_tokens)
