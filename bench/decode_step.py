@@ -4,7 +4,7 @@ step that prefills new prompts (1 or 4 of 16 or 64 tokens), eager and compiled.
 
     python bench/decode_step.py [--batches 1 4 16 64] [--steps 200] [--modes eager compiled]
                                 [--temperature 0.8 --top-p 0.95 --seeded] [--out bench/decode_step_report.json]
-                                [--model CHECKPOINT --kv-memory-mb 1024] [--threads 1 2]
+                                [--model CHECKPOINT] [--threads 1 2]
 
 Parts: schedule (Scheduler.schedule: admission, block tables), inputs (Runner.run around the forward: the tensors
 built from the sequences, the logits picked), forward (the model with the paged KV: Runner._forward eager, or the
@@ -116,7 +116,6 @@ def main() -> None:
     ap.add_argument("--seeded", action="store_true", help="each request its own seed (a generator per row)")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill steps")
     ap.add_argument("--model", type=Path, help="a checkpoint directory (default: the demo's shape, random weights)")
-    ap.add_argument("--kv-memory-mb", type=int, default=256, help="the engine's KV pool (a full context must fit)")
     ap.add_argument("--threads", type=int, nargs="*", default=[1], help="torch threads; with several, each batch "
                     "size and prefill shape runs at each in turn")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "decode_step_report.json")
@@ -139,7 +138,7 @@ def main() -> None:
     for mode in args.modes:
         torch.set_num_threads(args.threads[0])
         start = time.perf_counter()
-        engine = Engine(model, EngineConfig(kv_memory_mb=args.kv_memory_mb, compile=mode == "compiled"))
+        engine = Engine(model, EngineConfig(compile=mode == "compiled"))
         built = round(time.perf_counter() - start, 1)
         rows: dict[int, list[dict]] = {t: [] for t in args.threads}
         for b in args.batches:
@@ -147,8 +146,7 @@ def main() -> None:
                 torch.set_num_threads(t)
                 rows[t].append(profile(engine, b, args.steps, params))
                 print(mode, f"{t} thread(s)", json.dumps(rows[t][-1]), flush=True)
-        engine = Engine(model, EngineConfig(kv_memory_mb=args.kv_memory_mb, compile=mode == "compiled",
-                                            prefix_cache=False))
+        engine = Engine(model, EngineConfig(compile=mode == "compiled", prefix_cache=False))
         prefills: dict[int, list[dict]] = {t: [] for t in args.threads}
         for r, n in () if args.no_prefill else ((1, 16), (1, 64), (4, 64)):
             for t in args.threads:

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from astrai_core.checkpoint.model_dir import load_model  # noqa: E402
 from astrai_core.runtime.device import INFERENCE_DTYPES  # noqa: E402
+from astrai_core.runtime.errors import AstraiError  # noqa: E402
 from astrai_core.scoring.metrics import answer_questions, sequence_nll  # noqa: E402
 from astrai_core.scoring.statistics import paired_difference, summarize  # noqa: E402
 from astrai_core.tokenizer.chat import load_chat  # noqa: E402
@@ -49,12 +50,15 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["fp32"], choices=list(INFERENCE_DTYPES))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    if args.profile:  # pretrain.init_from as the run had it (a profile without pretraining needs one): its copy
-        start = {"pretrain.init_from": str(args.root / "data" / "pretrain")}
-        params = parse_params(yaml.safe_load(run_params_text(args.params, start, load_profile(ROOT, args.profile))),
-                              str(args.params))
-    else:
-        params = load_params(args.params)
+    try:
+        if args.profile:  # pretrain.init_from as the run had it (a profile without pretraining needs one): its copy
+            start = {"pretrain.init_from": str(args.root / "data" / "pretrain")}
+            params = parse_params(yaml.safe_load(run_params_text(args.params, start, load_profile(ROOT, args.profile))),
+                                  str(args.params))
+        else:
+            params = load_params(args.params)
+    except AstraiError as e:
+        sys.exit(f"bench/task_accuracy.py: error: {e}")
     p = params.evaluate
     questions = read_jsonl(args.root / CHAT / "grpo_test.jsonl")[: p.task_examples]
     tokens, n_chars, _ = read_test_tokens(args.root / PACKED / "test.h5", args.checkpoints[0], p.max_tokens)

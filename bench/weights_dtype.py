@@ -14,6 +14,7 @@ checkpoints. Reported: parameters, step ms per dtype and round, and bf16's speed
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -57,11 +58,11 @@ def main() -> None:
     torch.set_num_threads(1)
     models = {s: (lambda s=s: shape_model(s)) for s in args.shapes}
     models |= {str(m): (lambda m=m: load_model(m)[0]) for m in args.model}
-    report = {"machine": machine(), "settings": {k: v if not isinstance(v, list) else [str(x) for x in v]
-                                                for k, v in vars(args).items() if k != "out"}, "models": {}}
+    report = {"machine": machine(), "settings": {k: v for k, v in vars(args).items() if k != "out"}, "models": {}}
     for name, make in models.items():
         fp32 = make()
-        engines = {"fp32": Engine(fp32, EngineConfig()), "bf16": Engine(make().to(torch.bfloat16), EngineConfig())}
+        engines = {"fp32": Engine(fp32, EngineConfig()),
+                   "bf16": Engine(copy.deepcopy(fp32).to(torch.bfloat16), EngineConfig())}
         params = lambda i: SamplingParams(max_tokens=args.steps + 10, temperature=0)  # noqa: E731
         rows = []
         for b in args.batches:
@@ -75,7 +76,7 @@ def main() -> None:
             rows.append(row)
         report["models"][name] = {"parameters": sum(p.numel() for p in fp32.parameters()), "rows": rows}
     report["machine"]["load_average_at_end"] = os.getloadavg()
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"wrote {args.out}")
 
 

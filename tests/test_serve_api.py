@@ -163,11 +163,12 @@ def _offline_chat(served, messages: list[dict], max_tokens: int) -> tuple[str, l
 LONG = {"ignore_eos": True}
 
 
-def _offline_text(served, prompt: str, max_tokens: int, ignore_eos: bool = True) -> tuple[str, list[int]]:
-    """(text, ids) of greedy generate alone, as a completion: past the model's stop with ignore_eos, else up to it."""
+def _offline_text(served, prompt: str, max_tokens: int, ignore_eos: bool = True, model=None) -> tuple[str, list[int]]:
+    """(text, ids) of greedy generate alone (on `model`, else the served one), as a completion: past the model's stop
+    with ignore_eos, else up to it."""
     tok = served["tokenizer"]
     ids = tok.encode(prompt, add_special_tokens=False).ids
-    out = generate(served["model"], ids, max_tokens, stop_ids=() if ignore_eos else served["chat"].stop_ids)
+    out = generate(model or served["model"], ids, max_tokens, stop_ids=() if ignore_eos else served["chat"].stop_ids)
     return tok.decode(out), out
 
 
@@ -397,10 +398,10 @@ def test_concurrent_requests_equal_solo_outputs(served, server):
     assert asyncio.run(run()) == expected
 
 
-def _greedy_completions_equal_generate(served, url: str) -> None:
+def _greedy_completions_equal_generate(served, url: str, model=None) -> None:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     for prompt in ("the king", "my lady waits for the horse in the rain", "ghost"):
-        expected = _offline_text(served, prompt, 30, ignore_eos=False)[0]
+        expected = _offline_text(served, prompt, 30, ignore_eos=False, model=model)[0]
         assert client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=30,
                                          temperature=0).choices[0].text == expected
         chunks = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=30, temperature=0, stream=True)
@@ -1095,12 +1096,7 @@ def test_bf16_weights_serve_what_generate_gives_with_them(served, tmp_path):
     proc, url = _start_server(["--model", str(served["ckpt"]), "--dtype", "bf16"], tmp_path)
     try:
         assert "bfloat16 weights: --dtype" in next(tmp_path.glob("server-*.log")).read_text()
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-        for prompt in ("the king", "my lady waits for the horse in the rain", "ghost"):
-            prompt_ids = tok.encode(prompt, add_special_tokens=False).ids
-            expected = tok.decode(generate(model16, prompt_ids, 30, stop_ids=served["chat"].stop_ids))
-            assert client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=30,
-                                             temperature=0).choices[0].text == expected
+        _greedy_completions_equal_generate(served, url, model16)
         r = httpx.post(f"{url}/v1/completions", json={"model": MODEL_ID, "prompt": TEXT, "echo": True, "logprobs": 1,
                                                       "max_tokens": 0}, timeout=60)
         served_nll = -sum(r.json()["choices"][0]["logprobs"]["token_logprobs"][1:])
