@@ -1,5 +1,5 @@
-"""Incremental generation with the KV cache agrees with full forward passes without it, one prompt or a
-left-padded batch; the sampling filters (top-k, top-p) keep what they should."""
+"""Incremental generation with the KV cache agrees with full forward passes without it, one prompt (generate) or
+a batch (generate_batch, run by the serving engine); the sampling filters (top-k, top-p) keep what they should."""
 
 from __future__ import annotations
 
@@ -136,8 +136,8 @@ def test_sampling_is_reproducible_with_a_seeded_generator():
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_samples_sharing_a_prompt_prefill_equal_the_prompt_repeated(name):
-    """samples_per_prompt encodes each prompt once and copies its KV cache: the same tokens, greedy or sampled with
-    the same seed, as the prompts repeated row by row."""
+    """samples_per_prompt computes each prompt's full KV blocks once (the engine's prefix cache): the same tokens,
+    greedy or sampled with the same seed, as the prompts repeated row by row."""
     model = model_for(name)
     repeated = [p for p in PROMPTS for _ in range(3)]
     assert generate_batch(model, PROMPTS, N_NEW, samples_per_prompt=3) == generate_batch(model, repeated, N_NEW)
@@ -147,6 +147,29 @@ def test_samples_sharing_a_prompt_prefill_equal_the_prompt_repeated(name):
     shared = sampled(PROMPTS, 3)
     assert shared == sampled(repeated, 1)
     assert len({tuple(row) for row in shared}) > len(PROMPTS)  # the samples of a prompt differ
+
+
+def test_samples_of_a_prompt_compute_its_full_blocks_once():
+    """The samples of one prompt after the first find its full KV blocks in the engine's prefix cache: fewer
+    positions go through the model than for the prompt repeated, with the same tokens."""
+    model = model_for()
+    prompt = list(range(3, 23))  # 20 tokens: one full block of 16, and 4 more
+    embedded = []
+    hook = model.embed_tokens.register_forward_hook(lambda m, args, out: embedded.append(args[0].numel()))
+    shared = generate_batch(model, [prompt], 4, samples_per_prompt=4)
+    shared_positions, embedded[:] = sum(embedded), []
+    repeated = generate_batch(model, [prompt] * 4, 4)
+    hook.remove()
+    assert shared == repeated
+    assert shared_positions < sum(embedded), (shared_positions, sum(embedded))
+
+
+def test_batch_under_bf16_autocast_gives_generate_s_tokens():
+    """GRPO samples under bf16 autocast: the engine's pool keeps the weights' dtype and takes the bf16 entries."""
+    model = model_for()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = generate_batch(model, PROMPTS, 8)
+        assert out == [generate(model, p, 8) for p in PROMPTS]
 
 
 def test_bad_requests_raise():

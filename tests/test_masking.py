@@ -1,4 +1,4 @@
-"""Packed rows (document mask + restarted positions) and left-padded rows compute what separate rows compute."""
+"""Packed rows (document mask + restarted positions) compute what separate rows compute."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from astrai_core.model.config import ModelConfig
-from astrai_core.model.transformer import Transformer, document_mask, padding_mask, positions_from_mask
+from astrai_core.model.transformer import Transformer, document_mask
 
 SHAPE = {"vocab_size": 61, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 32}
 VARIANTS = {"gqa": {}, "qk_norm": {"qk_norm": True}, "mla": {"attention": "mla", "mla_kv_rank": 16, "mla_rope_dim": 8}}
@@ -30,19 +30,3 @@ def test_packed_documents_do_not_see_each_other(variant):
         leaky = model(row)[0]  # plain causal attention over the whole row: documents 2 and 3 see earlier ones
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
     assert (leaky[7:] - alone[7:]).abs().max() > 1e-3
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_left_padding_changes_nothing(variant):
-    model = model_for(variant)
-    rows = [torch.randint(1, 61, (n,)) for n in (9, 4)]
-    S = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), S, dtype=torch.long)
-    valid = torch.zeros(len(rows), S, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        ids[i, S - len(r):], valid[i, S - len(r):] = r, True
-    with torch.no_grad():
-        out = model(ids, positions=positions_from_mask(valid), mask=padding_mask(valid, S))
-        assert torch.isfinite(out).all()  # padding queries stay finite: they see themselves
-        for i, r in enumerate(rows):
-            torch.testing.assert_close(out[i, S - len(r):], model(r[None])[0], atol=1e-5, rtol=1e-5)

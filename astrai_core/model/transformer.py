@@ -104,7 +104,7 @@ class RMSNorm(nn.RMSNorm):
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool = False,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """Queries (B, h, T, d) are the last T of the S = k.shape[-2] positions (S > T when a cache holds the rest).
-    `mask` (B, 1, T, S), True = may attend, replaces the causal rule (see document_mask, padding_mask)."""
+    `mask` (B, 1, T, S), True = may attend, replaces the causal rule (see document_mask; the engine's runner builds its own)."""
     T, S = q.shape[-2], k.shape[-2]
     if mask is None and T == S:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
@@ -119,21 +119,6 @@ def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     T = doc_ids.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
     return (causal & (doc_ids[:, :, None] == doc_ids[:, None, :])).unsqueeze(1)
-
-
-def padding_mask(valid: torch.Tensor, T: int) -> torch.Tensor:
-    """(B, S) True where a key position holds a real token -> (B, 1, T, S) mask for the last T queries: causal,
-    real keys only. Each query also sees itself, so a padding query has a key and its softmax stays finite."""
-    S = valid.shape[1]
-    causal = torch.ones(T, S, dtype=torch.bool, device=valid.device).tril(diagonal=S - T)
-    itself = torch.zeros(T, S, dtype=torch.bool, device=valid.device)
-    itself[torch.arange(T), torch.arange(S - T, S)] = True
-    return ((causal & valid[:, None, :]) | itself).unsqueeze(1)
-
-
-def positions_from_mask(valid: torch.Tensor) -> torch.Tensor:
-    """(B, S) real-token mask of left-padded rows -> (B, S) positions: 0 at each row's first real token."""
-    return (valid.long().cumsum(-1) - 1).clamp_min(0)
 
 
 class KVCache:
@@ -375,9 +360,9 @@ class Transformer(nn.Module):
         """idx: (B, T) token ids -> logits (B, T, vocab_size). Sets self.aux_loss. With a cache, idx continues
         the cached positions (and the cache grows by T); cached + new positions must fit in max_seq_len.
 
-        Packed or padded rows pass `positions` (B, T), the RoPE position of each token (restarting per packed
-        document, or counting from a left-padded row's first real token), and `mask` (B, 1, T, S) of allowed
-        (query, key) pairs (document_mask, padding_mask). Without them: positions 0.. and the causal mask."""
+        Packed rows and the engine's batches pass `positions` (B, T), the RoPE position of each token (restarting
+        per packed document, or each row's own position in its sequence), and `mask` (B, 1, T, S) of allowed
+        (query, key) pairs (document_mask; the engine's runner). Without them: positions 0.. and the causal mask."""
         T = idx.shape[1]
         start = cache.length if cache is not None else 0
         assert start + T <= self.cfg.max_seq_len, f"sequence length {start + T} exceeds max_seq_len {self.cfg.max_seq_len}"

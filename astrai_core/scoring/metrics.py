@@ -134,8 +134,8 @@ def preference_margins(model: torch.nn.Module, data_path: str, tokenizer_sha256:
 def answer_questions(model: torch.nn.Module, chat, records: list[dict], max_new_tokens: int, *, samples: int = 1,
                      temperature: float = 0.0, seed: int = 0, rows_per_batch: int = 64) -> list[list[str]]:
     """Replies to GRPO-style questions ({"prompt", ...}): `samples` per question, greedy at temperature 0 (then one
-    is enough), else sampled from the full distribution with a generator seeded by `seed`. A question's prompt is
-    encoded once for all its samples (generate_batch's samples_per_prompt)."""
+    is enough), else sampled from the full distribution with a generator seeded by `seed`. A question's prompt's
+    full KV blocks are computed once for all its samples (generate_batch's samples_per_prompt)."""
     from astrai_core.inference.generate import generate_batch
 
     generator = torch.Generator(model_device(model)).manual_seed(seed)

@@ -47,6 +47,9 @@ class EngineConfig:
     # None: 256 MiB, or two full contexts where the model's context needs more (a published model's 8k context), so
     # that any model serves with no sizing option and one long request never holds the whole pool
     kv_memory_mb: float | None = None
+    # Tokens one request may hold (prompt and generated); None: the model's max_seq_len. A batch whose requests are
+    # all short (generate_batch's) needs a pool of its own size, not one that holds a published model's 8k context.
+    max_model_len: int | None = None
     prefill_chunk: int = 64  # prompt tokens prefilled per step per newcomer (chunked prefill)
     max_waiting: int = 256  # queue bound; submit raises QueueFull beyond it
     prefix_cache: bool = True
@@ -70,6 +73,8 @@ class EngineConfig:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be at least 1")
         if self.kv_blocks is not None and self.kv_blocks < 1:
             raise ValueError(f"kv_blocks ({self.kv_blocks}) must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len ({self.max_model_len}) must be at least 2 (a prompt token and a new one)")
         if self.kv_memory_mb is not None and self.kv_memory_mb <= 0:
             raise ValueError(f"kv_memory_mb ({self.kv_memory_mb}) must be positive")
 
@@ -108,7 +113,8 @@ class Engine:
     def __init__(self, model: Transformer, config: EngineConfig | None = None) -> None:
         self.model, self.config = model.eval(), config or EngineConfig()
         cfg = self.config
-        self.context_length, self.vocab_size = model.cfg.max_seq_len, model.cfg.vocab_size
+        self.context_length = min(cfg.max_model_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
+        self.vocab_size = model.cfg.vocab_size
         block_bytes = bytes_per_block(model, cfg.block_size)
         per_context = -(-self.context_length // cfg.block_size)
         num_blocks = cfg.kv_blocks or (int(cfg.kv_memory_mb * 2**20 // block_bytes) if cfg.kv_memory_mb else

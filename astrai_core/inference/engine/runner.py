@@ -28,7 +28,8 @@ def token_shapes(model: Transformer) -> list[tuple[int, ...]]:
     cfg = model.cfg
     if cfg.attention == "mla":
         return [(cfg.mla_kv_rank,), (1, cfg.mla_rope_dim)]
-    return [(cfg.n_kv_heads, cfg.head_dim), (cfg.n_kv_heads, cfg.head_dim)]
+    attn = model.layers[0].self_attn  # its own head count: a tensor-parallel rank holds n_kv_heads / tp of them
+    return [(attn.n_kv_heads, cfg.head_dim), (attn.n_kv_heads, cfg.head_dim)]
 
 
 def bytes_per_block(model: Transformer, block_size: int) -> int:
@@ -62,7 +63,8 @@ class PagedCache:
         out = []
         B, S = self.read_slots.shape
         for stored, t in zip(self.pool.layers[layer], new):  # t: (B, *head dims, T, d)
-            stored.index_copy_(0, self.write_slots, t.movedim(-2, 1).flatten(0, 1))
+            # .to: under autocast (GRPO's bf16 rollouts) the new entries come in bf16 to a pool of the weights' dtype
+            stored.index_copy_(0, self.write_slots, t.movedim(-2, 1).flatten(0, 1).to(stored.dtype))
             # index_select on the flat slots, not stored[read_slots]: the same copy, about 6x faster on CPU
             # (a row memcpy instead of advanced indexing's element loop; measured 0.5 vs 3.3 ms at B=16, S=200).
             # No .contiguous() after the movedim: attention reads the strided view, and that copy took a third of

@@ -144,9 +144,11 @@ class GRPOStrategy(BaseStrategy):
             sel = mine[first : first + b]
             prompts = [self.records[int(i)][1] for i in sel for _ in range(g.group_size)]
             records = [self.records[int(i)][0] for i in sel for _ in range(g.group_size)]
-            with self.autocast:
-                completions = generate_batch(model, prompts, g.max_new_tokens, temperature=g.temperature,
-                                             top_k=g.top_k, top_p=g.top_p, stop_ids=self.chat.stop_ids, generator=gen)
+            with self.autocast:  # group_size samples of each prompt, its full KV blocks computed once
+                completions = generate_batch(model, prompts[::g.group_size], g.max_new_tokens,
+                                             temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                                             stop_ids=self.chat.stop_ids, generator=gen,
+                                             samples_per_prompt=g.group_size)
             rewards = torch.tensor([self._reward(self.chat.decode_reply(c), r) for c, r in zip(completions, records)])
             bad = ~torch.isfinite(rewards).view(-1, g.group_size).all(1)  # groups with a failed reward: skipped
             rewards = torch.where(torch.isfinite(rewards), rewards, torch.zeros(()))
