@@ -63,6 +63,7 @@ def test_a_row_stops_at_its_stop_id_while_the_others_continue():
     out = generate_batch(model, PROMPTS, 10, stop_ids=[stop])
     assert out == [row[: row.index(stop) + 1] if stop in row else row for row in full]
     assert len(out[0]) < 10 and out[0][-1] == stop and len(out[2]) == 10
+    assert generate_batch(model, PROMPTS, 10, stop_ids=iter([stop])) == out  # any iterable, read once for all rows
 
 
 def test_tiny_top_p_and_top_k_1_equal_greedy():

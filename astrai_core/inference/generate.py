@@ -94,7 +94,7 @@ def generate_batch(
                            ).tolist() if temperature > 0 else [None] * len(rows))
     # every row at once, each at its longest with no block shared: no request ever waits or is preempted
     blocks = sum(-(-(len(p) + max_new_tokens) // EngineConfig.block_size) for p in rows)
-    was_training = model.training
+    stop, was_training = tuple(stop_ids), model.training
     engine = Engine(model, EngineConfig(max_batch_size=len(rows), max_waiting=len(rows), kv_blocks=blocks,
                                         max_model_len=longest + max_new_tokens))
     out: list[list[int]] = [[] for _ in rows]
@@ -102,22 +102,24 @@ def generate_batch(
     def submit(row: int) -> None:
         # logprobs=0: each event's third argument lists every sampled token, a stop token included
         params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p or 1.0, top_k=top_k,
-                                seed=seeds[row], stop_token_ids=tuple(stop_ids), logprobs=0)
+                                seed=seeds[row], stop_token_ids=stop, logprobs=0)
         engine.submit(rows[row], params, lambda tokens, reason, logprobs: out[row].extend(lp.token for lp in logprobs))
 
     # Each prompt's first sample, until its prompt is in the pool (its first token sampled); then the other
     # samples, which find the prompt's full blocks in the prefix cache and compute only the rest.
     firsts = range(0, len(rows), samples_per_prompt)
-    for row in firsts:
-        submit(row)
-    while samples_per_prompt > 1 and not all(out[row] for row in firsts):
-        engine.step()
-    for row in range(len(rows)):
-        if row % samples_per_prompt:
+    try:
+        for row in firsts:
             submit(row)
-    while engine.step():
-        pass
-    model.train(was_training)
+        while samples_per_prompt > 1 and not all(out[row] for row in firsts):
+            engine.step()
+        for row in range(len(rows)):
+            if row % samples_per_prompt:
+                submit(row)
+        while engine.step():
+            pass
+    finally:
+        model.train(was_training)
     return out
 
 
