@@ -32,8 +32,8 @@ NAME = re.compile(r"[a-z][a-z0-9_]*")  # a stage's name: its `astrai stage NAME`
 # The training core: every training stage runs it (astrai_core/training/train.py on every rank), so a change to any
 # file of these reruns them. Folders, so a module added to one is covered; tests/test_stage_table.py fails when the
 # ranks import a file outside them (.dvcignore keeps bytecode out of DVC's hash of a folder).
-# The decoding GRPO's rollouts, evaluate and dpo_reference run (the serving engine beside it is not theirs).
-DECODE_CODE = tuple(f"astrai_core/inference/{f}" for f in ("__init__.py", "generate.py", "sampling.py"))
+# The decoding GRPO's rollouts, evaluate and dpo_reference run: generate_batch on the serving engine, so all of it.
+DECODE_CODE = ("astrai_core/inference",)
 TRAINING_CODE = ("tasks/stages/training.py", "tasks/registry/models.py",
                  *(f"astrai_core/{part}" for part in ("runtime", "tokenizer", "model", "data", "checkpoint", "scoring",
                                                       "training")),
