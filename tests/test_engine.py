@@ -638,3 +638,18 @@ def test_a_slice_of_a_sequences_tokens_equals_the_slice_of_all_of_them():
     for a in range(8):
         for b in range(a, 8):
             assert seq.tokens_between(a, b) == seq.tokens[a:b], (a, b)
+
+
+def test_max_model_len_bounds_a_request_and_lets_a_small_pool_serve():
+    """EngineConfig.max_model_len: a pool smaller than the model's context is accepted when it holds max_model_len
+    tokens; a request ends with "length" there, and a longer prompt is refused."""
+    model = model_for()
+    with pytest.raises(ValueError, match="must hold at least one full context"):
+        Engine(model, EngineConfig(kv_blocks=2, block_size=4))  # 8 tokens < the model's 64
+    engine = Engine(model, EngineConfig(kv_blocks=2, block_size=4, max_model_len=8))
+    out = run(engine, [[5, 17, 3]], greedy(20))[0]
+    assert len(out.tokens) == 5 and out.reasons == ["length"]  # 3 + 5 = max_model_len
+    with pytest.raises(ValueError, match="the context is 8"):
+        engine.submit(list(range(1, 9)), greedy(1), lambda *a: None)
+    with pytest.raises(ValueError, match="max_model_len"):
+        EngineConfig(max_model_len=1)
