@@ -28,6 +28,7 @@ VARIANTS = {
     "relu2_softcap": {"mlp": "relu2", "logit_softcap": 3.0},
     "value_embeds": {"value_embeds": True},
     "x0_scalars": {"x0_scalars": True},
+    "deep": {"n_layers": 12},  # runner.REGIONAL_FROM_LAYERS: compiled one layer for all (tests/test_engine_compile.py)
 }
 SHAPE = {"vocab_size": 97, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64}
 

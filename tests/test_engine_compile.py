@@ -10,19 +10,27 @@ import time
 import pytest
 import torch
 import torch._dynamo
+from torch._dynamo.utils import counters
 
 from astrai_core.inference.engine import Engine, EngineConfig, runner
 from test_engine import capped, greedy, model_for, one_thread, prompts_for, reference_logprobs, run, solo  # noqa: F401
 
-VARIANTS = ["default", "moe"]  # moe: its routing (data-dependent shapes) splits the graph
+# moe: its routing (data-dependent shapes) splits the graph; deep: enough layers to compile one for all
+VARIANTS = ["default", "moe", "deep"]
+CAPTURED: dict[int, int] = {}  # per engine (id): the calls torch's tracer put in its graphs
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
 def compiled(request):
     torch.set_num_threads(1)
     model = model_for(request.param)
-    return model, Engine(model, EngineConfig(kv_blocks=128, block_size=4, prefill_chunk=16, max_batch_size=6,
-                                             compile=True))
+    # Compiled code is kept per function (Runner._forward), 8 graphs at most: the variant before's would use them up
+    torch._dynamo.reset()
+    before = counters["stats"]["calls_captured"]
+    engine = Engine(model, EngineConfig(kv_blocks=128, block_size=4, prefill_chunk=16, max_batch_size=6,
+                                        compile=True))
+    CAPTURED[id(engine)] = counters["stats"]["calls_captured"] - before
+    return model, engine
 
 
 @pytest.mark.parametrize("guards", ["evaluated", "skipped"])
@@ -60,6 +68,19 @@ def test_compiled_logprobs_equal_a_plain_forward_within_1e_4(compiled):
     expected = reference_logprobs(model, prompt + out.tokens)
     got = torch.tensor([e.logprob for e in out.logprobs[1:]])
     assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+
+
+def test_a_deep_model_compiles_one_layer_for_all_its_layers(compiled):
+    """From runner.REGIONAL_FROM_LAYERS layers, every Block is one nested compile region, traced once: each of the
+    four graphs calls the region per layer (about 6 captured calls per layer) instead of holding every layer's
+    operations (about 78 per layer); below it, one graph of every operation (inductor's C++ wrapper)."""
+    model, engine = compiled
+    per_layer = CAPTURED[id(engine)] / (4 * model.cfg.n_layers)
+    assert per_layer > 1, per_layer  # traced (not run eager after a limit of torch's)
+    if model.cfg.n_layers >= runner.REGIONAL_FROM_LAYERS:
+        assert per_layer < 10, per_layer
+    else:
+        assert per_layer > 30, per_layer
 
 
 def test_compile_and_batch_invariant_cannot_be_combined():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import types
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from astrai_core.inference.engine.block_manager import Slots
 from astrai_core.inference.engine.sequence import Sequence
-from astrai_core.model.transformer import Transformer
+from astrai_core.model.transformer import Block, Transformer
 
 
 def token_shapes(model: Transformer) -> list[tuple[int, ...]]:
@@ -88,9 +89,28 @@ def gemm_invariant_rows(m: int) -> bool:
 # steps (with the two decode graphs then compiled): 0.51 -> 0.43 ms at 1 row, 0.88 -> 0.80 ms at 4 rows.
 SKIP_GUARDS = True
 
+# From this many layers, warm_up compiles one layer's code and reuses it for every layer (torch's nested compile
+# regions) instead of one graph of every layer: the whole graph's compile time grows with the layers, while a
+# region's call costs a step a little Python (inductor's C++ wrapper cannot call regions). Measured with the engine
+# alone, 1 thread, bf16 (bench/decode_step.py's profile, a fresh inductor cache; a fine-tune run beside the regional
+# ones): SmolLM2-135M (30 layers) whole 593 s cold, 28 s cached, a 1 / 4 / 16-row step 25.4 / 28.1 / 48.1 ms;
+# regional 144 s, 33 s, 25.0 / 28.3 / 45.9 ms. The demo's model (4 layers, fp32) whole 60 s, 9.5 s, 0.27 / 0.38 /
+# 1.06 ms; regional 76 s, 11 s, 0.45 / 0.46 / 0.88 ms: below this the whole graph stays.
+REGIONAL_FROM_LAYERS = 12
+
 # SDPA's math kernel (measured like gemm_invariant_rows): a query's output has the same bits for any number of
 # queries >= 4 and any key length >= 16 (masked keys add exact zeros); fewer take other code paths.
 MIN_QUERIES, MIN_KEYS = 4, 16
+
+
+def blocks_as_regions(model: Transformer) -> None:
+    """Make each of the model's Blocks a nested compile region for torch.compile: traced and compiled once, its code
+    called by every layer, with the layer's weights and pool tensors as its inputs. Outside a trace the region only
+    calls Block.forward (eager steps are unchanged). Set on the Blocks for good, not around warm_up: the compiled
+    graphs check, at every step, that a Block's forward is still the region they were built from."""
+    region = torch.compiler.nested_compile_region(Block.forward)
+    for layer in model.layers:
+        layer.forward = types.MethodType(region, layer)
 
 
 class DecodeBuffers:
@@ -150,17 +170,22 @@ class Runner:
         # 0.41 against 0.50 ms, measured on 2 busy cores; freezing the weights gained nothing).
         self.compile = compile
         self.compiled = None  # the compiled _forward, set by warm_up once every graph is built
+        # not tried with experts, whose routing splits the graph
+        self.regional = compile and model.cfg.n_layers >= REGIONAL_FROM_LAYERS and not model.cfg.n_experts
 
     def warm_up(self) -> None:
         """Compile the graphs now, not in the first requests' steps (Engine calls it at construction, or on a thread
         of its own while the steps run eager): decode steps (1 new token per row) and prefill
         chunks (2 or more), each for a batch of one row and one for more: four graphs, each for any number of
         keys, new tokens and block-table width (marked dynamic; a size of 1 would be a graph of its own, hence
-        run()'s width of at least 2). Rows of 0 tokens write only the pool's scratch slot."""
+        run()'s width of at least 2). Rows of 0 tokens write only the pool's scratch slot. A model of
+        REGIONAL_FROM_LAYERS layers or more is traced with each Block as one nested compile region."""
         if not self.compile:
             return
-        compiled = torch.compile(self._forward, options={"cpp_wrapper": True})
+        compiled = torch.compile(self._forward, options={} if self.regional else {"cpp_wrapper": True})
         dev = self.device
+        if self.regional:
+            blocks_as_regions(self.model)
         with torch.inference_mode():
             for B, T in itertools.product((1, 3), (1, 3)):
                 idx, starts, counts, tables = (torch.zeros(shape, dtype=torch.long, device=dev)  # distinct tensors:
