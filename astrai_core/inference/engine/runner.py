@@ -92,9 +92,9 @@ SKIP_GUARDS = True
 # From this many layers, warm_up compiles one layer's code and reuses it for every layer (torch's nested compile
 # regions) instead of one graph of every layer: the whole graph's compile time grows with the layers, while a
 # region's call costs a step a little Python (inductor's C++ wrapper cannot call regions). Measured with the engine
-# alone, 1 thread, bf16 (bench/decode_step.py's profile, a fresh inductor cache; a fine-tune run beside the regional
-# ones): SmolLM2-135M (30 layers) whole 593 s cold, 28 s cached, a 1 / 4 / 16-row step 25.4 / 28.1 / 48.1 ms;
-# regional 144 s, 33 s, 25.0 / 28.3 / 45.9 ms. The demo's model (4 layers, fp32) whole 60 s, 9.5 s, 0.27 / 0.38 /
+# alone, 1 thread (bench/decode_step.py's profile, a fresh inductor cache; a fine-tune run beside all but the
+# whole SmolLM2 graph): SmolLM2-135M (30 layers, bf16) whole 593 s cold, 28 s cached, a 1 / 4 / 16-row step 25.4 /
+# 28.1 / 48.1 ms; regional 144 s, 33 s, 25.0 / 28.3 / 45.9 ms. The demo's model (4 layers, fp32) whole 60 s, 9.5 s, 0.27 / 0.38 /
 # 1.06 ms; regional 76 s, 11 s, 0.45 / 0.46 / 0.88 ms: below this the whole graph stays.
 REGIONAL_FROM_LAYERS = 12
 
