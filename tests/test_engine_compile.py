@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-import torch._dynamo
 from torch._dynamo.utils import counters
 
 from astrai_core.inference.engine import Engine, EngineConfig, runner
@@ -20,12 +19,18 @@ VARIANTS = ["default", "moe", "deep"]
 CAPTURED: dict[int, int] = {}  # per engine (id): the calls torch's tracer put in its graphs
 
 
+@pytest.fixture(scope="module", autouse=True)
+def graph_dir(tmp_path_factory):
+    """Graphs saved for this module only: each variant is traced here (not loaded from an earlier run's)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner, "GRAPH_DIR", tmp_path_factory.mktemp("graphs"))
+        yield runner.GRAPH_DIR
+
+
 @pytest.fixture(scope="module", params=VARIANTS)
 def compiled(request):
     torch.set_num_threads(1)
     model = model_for(request.param)
-    # Compiled code is kept per function (Runner._forward), 8 graphs at most: the variant before's would use them up
-    torch._dynamo.reset()
     before = counters["stats"]["calls_captured"]
     engine = Engine(model, EngineConfig(kv_blocks=128, block_size=4, prefill_chunk=16, max_batch_size=6,
                                         compile=True))
@@ -34,22 +39,21 @@ def compiled(request):
 
 
 @pytest.mark.parametrize("guards", ["evaluated", "skipped"])
-def test_compiled_steps_equal_generate_and_never_recompile(compiled, guards, monkeypatch):
+def test_compiled_steps_equal_generate_and_meet_their_graphs_guards(compiled, guards, monkeypatch):
     """Batches of 1 to 6 rows (more requests than fit, so the batch grows and shrinks), prefill chunks of 2 to 16
-    tokens, one-token prompts among them, tables of one to several blocks: tokens equal generate() alone, with no compilation after start-up
-    (which only shows with every guard evaluated: runner.SKIP_GUARDS off), and equal them again as served (the
-    guards that tell the graphs apart only)."""
+    tokens, one-token prompts among them, tables of one to several blocks: tokens equal generate() alone, every
+    step's inputs meeting the guards of its kind's graph (checked: runner.CHECK_GUARDS on; a step that does not
+    raises), and equal them again as served (guards not checked)."""
     model, engine = compiled
-    monkeypatch.setattr(runner, "SKIP_GUARDS", guards == "skipped")
+    monkeypatch.setattr(runner, "CHECK_GUARDS", guards == "evaluated")
     eager_calls = []
     eager = engine.runner._forward
     monkeypatch.setattr(engine.runner, "_forward", lambda *a: eager_calls.append((a[0].shape[1], len(a[4]))) or eager(*a))
     prompts = [[7], *prompts_for(9, seed=3)]
     params = [greedy(capped(p, 20)) for p in prompts]
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        alone = run(engine, prompts[1:2], params[1])  # a batch of one row
-        first = run(engine, prompts[:1], greedy(3))  # a 1-token prompt alone: its first step has 1 key
-        out = run(engine, prompts, params)
+    alone = run(engine, prompts[1:2], params[1])  # a batch of one row
+    first = run(engine, prompts[:1], greedy(3))  # a 1-token prompt alone: its first step has 1 key
+    out = run(engine, prompts, params)
     assert alone[0].tokens == solo(model, prompts[1], params[1].max_tokens)
     assert first[0].tokens == solo(model, prompts[0], 3)
     for p, sp, c in zip(prompts, params, out):
@@ -62,8 +66,7 @@ def test_compiled_steps_equal_generate_and_never_recompile(compiled, guards, mon
 def test_compiled_logprobs_equal_a_plain_forward_within_1e_4(compiled):
     model, engine = compiled
     prompt = prompts_for(1, seed=11, longest=30)[0] + [3] * 10
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        out = run(engine, [prompt], greedy(8, logprobs=2, prompt_logprobs=2))[0]
+    out = run(engine, [prompt], greedy(8, logprobs=2, prompt_logprobs=2))[0]
     assert out.tokens == solo(model, prompt, 8)
     expected = reference_logprobs(model, prompt + out.tokens)
     got = torch.tensor([e.logprob for e in out.logprobs[1:]])
@@ -83,6 +86,42 @@ def test_a_deep_model_compiles_one_layer_for_all_its_layers(compiled):
         assert per_layer > 30, per_layer
 
 
+def test_a_second_engine_loads_the_saved_graphs_unless_their_source_changed(tmp_path, monkeypatch, capfd):
+    """warm_up saves the four graphs it compiles; a second engine of the same model and pool loads them (traces
+    nothing) and its greedy tokens equal generate()'s. A graph traced through source code that has changed since
+    (one of its modules edited: here the model's, as inspect reads it), or a file torch cannot read, is compiled
+    again."""
+    torch.set_num_threads(1)
+    monkeypatch.setattr(runner, "GRAPH_DIR", tmp_path)
+    model = model_for("default")
+    config = EngineConfig(kv_blocks=64, block_size=4, prefill_chunk=16, max_batch_size=4, compile=True)
+
+    def traced_by_a_new_engine():
+        before = counters["stats"]["calls_captured"]
+        engine = Engine(model, config)
+        return counters["stats"]["calls_captured"] - before, engine
+
+    traced, _ = traced_by_a_new_engine()
+    saved = sorted(tmp_path.glob("step-*.pt2"))
+    assert traced > 0 and len(saved) == 4, (traced, saved)
+    traced, engine = traced_by_a_new_engine()
+    assert traced == 0
+    prompts = prompts_for(5, seed=8)
+    params = [greedy(capped(p, 12)) for p in prompts]
+    for p, sp, c in zip(prompts, params, run(engine, prompts, params)):
+        assert c.tokens == solo(model, p, sp.max_tokens), p
+
+    getsource = runner.inspect.getsource
+    edited = "astrai_core.model.transformer"
+    monkeypatch.setattr(runner.inspect, "getsource",
+                        lambda m: getsource(m) + ("# edited\n" if m.__name__ == edited else ""))
+    assert traced_by_a_new_engine()[0] > 0
+    monkeypatch.setattr(runner.inspect, "getsource", getsource)
+    saved[0].write_bytes(b"not a graph")
+    assert traced_by_a_new_engine()[0] > 0
+    assert f"not loading the compiled graph {saved[0]}" in capfd.readouterr().err
+
+
 def test_compile_and_batch_invariant_cannot_be_combined():
     with pytest.raises(ValueError, match="compile and batch_invariant"):
         EngineConfig(compile=True, batch_invariant=True)
@@ -95,7 +134,7 @@ def test_steps_run_eager_while_the_graphs_compile_in_the_background_then_compile
     model = model_for("default")
     engine = Engine(model, EngineConfig(kv_blocks=128, block_size=4, prefill_chunk=16, max_batch_size=6,
                                         compile=True, compile_in_background=True))
-    assert engine.stats()["compile_seconds"] is None and engine.runner.compiled is None  # building
+    assert engine.stats()["compile_seconds"] is None and engine.runner.graphs is None  # building
     prompts = prompts_for(6, seed=4)
     params = [greedy(capped(p, 20)) for p in prompts]
     while_compiling = run(engine, prompts, params)

@@ -12,8 +12,15 @@ row's cached entries out of the pool (a fused paged-attention kernel would read 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib
+import inspect
 import itertools
+import json
+import sys
 import types
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -75,6 +82,23 @@ class PagedCache:
         return tuple(out)
 
 
+def load_graph(path: Path, example: tuple) -> Callable | None:
+    """The graph saved at path, if there is one that torch can load, traced from the source code this process runs
+    (each module it was traced through, as a whole), whose guards accept the example; else None."""
+    try:
+        with open(path, "rb") as f:
+            graph = torch.compiler.load_compiled_function(f)
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # another torch or Python, a truncated file: compiled again and saved over it
+        print(f"astrai: not loading the compiled graph {path} ({type(e).__name__}: {str(e)[:200]})", file=sys.stderr)
+        return None
+    for source in graph.source_info().inlined_sources:
+        if inspect.getsource(importlib.import_module(source.module)) != source.content:
+            return None
+    return graph if graph.guard_check(*example) else None
+
+
 def gemm_invariant_rows(m: int) -> bool:
     """Whether a CPU gemm with m rows gives each row the same bits as any other such gemm would. Measured on
     torch 2.13 (MKL/oneDNN, x86): m = 4, 8 and m >= 12 all agree row by row; m = 1..3 and the last m % 4 rows of
@@ -82,12 +106,16 @@ def gemm_invariant_rows(m: int) -> bool:
     return m in (4, 8) or m >= 12
 
 
-# A compiled step evaluates only the guards that tell warm_up's graphs apart (torch's skip_guard_eval_unsafe
-# stance): every step matches one of them, which tests/test_engine_compile.py checks with every guard evaluated (a
-# step that needs a new graph then raises RuntimeError "Recompilation triggered with skip_guard_eval_unsafe
-# stance", not a wrong answer). A decode step on the demo's shape, 1 thread, medians of 8 interleaved runs of 200
-# steps (with the two decode graphs then compiled): 0.51 -> 0.43 ms at 1 row, 0.88 -> 0.80 ms at 4 rows.
-SKIP_GUARDS = True
+# A compiled step runs the graph of its kind without evaluating the graph's guards (each graph was checked against
+# them once, when built or loaded): every step's inputs meet them (run() keeps a single key eager), which
+# tests/test_engine_compile.py checks with CHECK_GUARDS on (a step that does not raises RuntimeError).
+CHECK_GUARDS = False
+
+# warm_up saves each graph it compiles (torch.compile's aot_compile, torch.compiler.load_compiled_function) in this
+# folder, None: beside inductor's own cache (TORCHINDUCTOR_CACHE_DIR, else /tmp/torchinductor_$USER), whose compiled
+# kernels a saved graph loads (without them it compiles their C++ again); a later engine of the same model, dtype
+# and pool loads them instead of tracing the model again. A graph saved from other source code is not loaded.
+GRAPH_DIR: Path | None = None
 
 # From this many layers, warm_up compiles one layer's code and reuses it for every layer (torch's nested compile
 # regions) instead of one graph of every layer: the whole graph's compile time grows with the layers, while a
@@ -109,6 +137,7 @@ def blocks_as_regions(model: Transformer) -> None:
     calls Block.forward (eager steps are unchanged). Set on the Blocks for good, not around warm_up: the compiled
     graphs check, at every step, that a Block's forward is still the region they were built from."""
     region = torch.compiler.nested_compile_region(Block.forward)
+    region.__name__ = "forward"  # the traced guards look the method up on its Block by this name
     for layer in model.layers:
         layer.forward = types.MethodType(region, layer)
 
@@ -169,35 +198,76 @@ class Runner:
         # cpp_wrapper: the graph's kernel calls from C++, not a Python wrapper (a 1-row step on the demo's shape:
         # 0.41 against 0.50 ms, measured on 2 busy cores; freezing the weights gained nothing).
         self.compile = compile
-        self.compiled = None  # the compiled _forward, set by warm_up once every graph is built
+        # the compiled graphs of _forward by kind of step (more than one row, more than one new token), set by
+        # warm_up once all four are built
+        self.graphs: dict[tuple[bool, bool], Callable] | None = None
         # not tried with experts, whose routing splits the graph
         self.regional = compile and model.cfg.n_layers >= REGIONAL_FROM_LAYERS and not model.cfg.n_experts
 
     def warm_up(self) -> None:
-        """Compile the graphs now, not in the first requests' steps (Engine calls it at construction, or on a thread
-        of its own while the steps run eager): decode steps (1 new token per row) and prefill
-        chunks (2 or more), each for a batch of one row and one for more: four graphs, each for any number of
-        keys, new tokens and block-table width (marked dynamic; a size of 1 would be a graph of its own, hence
-        run()'s width of at least 2). Rows of 0 tokens write only the pool's scratch slot. A model of
-        REGIONAL_FROM_LAYERS layers or more is traced with each Block as one nested compile region."""
+        """Build the graphs now, not in the first requests' steps (Engine calls it at construction, or on a thread
+        of its own while the steps run eager): decode steps (1 new token per row) and prefill chunks (2 or more),
+        each for a batch of one row and one for more: four graphs, each for any number of keys, new tokens and
+        block-table width (marked dynamic; a size of 1 would be a graph of its own, hence run()'s width of at
+        least 2). Rows of 0 tokens write only the pool's scratch slot. Each graph is loaded from GRAPH_DIR when it
+        was saved there for this model and source code, else traced, compiled and saved. A model of
+        REGIONAL_FROM_LAYERS layers or more is traced with each Block as one nested compile region (not saved:
+        torch 2.13 cannot load such a graph's guards)."""
         if not self.compile:
             return
-        compiled = torch.compile(self._forward, options={} if self.regional else {"cpp_wrapper": True})
-        dev = self.device
         if self.regional:
             blocks_as_regions(self.model)
+        # the guards torch can save (its own rule), less those that derive from one it cannot: a nested region's
+        # pytree registry version
+        from torch._dynamo.guards import CheckFunctionManager
+        unsaved = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+        options = {"guard_filter_fn": lambda entries: [
+            not (g.is_global or g.guard_type in unsaved or set(g.derived_guard_types or ()) & set(unsaved))
+            for g in entries]}
+        compiler = torch.compile(Runner._forward, fullgraph=True,
+                                 options=options if self.regional else {**options, "cpp_wrapper": True})
+        dev, graphs = self.device, {}
         with torch.inference_mode():
             for B, T in itertools.product((1, 3), (1, 3)):
                 idx, starts, counts, tables = (torch.zeros(shape, dtype=torch.long, device=dev)  # distinct tensors:
                                                for shape in ((B, T), B, B, (B, 2)))  # one passed twice is a guard
                 keys = torch.arange(5, device=dev)
-                dynamic = [(tables, 1), (keys, 0)]
-                dynamic += [(idx, 0), (starts, 0), (counts, 0), (tables, 0)] if B > 1 else []
-                dynamic += [(idx, 1)] if T > 1 else []
-                for t, dim in dynamic:
-                    torch._dynamo.mark_dynamic(t, dim)
-                compiled(idx, starts, counts, tables, keys)
-        self.compiled = compiled  # last: a step (maybe on another thread) takes it only once it is whole
+                example = (self, idx, starts, counts, tables, keys)
+                path = None if self.regional else self.graph_path(B > 1, T > 1)
+                graph = load_graph(path, example) if path else None  # its guards checked on unmarked tensors
+                if graph is None:
+                    dynamic = [(tables, 1), (keys, 0)]
+                    dynamic += [(idx, 0), (starts, 0), (counts, 0), (tables, 0)] if B > 1 else []
+                    dynamic += [(idx, 1)] if T > 1 else []
+                    for t, dim in dynamic:
+                        torch._dynamo.mark_dynamic(t, dim)
+                    graph = compiler.aot_compile((example, {}))
+                    if path:
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        graph.save_compiled_function(str(path))
+                graph(*example)
+                graph.disable_guard_check()  # run() checks them when CHECK_GUARDS
+                graphs[B > 1, T > 1] = graph
+        self.graphs = graphs  # last: a step (maybe on another thread) takes them only once all are built
+
+    def graph_path(self, rows: bool, tokens: bool) -> Path:
+        """Where the graph of a kind of step is saved: named by what shapes it (torch, the model's configuration
+        and dtype, the device, the pool's tensors); the source code it was traced from is checked on loading."""
+        key = json.dumps([torch.__version__, self.model.cfg.model_dump(mode="json"), str(self.pool.layers[0][0].dtype),
+                          self.device.type, [list(t.shape) for t in self.pool.layers[0]], self.pool.block_size,
+                          rows, tokens])
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        folder = GRAPH_DIR or Path(cache_dir()) / "astrai_graphs"
+        return folder / f"step-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
+
+    def compiled(self, idx: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor,
+                 keys: torch.Tensor) -> torch.Tensor:
+        """_forward through the graph of the step's kind."""
+        graph = self.graphs[idx.shape[0] > 1, idx.shape[1] > 1]
+        if CHECK_GUARDS and not graph.guard_check(self, idx, starts, counts, tables, keys):
+            raise RuntimeError(f"a step's inputs do not meet its graph's guards: rows {idx.shape[0]}, new tokens "
+                               f"{idx.shape[1]}, keys {len(keys)}, table width {tables.shape[1]}")
+        return graph(self, idx, starts, counts, tables, keys)
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]], every_position: bool = False) -> torch.Tensor:
@@ -215,8 +285,8 @@ class Runner:
             idx, starts, counts, tables, S = self.prefill_inputs(batch, T)
         keys = torch.arange(max(S, MIN_KEYS) if self.batch_invariant else S, device=dev)
         # compiled, but for a 1-token prompt's step (1 key: a graph of its own)
-        if self.compiled is not None and S > 1:
-            forward, mode = self.compiled, torch.compiler.set_stance(skip_guard_eval_unsafe=SKIP_GUARDS)
+        if self.graphs is not None and S > 1:
+            forward, mode = self.compiled, contextlib.nullcontext()
         else:
             forward = self._forward
             mode = sdpa_kernel(SDPBackend.MATH) if self.batch_invariant else contextlib.nullcontext()
