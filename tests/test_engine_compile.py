@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 from astrai_core.inference.engine import Engine, EngineConfig, runner
 from test_engine import capped, greedy, model_for, one_thread, prompts_for, reference_logprobs, run, solo  # noqa: F401
 
-# moe: its routing (data-dependent shapes) splits the graph; deep: enough layers to compile one for all
+# moe: its routing has data-dependent shapes (one graph all the same: aot_compile needs fullgraph); deep: enough layers to compile one for all
 VARIANTS = ["default", "moe", "deep"]
 CAPTURED: dict[int, int] = {}  # per engine (id): the calls torch's tracer put in its graphs
 

@@ -135,7 +135,7 @@ def blocks_as_regions(model: Transformer) -> None:
     """Make each of the model's Blocks a nested compile region for torch.compile: traced and compiled once, its code
     called by every layer, with the layer's weights and pool tensors as its inputs. Outside a trace the region only
     calls Block.forward (eager steps are unchanged). Set on the Blocks for good, not around warm_up: the compiled
-    graphs check, at every step, that a Block's forward is still the region they were built from."""
+    graphs' guards check that a Block's forward is still the region they were built from."""
     region = torch.compiler.nested_compile_region(Block.forward)
     region.__name__ = "forward"  # the traced guards look the method up on its Block by this name
     for layer in model.layers:
@@ -201,7 +201,7 @@ class Runner:
         # the compiled graphs of _forward by kind of step (more than one row, more than one new token), set by
         # warm_up once all four are built
         self.graphs: dict[tuple[bool, bool], Callable] | None = None
-        # not tried with experts, whose routing splits the graph
+        # not tried with experts (their routing's data-dependent shapes)
         self.regional = compile and model.cfg.n_layers >= REGIONAL_FROM_LAYERS and not model.cfg.n_experts
 
     def warm_up(self) -> None:
