@@ -15,7 +15,6 @@ import contextlib
 import hashlib
 import importlib
 import inspect
-import itertools
 import json
 import sys
 import types
@@ -195,24 +194,21 @@ class Runner:
         self.device = next(model.parameters()).device
         self.decode_buffers = DecodeBuffers(slots)
         # EngineConfig.compile: decode steps and prefill chunks run _forward as torch.compile'd graphs (warm_up).
-        # cpp_wrapper: the graph's kernel calls from C++, not a Python wrapper (a 1-row step on the demo's shape:
-        # 0.41 against 0.50 ms, measured on 2 busy cores; freezing the weights gained nothing).
         self.compile = compile
-        # the compiled graphs of _forward by kind of step (more than one row, more than one new token), set by
-        # warm_up once all four are built
-        self.graphs: dict[tuple[bool, bool], Callable] | None = None
+        # the compiled graphs of _forward by kind of step ("decode", "prefill"), set by warm_up once both are built
+        self.graphs: dict[str, Callable] | None = None
         # not tried with experts (their routing's data-dependent shapes)
         self.regional = compile and model.cfg.n_layers >= REGIONAL_FROM_LAYERS and not model.cfg.n_experts
 
     def warm_up(self) -> None:
         """Build the graphs now, not in the first requests' steps (Engine calls it at construction, or on a thread
-        of its own while the steps run eager): decode steps (1 new token per row) and prefill chunks (2 or more),
-        each for a batch of one row and one for more: four graphs, each for any number of keys, new tokens and
-        block-table width (marked dynamic; a size of 1 would be a graph of its own, hence run()'s width of at
-        least 2). Rows of 0 tokens write only the pool's scratch slot. Each graph is loaded from GRAPH_DIR when it
-        was saved there for this model and source code, else traced, compiled and saved. A model of
-        REGIONAL_FROM_LAYERS layers or more is traced with each Block as one nested compile region (not saved:
-        torch 2.13 cannot load such a graph's guards)."""
+        of its own while the steps run eager): one for decode steps (1 new token per row) and one for prefill
+        chunks (2 or more), each for any number of rows (unbacked: the same code for 1 row as for many), keys and
+        block-table width (marked dynamic: a size of 1 would be a graph of its own, hence run()'s width of at least
+        2 and its eager 1-key steps) and, for prefill, new tokens. Rows of 0 tokens write only the pool's scratch
+        slot. Each graph is loaded from GRAPH_DIR when it was saved there for this model and source code, else
+        traced, compiled and saved. A model of REGIONAL_FROM_LAYERS layers or more is traced with each Block as one
+        nested compile region (not saved: torch 2.13 cannot load such a graph's guards)."""
         if not self.compile:
             return
         if self.regional:
@@ -221,41 +217,43 @@ class Runner:
         # pytree registry version
         from torch._dynamo.guards import CheckFunctionManager
         unsaved = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
-        options = {"guard_filter_fn": lambda entries: [
-            not (g.is_global or g.guard_type in unsaved or set(g.derived_guard_types or ()) & set(unsaved))
-            for g in entries]}
-        compiler = torch.compile(Runner._forward, fullgraph=True,
-                                 options=options if self.regional else {**options, "cpp_wrapper": True})
+        def saved_guards(entries):
+            return [not (g.is_global or g.guard_type in unsaved or set(g.derived_guard_types or ()) & set(unsaved))
+                    for g in entries]
         dev, graphs = self.device, {}
         with torch.inference_mode():
-            for B, T in itertools.product((1, 3), (1, 3)):
+            for kind, T in (("decode", 1), ("prefill", 3)):
                 idx, starts, counts, tables = (torch.zeros(shape, dtype=torch.long, device=dev)  # distinct tensors:
-                                               for shape in ((B, T), B, B, (B, 2)))  # one passed twice is a guard
+                                               for shape in ((3, T), 3, 3, (3, 2)))  # one passed twice is a guard
                 keys = torch.arange(5, device=dev)
                 example = (self, idx, starts, counts, tables, keys)
-                path = None if self.regional else self.graph_path(B > 1, T > 1)
+                path = None if self.regional else self.graph_path(kind)
                 graph = load_graph(path, example) if path else None  # its guards checked on unmarked tensors
                 if graph is None:
-                    dynamic = [(tables, 1), (keys, 0)]
-                    dynamic += [(idx, 0), (starts, 0), (counts, 0), (tables, 0)] if B > 1 else []
-                    dynamic += [(idx, 1)] if T > 1 else []
-                    for t, dim in dynamic:
+                    for t in (idx, starts, counts, tables):
+                        torch._dynamo.decorators.mark_unbacked(t, 0)
+                    for t, dim in [(tables, 1), (keys, 0)] + ([(idx, 1)] if T > 1 else []):
                         torch._dynamo.mark_dynamic(t, dim)
+                    # the decode graph's kernels called from C++, not from a Python wrapper (a 1-row step on the
+                    # demo's shape: 0.41 against 0.50 ms, measured on 2 busy cores); the prefill graph's from Python,
+                    # where its host time is a small part: a C++ wrapper compiles as one more file (about 4 s)
+                    cpp = kind == "decode" and not self.regional
+                    compiler = torch.compile(Runner._forward, fullgraph=True,  # a new dict: torch pops the filter
+                                             options={"guard_filter_fn": saved_guards, "cpp_wrapper": cpp})
                     graph = compiler.aot_compile((example, {}))
                     if path:
                         path.parent.mkdir(parents=True, exist_ok=True)
                         graph.save_compiled_function(str(path))
                 graph(*example)
                 graph.disable_guard_check()  # run() checks them when CHECK_GUARDS
-                graphs[B > 1, T > 1] = graph
-        self.graphs = graphs  # last: a step (maybe on another thread) takes them only once all are built
+                graphs[kind] = graph
+        self.graphs = graphs  # last: a step (maybe on another thread) takes them only once both are built
 
-    def graph_path(self, rows: bool, tokens: bool) -> Path:
+    def graph_path(self, kind: str) -> Path:
         """Where the graph of a kind of step is saved: named by what shapes it (torch, the model's configuration
         and dtype, the device, the pool's tensors); the source code it was traced from is checked on loading."""
         key = json.dumps([torch.__version__, self.model.cfg.model_dump(mode="json"), str(self.pool.layers[0][0].dtype),
-                          self.device.type, [list(t.shape) for t in self.pool.layers[0]], self.pool.block_size,
-                          rows, tokens])
+                          self.device.type, [list(t.shape) for t in self.pool.layers[0]], self.pool.block_size, kind])
         from torch._inductor.runtime.cache_dir_utils import cache_dir
         folder = GRAPH_DIR or Path(cache_dir()) / "astrai_graphs"
         return folder / f"step-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
@@ -263,7 +261,7 @@ class Runner:
     def compiled(self, idx: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor,
                  keys: torch.Tensor) -> torch.Tensor:
         """_forward through the graph of the step's kind."""
-        graph = self.graphs[idx.shape[0] > 1, idx.shape[1] > 1]
+        graph = self.graphs["prefill" if idx.shape[1] > 1 else "decode"]
         if CHECK_GUARDS and not graph.guard_check(self, idx, starts, counts, tables, keys):
             raise RuntimeError(f"a step's inputs do not meet its graph's guards: rows {idx.shape[0]}, new tokens "
                                f"{idx.shape[1]}, keys {len(keys)}, table width {tables.shape[1]}")
