@@ -4,7 +4,7 @@ step that prefills new prompts (1 or 4 of 16 or 64 tokens), eager and compiled.
 
     python bench/decode_step.py [--batches 1 4 16 64] [--steps 200] [--modes eager compiled]
                                 [--temperature 0.8 --top-p 0.95 --seeded] [--out bench/decode_step_report.json]
-                                [--model CHECKPOINT] [--threads 1 2]
+                                [--model CHECKPOINT [--dtype auto]] [--threads 1 2]
 
 Parts: schedule (Scheduler.schedule: admission, block tables), inputs (Runner.run around the forward: the tensors
 built from the sequences, the logits picked), forward (the model with the paged KV: Runner._forward eager, or the
@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from astrai_core.checkpoint.model_dir import load_model  # noqa: E402
+from astrai_core.checkpoint.model_dir import inference_dtype_of, load_model  # noqa: E402
 from astrai_core.inference.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from astrai_core.model.transformer import Transformer  # noqa: E402
 from bench.serving import machine  # noqa: E402
@@ -118,10 +118,12 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="a checkpoint directory (default: the demo's shape, random weights)")
     ap.add_argument("--threads", type=int, nargs="*", default=[1], help="torch threads; with several, each batch "
                     "size and prefill shape runs at each in turn")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"), help="--model's weights, as `astrai "
+                    "serve --dtype` chooses them (auto: bf16 where native and the model is 2M parameters or more)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "decode_step_report.json")
     args = ap.parse_args()
     if args.model:
-        model, _, cfg = load_model(args.model)
+        model, _, cfg = load_model(args.model, dtype=inference_dtype_of(args.model, args.dtype, torch.device("cpu"))[0])
     else:
         cfg = load_params(ROOT / "params.yaml").model
         torch.manual_seed(0)

@@ -13,7 +13,7 @@ from astrai_core.checkpoint.model_dir import load_model, save_checkpoint
 from astrai_core.inference.generate import generate, generate_text
 from astrai_core.model.config import ModelConfig
 from astrai_core.model.losses import cross_entropy_loss
-from astrai_core.model.transformer import RMSNorm, Transformer, apply_rope, rope_tables
+from astrai_core.model.transformer import RMSNorm, Transformer, apply_rope, causal_attention, rope_tables
 from astrai_core.runtime.errors import AstraiError
 
 TINY = dict(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
@@ -65,6 +65,28 @@ def test_gqa_equals_attention_with_repeated_kv_heads():
     mha.load_state_dict(state)
     x = torch.randint(0, 300, (2, 20))
     torch.testing.assert_close(gqa(x), mha(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_attention_reads_each_query_heads_own_kv_head(dtype):
+    # One new token per row (a decode step) over cached keys, 6 query heads on 2 KV heads (head h reads KV head
+    # h // 3), rows of different lengths (padding keys masked out): causal_attention, which folds a KV head's query
+    # heads into its queries in bf16, equals attention computed by hand in fp32 with repeated KV heads.
+    torch.manual_seed(0)
+    B, H, KV, S, D = 3, 6, 2, 40, 16
+    q, k, v = torch.randn(B, H, 1, D), torch.randn(B, KV, S, D), torch.randn(B, KV, S, D)
+    mask = (torch.arange(S)[None, :] < torch.tensor([40, 25, 7])[:, None]).view(B, 1, 1, S)
+    kr, vr = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+    scores = (q @ kr.transpose(-1, -2) / math.sqrt(D)).masked_fill(~mask, float("-inf"))
+    want = scores.softmax(-1) @ vr
+    got = causal_attention(q.to(dtype), k.to(dtype), v.to(dtype), enable_gqa=True, mask=mask)
+    assert got.shape == (B, H, 1, D) and got.dtype == dtype
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    # and the generate() form: no mask, a cache of S - 1 positions before the new token
+    got = causal_attention(q.to(dtype), k.to(dtype), v.to(dtype), enable_gqa=True)
+    want = (q @ kr.transpose(-1, -2) / math.sqrt(D)).softmax(-1) @ vr
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
 def test_tied_embeddings_share_storage():
