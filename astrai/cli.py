@@ -316,8 +316,9 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
                                              "request instead of in the background."),
           device: str = typer.Option("auto", help="auto (cuda when present, else cpu), cpu or cuda."),
           dtype: str = typer.Option("auto", help=DTYPE_HELP),
-          threads: str = typer.Option("auto", help="torch intra-op threads: auto = the cores this process may use "
-                                      "minus one, kept for the HTTP event loop (at least 1; OMP_NUM_THREADS wins "
+          threads: str = typer.Option("auto", help="torch intra-op threads: auto = the cores this process may use, "
+                                      "less one kept for the HTTP event loop with a small model (serving/launch.py "
+                                      "ALL_CORES_FROM_PARAMS) or --engine-thread (at least 1; OMP_NUM_THREADS wins "
                                       "when set), or a number."),
           engine_process: bool = typer.Option(True, "--engine-process/--engine-thread", help="Run the engine in a "
                                               "process of its own (default: the HTTP event loop and the engine then "
@@ -338,8 +339,9 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
     import tempfile
 
     from tasks.registry.models import alias_version, resolve_model
-    from astrai_core.checkpoint.model_dir import inference_dtype_of
+    from astrai_core.checkpoint.model_dir import inference_dtype_of, read_model_config
     from astrai_core.inference.engine import EngineConfig
+    from astrai_core.model.transformer import estimated_params
     from astrai_core.runtime.device import check_dtype_choice, resolve_device
     from serving.auth import check_exposure
     from serving import launch
@@ -354,7 +356,6 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
     except AstraiError as e:
         _fail(f"--{e}")
     try:
-        n_threads, why = launch.torch_threads(threads)
         check_dtype_choice(dtype)
     except ValueError as e:
         _fail(str(e))
@@ -371,6 +372,8 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
         try:
             checkpoint, model_id, aliases = resolve_model(model, Path(tmp))
             weights, dtype_why = inference_dtype_of(checkpoint, dtype, resolve_device(device))
+            n_threads, why = launch.torch_threads(threads, estimated_params(read_model_config(checkpoint / "config.json")),
+                                                  engine_process)
             engine, chat = launch.load_engine(checkpoint, config, device, n_threads, engine_process, weights)
         except (AstraiError, ValueError) as e:
             _fail(str(e))

@@ -367,8 +367,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also measure `astrai serve --compile-first` (decode steps "
                     "and prefill chunks as torch.compile'd graphs from the first request: the default server once its "
                     "background compile is done), as the server astrai_compile; the server astrai is --no-compile")
-    ap.add_argument("--astrai-threads", type=int, nargs="*", default=(), help="also measure `astrai serve --no-compile "
-                    "--threads N` for each N, as the server astrai_N_threads (the server astrai takes --threads auto)")
+    ap.add_argument("--astrai-threads", type=int, nargs="*", default=(), help="also measure `astrai serve --threads N` "
+                    "for each N (--no-compile, or --compile-first with --compile), as the server astrai_N_threads (the "
+                    "servers astrai and astrai_compile take --threads auto)")
     ap.add_argument("--astrai-dtypes", nargs="*", default=(), choices=("fp32", "bf16"), help="also measure `astrai "
                     "serve --no-compile --dtype D` for each D, as the server astrai_D (the server astrai takes --dtype "
                     "auto)")
@@ -402,7 +403,8 @@ def main() -> None:
 
         servers = {"astrai": lambda: astrai_server(ckpt, tmp, ("--no-compile",))}
         for n in args.astrai_threads:  # bind n now, not when the lambda runs
-            servers[f"astrai_{n}_threads"] = partial(astrai_server, ckpt, tmp, ("--no-compile", "--threads", str(n)))
+            compiled = "--compile-first" if args.compile else "--no-compile"
+            servers[f"astrai_{n}_threads"] = partial(astrai_server, ckpt, tmp, (compiled, "--threads", str(n)))
         for d in args.astrai_dtypes:
             servers[f"astrai_{d}"] = partial(astrai_server, ckpt, tmp, ("--no-compile", "--dtype", d))
         if args.compile:  # the steps compiled before it answers: the default server once its background compile ends

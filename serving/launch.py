@@ -3,7 +3,7 @@ resolving a registry reference is the pipeline's, and serving never imports it).
 
     api_key = check_exposure("127.0.0.1", None, False, ())     # serving.auth: who must have a key (ValueError)
     check_port_free("127.0.0.1", 8000)                          # ValueError naming --port
-    n_threads, why = torch_threads("auto")                      # torch's threads, and why that many
+    n_threads, why = torch_threads("auto", 135e6, True)        # torch's threads for the model's size, and why
     dtype, dtype_why = inference_dtype_of(checkpoint, "auto", torch.device("cpu"))  # bf16 where it pays
     engine, chat = load_engine(checkpoint, EngineConfig(), "cpu", n_threads, engine_process=True, dtype=dtype)
     status = serve(engine, chat, "astrai/3", (), host="127.0.0.1", port=8000, api_key=api_key, allowed_hosts=(),
@@ -49,10 +49,18 @@ def check_port_free(host: str, port: int) -> None:
                          "using it?") from None
 
 
-def torch_threads(choice: str) -> tuple[int, str]:
-    """(torch threads, why) for --threads `choice` (auto or a number; ValueError otherwise). On 2 cores torch's
-    default of 2 threads spin-waits on the core the event loop needs: measured at 2 concurrent streams, 530
-    tokens/s with 2 threads against 1,511 with 1 (docs/design.md)."""
+# `--threads auto` gives the engine process every core for a model of this many parameters or more, and keeps one
+# core for the HTTP process and the clients below it: a decode step of a large model outweighs their per-token
+# work, a small model's does not. Served on 2 cores, compiled, 2 threads over 1 at 1 / 4 / 16 / 64 streams
+# (docs/serving.md, "Threads"): SmolLM2-135M 1.21 / 1.61 / 1.57 / 1.53x, a 43M model 1.03 / 0.73 / 1.05 / 1.10x,
+# 26M 0.96 / 0.89 / 0.92 / 0.80x, the demo's (0.66M) 0.57 / 0.46 / 0.56 / 0.90x.
+ALL_CORES_FROM_PARAMS = 60_000_000
+
+
+def torch_threads(choice: str, parameters: int, engine_process: bool) -> tuple[int, str]:
+    """(torch threads, why) for --threads `choice` (auto or a number; ValueError otherwise), for a model of
+    `parameters` served by an engine in a process of its own or in a thread of the server's (where the event loop
+    always keeps a core: its thread and the engine's share the GIL)."""
     if choice != "auto":
         if not choice.isdigit() or int(choice) < 1:
             raise ValueError(f"--threads {choice}: expected auto or a number >= 1")
@@ -60,6 +68,8 @@ def torch_threads(choice: str) -> tuple[int, str]:
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return max(1, int(os.environ["OMP_NUM_THREADS"])), "OMP_NUM_THREADS"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if engine_process and parameters >= ALL_CORES_FROM_PARAMS:
+        return cores, f"{cores} core(s), all of them for a model of {parameters / 1e6:.0f}M parameters"
     return max(1, cores - 1), f"{cores} core(s), one left for the event loop"
 
 

@@ -244,3 +244,19 @@ def test_run_generation_counts_the_stop_token_and_cancels_on_a_stop_string(data_
     # An engine failure is a 500 for the route to render, and it counts no first token.
     (error,), _, firsts = _generate(tok, [([], "error")])
     assert isinstance(error, ApiError) and error.status == 500 and firsts == 0
+
+
+def test_auto_threads_give_a_large_model_every_core_and_a_small_one_all_but_the_event_loops(monkeypatch):
+    from serving.launch import ALL_CORES_FROM_PARAMS, torch_threads
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    large, small = ALL_CORES_FROM_PARAMS, ALL_CORES_FROM_PARAMS - 1
+    assert torch_threads("auto", large, engine_process=True) == (2, "2 core(s), all of them for a model of 60M "
+                                                                     "parameters")
+    assert torch_threads("auto", small, engine_process=True) == (1, "2 core(s), one left for the event loop")
+    assert torch_threads("auto", large, engine_process=False)[0] == 1  # the engine thread shares the GIL
+    assert torch_threads("3", small, engine_process=True) == (3, "--threads")
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert torch_threads("auto", small, engine_process=True) == (4, "OMP_NUM_THREADS")
+    with pytest.raises(ValueError, match="--threads two: expected auto or a number"):
+        torch_threads("two", large, engine_process=True)

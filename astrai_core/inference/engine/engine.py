@@ -213,13 +213,14 @@ class Engine:
         }
 
     def start(self) -> None:
+        """Run the loop (run()) on a thread of its own."""
         assert self._thread is None, "the engine is started already"
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="astrai-engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="astrai-engine", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the loop thread (requests in flight stay where they are)."""
+        """Stop the loop (requests in flight stay where they are); wait for its thread when start() made one."""
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
@@ -228,7 +229,11 @@ class Engine:
 
     # --- the engine thread --------------------------------------------------------------------------------------
 
-    def _loop(self) -> None:
+    def run(self) -> None:
+        """The loop, on the calling thread, until stop(): step while there is work, else wait for submit().
+        EngineProcess's child runs it on the thread that loaded the model: torch's intra-op threads then serve one
+        thread only (an OpenMP team of a second thread, kept by libgomp once it has run a parallel region, makes
+        every team wait passively, and a 2-thread step of SmolLM2 took 83 against 31 ms: docs/serving.md)."""
         try:
             while not self._stopping:
                 worked = self.step()

@@ -84,8 +84,9 @@ class Step(NamedTuple):
 
 def _child(commands, events, checkpoint: str, config: EngineConfig, device: str, threads: int,
            dtype: torch.dtype) -> None:
-    """The engine's process: load the model, run Engine's loop thread, obey commands until Stop or the parent
-    goes away (EOF on the command pipe)."""
+    """The engine's process: load the model, run Engine's loop on this (the main) thread, the thread that loaded
+    it (Engine.run says why), and obey commands on a thread of their own until Stop or the parent goes away (EOF
+    on the command pipe)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops this process
     from astrai_core.checkpoint.model_dir import load_model
 
@@ -120,28 +121,35 @@ def _child(commands, events, checkpoint: str, config: EngineConfig, device: str,
                 batch.append(Event(rid, tokens, finish, logprobs))
         return on_event
 
+    def obey() -> None:  # the commands' thread: pure Python, no torch work
+        nonlocal received
+        try:
+            while True:
+                command = commands.recv()
+                if isinstance(command, Submit):
+                    try:
+                        ids[command.rid] = engine.submit(command.prompt_ids, command.params,
+                                                         on_event_for(command.rid))
+                    except (ValueError, QueueFull, RuntimeError):  # checked in the parent; a dead loop lands here
+                        on_event_for(command.rid)([], "error")
+                    received += 1
+                elif isinstance(command, Cancel):
+                    if command.rid in ids:
+                        engine.cancel(ids.pop(command.rid))
+                else:
+                    assert isinstance(command, Stop), command
+                    break
+        except (EOFError, OSError):  # the parent is gone
+            pass
+        finally:
+            engine.stop()
+
     engine.after_step.append(flush)
     events.send(Ready(engine.context_length, engine.vocab_size, engine.stats()))
-    engine.start()
-    try:
-        while True:
-            command = commands.recv()
-            if isinstance(command, Submit):
-                try:
-                    ids[command.rid] = engine.submit(command.prompt_ids, command.params, on_event_for(command.rid))
-                except (ValueError, QueueFull, RuntimeError):  # checked in the parent; a dead loop lands here
-                    on_event_for(command.rid)([], "error")
-                received += 1
-            elif isinstance(command, Cancel):
-                if command.rid in ids:
-                    engine.cancel(ids.pop(command.rid))
-            else:
-                assert isinstance(command, Stop), command
-                break
-    except (EOFError, OSError):  # the parent is gone
-        pass
-    finally:
-        engine.stop()
+    obeying = threading.Thread(target=obey, name="astrai-commands", daemon=True)
+    obeying.start()
+    engine.run()
+    obeying.join()  # a loop that died returns early: its requests are told "error" until Stop
 
 
 class EngineProcess:

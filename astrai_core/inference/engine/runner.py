@@ -251,9 +251,11 @@ class Runner:
 
     def graph_path(self, kind: str) -> Path:
         """Where the graph of a kind of step is saved: named by what shapes it (torch, the model's configuration
-        and dtype, the device, the pool's tensors); the source code it was traced from is checked on loading."""
+        and dtype, the device, the pool's tensors, torch's threads: inductor's CPU kernels are built for a number
+        of them); the source code it was traced from is checked on loading."""
         key = json.dumps([torch.__version__, self.model.cfg.model_dump(mode="json"), str(self.pool.layers[0][0].dtype),
-                          self.device.type, [list(t.shape) for t in self.pool.layers[0]], self.pool.block_size, kind])
+                          self.device.type, [list(t.shape) for t in self.pool.layers[0]], self.pool.block_size, kind,
+                          torch.get_num_threads()])
         from torch._inductor.runtime.cache_dir_utils import cache_dir
         folder = GRAPH_DIR or Path(cache_dir()) / "astrai_graphs"
         return folder / f"step-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
