@@ -11,7 +11,7 @@ built from the sequences, the logits picked), forward (the model with the paged 
 compiled graph), sample (Scheduler.postprocess: the sampling of every row, bookkeeping; greedy unless
 --temperature, each request its own generator with --seeded), rest (Engine.step's own: events,
 the inbox). The demo's shape (params.yaml) with random weights, or --model's checkpoint; 1 torch thread (what
-`astrai serve` picks on 2 cores), or each of --threads in turn for every batch size (interleaved). Compile time (the warm-up at Engine construction) is reported too; torch caches compiled code on disk,
+`astrai serve` picks on 2 cores below 60M parameters), or each of --threads in turn for every batch size (interleaved). Compile time (the warm-up at Engine construction) is reported too; torch caches compiled code on disk,
 so a second run compiles faster.
 """
 

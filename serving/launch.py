@@ -51,9 +51,10 @@ def check_port_free(host: str, port: int) -> None:
 
 # `--threads auto` gives the engine process every core for a model of this many parameters or more, and keeps one
 # core for the HTTP process and the clients below it: a decode step of a large model outweighs their per-token
-# work, a small model's does not. Served on 2 cores, compiled, 2 threads over 1 at 1 / 4 / 16 / 64 streams
-# (docs/serving.md, "Threads"): SmolLM2-135M 1.21 / 1.61 / 1.57 / 1.53x, a 43M model 1.03 / 0.73 / 1.05 / 1.10x,
-# 26M 0.96 / 0.89 / 0.92 / 0.80x, the demo's (0.66M) 0.57 / 0.46 / 0.56 / 0.90x.
+# work, a small model's does not. Served on 2 cores, compiled, 2 threads over 1 at 1 / 4 / 16 / 64 streams, one
+# round each (bench/serving_threads_by_size_report.json): SmolLM2-135M 1.21 / 1.61 / 1.57 / 1.53x, 94M 1.40 / 1.48 /
+# 1.29 / 1.17x, 43M 1.03 / 0.73 / 1.05 / 1.10x, 26M 0.96 / 0.89 / 0.92 / 0.80x, the demo's 0.66M 0.57 / 0.46 / 0.56 /
+# 0.90x.
 ALL_CORES_FROM_PARAMS = 60_000_000
 
 
