@@ -4,6 +4,7 @@ started team's checks are in test_team_services.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -30,8 +31,19 @@ def _one_error_line(out: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def _distinct_free_ports(n: int) -> list[int]:
+    """n free ports, all different: the sockets are held until all are picked (free_port() thrice in a row once gave
+    one port twice: "--mlflow-port 39415 and --prefect-port 39415")."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
 def _ports() -> list[str]:
-    return ["--pg-port", str(free_port()), "--mlflow-port", str(free_port()), "--prefect-port", str(free_port())]
+    pg, mlflow_port, prefect = _distinct_free_ports(3)
+    return ["--pg-port", str(pg), "--mlflow-port", str(mlflow_port), "--prefect-port", str(prefect)]
 
 
 @pytest.mark.parametrize("case", ["dir-is-a-file", "dir-not-writable", "postgres-garbage", "postgres-no-host",
@@ -103,7 +115,8 @@ def test_make_team_services_moves_postgres_port(tmp_path):
         port = taken.getsockname()[1]
         out = subprocess.run(["make", "-s", "-C", str(PROJECT_ROOT), "-o", ".venv/bin/astrai", "team-services",
                               f"TEAM_DIR={tmp_path / 'team'}", f"TEAM_POSTGRES_PORT={port}",
-                              f"MLFLOW_PORT={free_port()}", f"PREFECT_PORT={free_port()}"],
+                              *(f"{name}={p}" for name, p in zip(("MLFLOW_PORT", "PREFECT_PORT"),
+                                                                  _distinct_free_ports(2)))],
                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
         if (tmp_path / "team" / "services.json").exists():  # the unfixed Makefile started a team on 5432
             _astrai("services", "stop", tmp_path / "team", cwd=tmp_path)
