@@ -338,9 +338,12 @@ def llama_token_logprobs(bin_dir: Path, gguf_file: Path, text_file: Path, ctx: i
     tokens, then per scored token (scale, min log p) as two float32 and n_vocab uint16: log p = min + scale * q."""
     logits_file = tmp_path / f"{gguf_file.stem}.logits"
     # The file's numbers alone: an f32 KV cache and no flash attention (llama.cpp's defaults, an f16 cache and flash
-    # attention on CPU, moved log p by up to 7e-3 against astrai; with both off, 9e-5, the file's rounding).
+    # attention on CPU, moved log p by up to 7e-3 against astrai; with both off, 9e-5, the file's rounding). No
+    # repacking: on a CPU with AMX, llama.cpp 0.3.36 repacks Q8_0 weights for its AMX kernels, and llama-perplexity
+    # died of a segmentation fault on this test's Q8_0 file there (every run; with --no-repack it passes).
     run_llama(bin_dir, "llama-perplexity", "-m", gguf_file, "-f", text_file, "-c", ctx, "-b", ctx, "-t", 1,
-              "--cache-type-k", "f32", "--cache-type-v", "f32", "--flash-attn", "off", "--save-all-logits", logits_file)
+              "--cache-type-k", "f32", "--cache-type-v", "f32", "--flash-attn", "off", "--no-repack",
+              "--save-all-logits", logits_file)
     raw = logits_file.read_bytes()
     assert raw[:8] == b"_logits_"
     n_ctx, n_vocab, n_chunks = np.frombuffer(raw, np.int32, 3, 8)

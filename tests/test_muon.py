@@ -78,4 +78,6 @@ def test_muon_two_ranks_equal_one_rank_with_double_batch(core_tiny_data, tmp_pat
     # torch's Muon orthogonalizes in bf16, so the ranks' float sum order shows up at bf16's precision: the two runs
     # agree to well within how far training moved each weight, not bit for bit.
     ratios = {k: ((w1[k] - w2[k]).norm() / (w1[k] - w0[k]).norm()).item() for k in w1}
-    assert max(ratios.values()) < 0.03, ratios  # measured 0.010; 1 rank fed half the batch: 0.27-0.35
+    # measured 0.010 (the AVX-512 BF16 EPYC kind), 0.033 (a Xeon with AMX, whose bf16 kernels sum in another order);
+    # 1 rank fed half the batch: 0.27-0.35
+    assert max(ratios.values()) < 0.08, ratios
