@@ -2,7 +2,7 @@
 B requests decoding together, each part of Engine.step() timed around its call, medians over the steps; and the
 step that prefills new prompts (1 or 4 of 16 or 64 tokens), eager and compiled.
 
-    python bench/decode_step.py [--batches 1 4 16 64] [--steps 200] [--modes eager compiled]
+    python bench/decode_step.py [--batches 1 4 16 64] [--steps 200] [--modes eager compiled eager+packed compiled+packed]
                                 [--temperature 0.8 --top-p 0.95 --seeded] [--out bench/decode_step_report.json]
                                 [--model CHECKPOINT [--dtype auto]] [--threads 1 2]
 
@@ -18,6 +18,7 @@ so a second run compiles faster.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -110,7 +111,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 2, 4, 8, 16, 64])
     ap.add_argument("--steps", type=int, default=200, help="decode steps measured per batch size")
-    ap.add_argument("--modes", nargs="*", default=["eager", "compiled"], choices=["eager", "compiled"])
+    ap.add_argument("--modes", nargs="*", default=["eager", "compiled"],
+                    choices=["eager", "compiled", "eager+packed", "compiled+packed"],
+                    help="+packed: EngineConfig.pack_weights (a bf16 model's projections on prepacked weights)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy requests")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seeded", action="store_true", help="each request its own seed (a generator per row)")
@@ -140,7 +143,8 @@ def main() -> None:
     for mode in args.modes:
         torch.set_num_threads(args.threads[0])
         start = time.perf_counter()
-        engine = Engine(model, EngineConfig(compile=mode == "compiled"))
+        compiled, packed = mode.startswith("compiled"), mode.endswith("+packed")
+        engine = Engine(copy.deepcopy(model), EngineConfig(compile=compiled, pack_weights=packed))  # packing swaps layers
         built = round(time.perf_counter() - start, 1)
         rows: dict[int, list[dict]] = {t: [] for t in args.threads}
         for b in args.batches:
@@ -148,7 +152,7 @@ def main() -> None:
                 torch.set_num_threads(t)
                 rows[t].append(profile(engine, b, args.steps, params))
                 print(mode, f"{t} thread(s)", json.dumps(rows[t][-1]), flush=True)
-        engine = Engine(model, EngineConfig(compile=mode == "compiled", prefix_cache=False))
+        engine = Engine(copy.deepcopy(model), EngineConfig(compile=compiled, pack_weights=packed, prefix_cache=False))
         prefills: dict[int, list[dict]] = {t: [] for t in args.threads}
         for r, n in () if args.no_prefill else ((1, 16), (1, 64), (4, 64)):
             for t in args.threads:

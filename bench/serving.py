@@ -373,6 +373,8 @@ def main() -> None:
     ap.add_argument("--astrai-dtypes", nargs="*", default=(), choices=("fp32", "bf16"), help="also measure `astrai "
                     "serve --no-compile --dtype D` for each D, as the server astrai_D (the server astrai takes --dtype "
                     "auto)")
+    ap.add_argument("--unpacked", action="store_true", help="also measure the server without prepacked weights "
+                    "(`--no-pack-weights`; compiled first with --compile), as the server astrai_unpacked")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine alone (its ratios are then missing)")
     ap.add_argument("--no-prefix-scenario", action="store_true", help="skip the shared-prefix TTFT comparison")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "serving_report.json")
@@ -409,6 +411,9 @@ def main() -> None:
             servers[f"astrai_{d}"] = partial(astrai_server, ckpt, tmp, ("--no-compile", "--dtype", d))
         if args.compile:  # the steps compiled before it answers: the default server once its background compile ends
             servers["astrai_compile"] = lambda: astrai_server(ckpt, tmp, ("--compile-first",))
+        if args.unpacked:
+            servers["astrai_unpacked"] = partial(astrai_server, ckpt, tmp, ("--compile-first" if args.compile else
+                                                                            "--no-compile", "--no-pack-weights"))
         if args.peer_venv:
             hf = tmp / "hf-export"
             subprocess.run([sys.executable, "-m", "astrai.cli", "export-hf", str(ckpt), str(hf)], cwd=ROOT, check=True,
@@ -493,7 +498,7 @@ def main() -> None:
         if not args.no_prefix_scenario:
             report["shared_prefix"] = shared_prefix(ckpt, tokenizer, cfg.max_seq_len, tmp, args.rounds)
 
-    ours_named = [("ratios", "astrai"), ("ratios_compile", "astrai_compile"),
+    ours_named = [("ratios", "astrai"), ("ratios_compile", "astrai_compile"), ("ratios_unpacked", "astrai_unpacked"),
                   *((f"ratios_{n}_threads", f"astrai_{n}_threads") for n in args.astrai_threads),
                   *((f"ratios_{d}", f"astrai_{d}") for d in args.astrai_dtypes)]
     for key, name in ours_named:

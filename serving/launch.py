@@ -106,8 +106,9 @@ def serve(engine: EngineClient, chat: ChatFormat, model_id: str, aliases: Sequen
     seconds = stats["compile_seconds"]
     compiled = "" if not c.compile else f"; steps compiled in {seconds} s" if seconds is not None else \
         "; steps compiling in the background, eager until then"
+    packed = f", {stats['packed_linears']} projections prepacked for oneDNN" if stats["packed_linears"] else ""
     print(f"astrai: serving {', '.join([model_id, *aliases])} on http://{host}:{port}/v1 ({device}, "
-          f"{stats['weights_dtype']} weights: {dtype_why}; {n_threads} "
+          f"{stats['weights_dtype']} weights: {dtype_why}{packed}; {n_threads} "
           f"torch thread(s): {why}; engine {where}; batch cap {c.max_batch_size}, {stats['kv_blocks_total']} "
           f"KV blocks of {c.block_size} tokens, queue {c.max_waiting}{compiled})", file=sys.stderr, flush=True)
     engine.start()

@@ -17,7 +17,7 @@ from astrai_core.inference.engine.scheduler import Scheduler
 from astrai_core.inference.engine.sequence import Sequence
 from astrai_core.inference.generate import generate
 from astrai_core.model.transformer import KVCache, Transformer
-from conftest import Collector, sharp_random_model
+from conftest import BATCH_INVARIANCE_ON_AMX, Collector, sharp_random_model
 
 VARIANTS = {
     "default": {},
@@ -305,6 +305,7 @@ def logits_trace(monkeypatch) -> dict[int, list[torch.Tensor]]:
     return trace
 
 
+@BATCH_INVARIANCE_ON_AMX
 @pytest.mark.parametrize("name", ["default", "mqa_qk_norm", "mla"])
 def test_batch_invariant_mode_gives_bit_identical_logits_whatever_shares_the_batch(name, monkeypatch):
     """batch_invariant=True: not only the same tokens: the same logits, to the bit, alone or among others, whatever the chunk size,
@@ -387,6 +388,43 @@ def test_greedy_and_sampled_requests_in_one_batch_equal_their_solo_runs():
     assert together[1] == generate(model, prompts[1], 10)
 
 
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU's oneDNN has no bf16 kernels: "
+                    "the engine does not pack (can_pack is False), tested by the next test")
+@pytest.mark.parametrize("name", ["default", "gated_bias_mha"])
+def test_prepacked_bf16_projections_give_the_same_tokens_and_logprobs_bit_for_bit(name):
+    """EngineConfig.pack_weights: every nn.Linear of a bf16 model (the tied head too, with its bias where it has one)
+    runs oneDNN's linear on a prepacked weight; the tokens and logprobs, greedy and seeded, equal the plain engine's
+    exactly."""
+    import copy
+
+    from astrai_core.inference.engine.packed import PackedLinear
+
+    model = model_for(name).to(torch.bfloat16)
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    packed_model = copy.deepcopy(model)
+    prompts = prompts_for(4, seed=21)
+    params = [greedy(8, logprobs=2, prompt_logprobs=2) if i % 2 else
+              SamplingParams(max_tokens=8, temperature=0.9, seed=50 + i, logprobs=2) for i in range(4)]
+    plain = run(Engine(model, EngineConfig(kv_blocks=128, block_size=4)), prompts, params)
+    engine = Engine(packed_model, EngineConfig(kv_blocks=128, block_size=4, pack_weights=True))
+    assert engine.stats()["packed_linears"] == linears > 0
+    assert sum(isinstance(m, PackedLinear) for m in packed_model.modules()) == linears
+    assert packed_model.lm_head.weight is packed_model.embed_tokens.weight  # still one tensor
+    packed = run(engine, prompts, params)
+    for a, b in zip(plain, packed):
+        assert a.tokens == b.tokens
+        assert [e and (e.token, e.logprob, e.top) for e in a.logprobs] == \
+               [e and (e.token, e.logprob, e.top) for e in b.logprobs]
+
+
+def test_weights_are_packed_only_when_asked_and_only_bf16():
+    """Off by default (a training policy's weights change under the engine); an fp32 model is never packed."""
+    assert Engine(model_for(), EngineConfig(kv_blocks=128, pack_weights=True)).stats()["packed_linears"] == 0
+    bf16 = model_for().to(torch.bfloat16)
+    assert Engine(bf16, EngineConfig(kv_blocks=128)).stats()["packed_linears"] == 0
+    assert not any(type(m).__name__ == "PackedLinear" for m in bf16.modules())
+
+
 # --- logprobs ---------------------------------------------------------------------------------------------------
 
 
@@ -448,6 +486,7 @@ def test_the_stop_token_has_its_logprob_though_it_is_not_sent():
     assert [e.token for e in out.logprobs] == out.tokens + [stop]
 
 
+@BATCH_INVARIANCE_ON_AMX
 def test_logprobs_survive_preemption_and_equal_the_request_alone_bit_for_bit():
     """batch_invariant: a request's prompt and token logprobs are the same bits among others (preempted and
     recomputed, in other chunks) as alone; without it they agree within rounding."""

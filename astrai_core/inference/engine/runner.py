@@ -26,6 +26,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from astrai_core.inference.engine.block_manager import Slots
+from astrai_core.inference.engine.packed import PackedLinear
 from astrai_core.inference.engine.sequence import Sequence
 from astrai_core.model.transformer import Block, Transformer
 
@@ -252,10 +253,11 @@ class Runner:
     def graph_path(self, kind: str) -> Path:
         """Where the graph of a kind of step is saved: named by what shapes it (torch, the model's configuration
         and dtype, the device, the pool's tensors, torch's threads: inductor's CPU kernels are built for a number
-        of them); the source code it was traced from is checked on loading."""
+        of them; whether its projections are packed); the source code it was traced from is checked on loading."""
+        packed = any(isinstance(m, PackedLinear) for m in self.model.modules())
         key = json.dumps([torch.__version__, self.model.cfg.model_dump(mode="json"), str(self.pool.layers[0][0].dtype),
                           self.device.type, [list(t.shape) for t in self.pool.layers[0]], self.pool.block_size, kind,
-                          torch.get_num_threads()])
+                          torch.get_num_threads(), packed])
         from torch._inductor.runtime.cache_dir_utils import cache_dir
         folder = GRAPH_DIR or Path(cache_dir()) / "astrai_graphs"
         return folder / f"step-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
