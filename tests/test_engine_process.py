@@ -128,6 +128,16 @@ def voluntary_switches(pid: int) -> dict[str, int]:
     return switches
 
 
+def busy_seconds(pid: int | None = None) -> float:
+    """CPU seconds used so far by the whole machine (pid None, /proc/stat) or by process `pid` (all its threads)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    if pid is None:
+        user, nice, system, idle, iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
+        return (user + nice + system + irq + softirq + steal) / hz
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / hz  # utime, stime
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="two torch threads need two cores")
 def test_two_torch_threads_in_the_child_spin_through_a_decode_not_sleep_at_every_operator(tmp_path):
@@ -141,11 +151,18 @@ def test_two_torch_threads_in_the_child_spin_through_a_decode_not_sleep_at_every
     engine = EngineProcess(ckpt, EngineConfig(kv_blocks=64, block_size=16), threads=2)
     engine.start()
     try:
+        pid = engine._proc.pid
         for n in (20, 200):  # the first starts the threads; the second is counted
-            before, done = voluntary_switches(engine._proc.pid), Collector()
+            before, done = voluntary_switches(pid), Collector()
+            start, machine, child = time.monotonic(), busy_seconds(), busy_seconds(pid)
             engine.submit([1, 2, 3], greedy(n), done)
             assert done.done.wait(120) and len(done.tokens) == n
-        slept = {tid: count - before.get(tid, 0) for tid, count in voluntary_switches(engine._proc.pid).items()}
+        slept = {tid: count - before.get(tid, 0) for tid, count in voluntary_switches(pid).items()}
+        # other work on the cores (pytest's other worker) preempts a spinning thread, and its team then sleeps
+        # whatever the engine does (a Xeon with AMX: 541 sleeps with the other worker busy, under 100 alone)
+        others = (busy_seconds() - machine - (busy_seconds(pid) - child)) / (time.monotonic() - start)
+        if others > 0.25:
+            pytest.skip(f"other processes used {others:.2f} of a core during the decode: the cores were not free")
         assert max(slept.values()) < n / 2, slept
     finally:
         engine.stop()

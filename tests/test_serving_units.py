@@ -163,7 +163,7 @@ def test_launch_polls_the_alias_only_when_named_by_one_and_asked_to(monkeypatch)
     monkeypatch.setattr(launch, "threading", SimpleNamespace(Thread=lambda target, args, **kwargs: SimpleNamespace(
         start=lambda: target(*args))))  # the poller's thread, run at once
     engine = SimpleNamespace(config=EngineConfig(), stats=lambda: {"compile_seconds": None, "kv_blocks_total": 8,
-                                                                    "weights_dtype": "float32"},
+                                                                    "weights_dtype": "float32", "packed_linears": 0},
                              start=lambda: None, stop=lambda: None)
     for reference, poll in (("models:/astrai@champion", 0.5), ("models:/astrai@champion", 0), ("models:/astrai/3", 1)):
         apps.clear(), polled.clear()
