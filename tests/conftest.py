@@ -390,18 +390,3 @@ def tiny_trained(core_tiny_data, tmp_path_factory) -> Path:
         if saved is not None:
             _os.environ["MLFLOW_RUN_ID"] = saved
     return out
-
-
-def cpu_has_amx() -> bool:
-    """A CPU with Intel AMX tiles (Sapphire Rapids and later), from /proc/cpuinfo's flags."""
-    try:
-        return "amx_tile" in _Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-# batch_invariant mode's bit-identical results hold on the AVX-512 BF16 EPYC kind and fail on a Xeon with AMX
-# (2026-12-03: a request's logits differ in the last bits with and without neighbours, though the row-invariance
-# facts tests/test_engine.py checks first hold there); found, not yet explained: docs/serving.md, "Batch invariance".
-BATCH_INVARIANCE_ON_AMX = _pytest.mark.xfail(cpu_has_amx(), strict=False,
-                                             reason="batch_invariant is not bit-identical on CPUs with AMX (open)")

@@ -41,7 +41,7 @@ from astrai_core.model.transformer import Transformer
 from astrai_core.tokenizer.bpe import special_id, train_tokenizer
 from astrai_core.tokenizer.chat import load_chat
 from astrai.cli import app
-from conftest import BATCH_INVARIANCE_ON_AMX, free_port
+from conftest import free_port
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key"
@@ -514,7 +514,6 @@ def test_generated_tokens_top_logprob_is_the_greedy_token(served, server):
     assert torch.allclose(torch.tensor(lp["token_logprobs"]), expected, atol=1e-4)
 
 
-@BATCH_INVARIANCE_ON_AMX
 def test_logprobs_among_concurrent_requests_equal_the_request_alone(served, server):
     """The server runs --batch-invariant: the same bits whatever shares the batch (prefill chunks, decodes)."""
     tok = served["tokenizer"]

@@ -99,13 +99,6 @@ def load_graph(path: Path, example: tuple) -> Callable | None:
     return graph if graph.guard_check(*example) else None
 
 
-def gemm_invariant_rows(m: int) -> bool:
-    """Whether a CPU gemm with m rows gives each row the same bits as any other such gemm would. Measured on
-    torch 2.13 (MKL/oneDNN, x86): m = 4, 8 and m >= 12 all agree row by row; m = 1..3 and the last m % 4 rows of
-    m = 5..11 go through other kernels, with another summation order (tests/test_engine.py checks this first)."""
-    return m in (4, 8) or m >= 12
-
-
 # A compiled step runs the graph of its kind without evaluating the graph's guards (each graph was checked against
 # them once, when built or loaded): every step's inputs meet them (run() keeps a single key eager), which
 # tests/test_engine_compile.py checks with CHECK_GUARDS on (a step that does not raises RuntimeError).
@@ -126,9 +119,13 @@ GRAPH_DIR: Path | None = None
 # 1.06 ms; regional 76 s, 11 s, 0.45 / 0.46 / 0.88 ms: below this the whole graph stays.
 REGIONAL_FROM_LAYERS = 12
 
-# SDPA's math kernel (measured like gemm_invariant_rows): a query's output has the same bits for any number of
-# queries >= 4 and any key length >= 16 (masked keys add exact zeros); fewer take other code paths.
-MIN_QUERIES, MIN_KEYS = 4, 16
+# Batch invariance's padding (Runner): a CPU gemm gives a row the same bits whatever the number of rows from 16 rows
+# up, and SDPA's math kernel a query the same bits from 16 queries and 16 keys up (masked keys add exact zeros);
+# fewer rows go through other kernels, with another summation order. Measured on torch 2.13 (MKL/oneDNN, fp32):
+# on an AVX-512 BF16 EPYC 4, 8 and >= 12 rows agreed; on a Xeon with AMX the rows that differ grow with the inner
+# dimension (1 row at 32, up to 5 at 128, up to 15 from 384 to 2,048; SDPA's q @ k^T at head dim 128: up to 5
+# queries). tests/test_engine.py checks these facts first.
+MIN_QUERIES, MIN_KEYS = 16, 16
 
 
 def blocks_as_regions(model: Transformer) -> None:
@@ -179,9 +176,9 @@ class Runner:
     request change no bit either). What it takes, each measured on this CPU (torch 2.13):
     * SDPA's math kernel: the CPU flash kernel splits a small batch's work across threads in a way that changes
       a row's rounding with the batch size; the math kernel computes each row alone;
-    * at least MIN_QUERIES query positions per row (a decode gets 3 padding queries, never stored) and
-      MIN_KEYS keys, and token rows (batch x queries: what every linear layer sees) padded to a count where the
-      gemm is row-invariant. The padding costs up to 4x the rows of a decode step.
+    * at least MIN_QUERIES query positions per row (a decode gets 15 padding queries, never stored) and
+      MIN_KEYS keys, so every gemm (batch x queries token rows in the linear layers, queries in attention) has
+      rows enough to be row-invariant. The padding costs a decode step 16x its rows.
     Not covered: MoE experts see as many rows as the batch routes to them. And generate() itself runs single
     rows (gemv) and SDPA's flash kernel, so the engine matches its tokens, not its last bits.
     Cost, measured on the demo's shape (dim 256, 4 layers, 48 requests of 32-128 prompt tokens, batch 16, 1 thread
@@ -305,18 +302,14 @@ class Runner:
         """idx, starts, counts, tables and the key count S of a step of up to T new tokens per row (a prefill
         chunk, or any step when batch_invariant), built from the sequences' lists."""
         dev = self.device
-        rows_out = len(batch)
         if self.batch_invariant:
             T = max(T, MIN_QUERIES)
-            while not gemm_invariant_rows(len(batch) * T):  # rows of 0 tokens: computed, never stored
-                batch = batch + [(None, 0)]
-        starts = [s.num_cached if s else 0 for s, _ in batch]
+        starts = [s.num_cached for s, _ in batch]
         counts = [n for _, n in batch]
-        width = max(2, *(len(s.block_table) for s, _ in batch[:rows_out]))  # 2: a width of 1 would be a 3rd graph
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) if s else [0] * width
-                               for s, _ in batch], device=dev)
-        idx = torch.tensor([s.tokens_between(s.num_cached, s.num_cached + n) + [0] * (T - n) if s else [0] * T
-                            for s, n in batch], device=dev)
+        width = max(2, *(len(s.block_table) for s, _ in batch))  # 2: a width of 1 would be a 3rd graph
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s, _ in batch], device=dev)
+        idx = torch.tensor([s.tokens_between(s.num_cached, s.num_cached + n) + [0] * (T - n) for s, n in batch],
+                           device=dev)
         return (idx, torch.tensor(starts, device=dev), torch.tensor(counts, device=dev), tables,
                 max(a + n for a, n in zip(starts, counts)))
 
