@@ -181,10 +181,11 @@ class Runner:
       rows enough to be row-invariant. The padding costs a decode step 16x its rows.
     Not covered: MoE experts see as many rows as the batch routes to them. And generate() itself runs single
     rows (gemv) and SDPA's flash kernel, so the engine matches its tokens, not its last bits.
-    Cost, measured on the demo's shape (dim 256, 4 layers, 48 requests of 32-128 prompt tokens, batch 16, 1 thread
-    on a busy 2-core CPU): 82-123 generated tokens/s against 176-222 without; the math kernel's attention takes
-    about 6x the flash kernel's time and decodes run 4x the token rows. Not cheap, so off by default: without it a
-    request's tokens still equal generate()'s except at near-ties (bench/engine.py counts them)."""
+    Cost (bench/engine.py's small shape, 300 requests, 1 thread; bench/batch_invariant_padding_report.json): 4,248
+    generated tokens/s against 8,593 without, and 5,866 with the earlier padding to 4 queries (bit-identical on the
+    EPYC kind only); the math kernel's attention takes about 6x the flash kernel's time. Not cheap, so off by
+    default: without it a request's tokens still equal generate()'s except at near-ties (bench/engine.py counts
+    them)."""
 
     def __init__(self, model: Transformer, pool: KVPool, slots: Slots, batch_invariant: bool = False,
                  compile: bool = False) -> None:
