@@ -44,8 +44,9 @@ demo: setup  ## the main job: full pipeline on the default corpus, then where to
 pipeline: setup  ## the pipeline with a profile for this run: `make pipeline PROFILE=quick`
 	$(BIN)/astrai pipeline $(if $(PROFILE),--profile $(PROFILE))
 
-test: setup  ## the test suite
-	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+test: setup  ## the test suite (the tests marked alone last, with nothing beside them)
+	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not alone"
+	$(BIN)/python -m pytest -q -m alone
 
 repro: setup  ## the same stages through DVC
 	$(BIN)/dvc repro

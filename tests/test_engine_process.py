@@ -140,6 +140,7 @@ def busy_seconds(pid: int | None = None) -> float:
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="two torch threads need two cores")
+@pytest.mark.alone  # make test runs it after the rest: another worker's load makes any team sleep
 def test_two_torch_threads_in_the_child_spin_through_a_decode_not_sleep_at_every_operator(tmp_path):
     """The child loads the model and runs the loop on one thread (Engine.run): an OpenMP team on a second thread
     makes libgomp's threads sleep at the end of every parallel region (a voluntary context switch each; a 2-thread
