@@ -306,7 +306,7 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
                                                "prompt prefixes between requests."),
           batch_invariant: bool = typer.Option(False, "--batch-invariant", help="Bit-identical results whatever "
                                                "shares a request's batch (greedy output equals generate() alone "
-                                               "even at near-ties); slower."),
+                                               "even at near-ties); slower, and fp32 weights only."),
           compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help="Run decode steps and prefill chunks "
                                        "as torch.compile'd graphs (default; not with --batch-invariant): about 3x "
                                        "faster per step at few streams; compiled in the background while the steps "
@@ -374,7 +374,7 @@ def serve(model: str = typer.Option("models:/astrai@champion", help=f"The model:
     with tempfile.TemporaryDirectory(prefix="astrai-serve-") as tmp:  # a registry download, gone once loaded
         try:
             checkpoint, model_id, aliases = resolve_model(model, Path(tmp))
-            weights, dtype_why = inference_dtype_of(checkpoint, dtype, resolve_device(device))
+            weights, dtype_why = inference_dtype_of(checkpoint, dtype, resolve_device(device), batch_invariant)
             n_threads, why = launch.torch_threads(threads, estimated_params(read_model_config(checkpoint / "config.json")),
                                                   engine_process)
             engine, chat = launch.load_engine(checkpoint, config, device, n_threads, engine_process, weights)

@@ -127,6 +127,8 @@ CASES = {  # id: (args, cwd under the work folder, the one line's text after "as
     "alias-poll -3": (["serve", "--model", "ckpt", "--alias-poll", "-3"], ".", "--alias-poll -3: expected seconds >= 0"),
     "compile and batch-invariant": (["serve", "--model", "ckpt", "--compile", "--batch-invariant"], ".",
                                     "compile and batch_invariant cannot be combined"),
+    "bf16 and batch-invariant": (["serve", "--model", "ckpt", "--dtype", "bf16", "--batch-invariant"], ".",
+                                 "--dtype bf16 and --batch-invariant cannot be combined"),
     "nproc abc": (["train", "--config", "cfg_beta1.json", "--nproc", "abc"], ".", "--nproc abc: expected auto or"),
     "nproc 0": (["train", "--config", "cfg_beta1.json", "--nproc", "0"], ".", "--nproc 0: expected auto or"),
     "nproc -2": (["train", "--config", "cfg_beta1.json", "--nproc=-2"], ".", "--nproc -2: expected auto or"),

@@ -335,6 +335,27 @@ def test_batch_invariant_mode_gives_bit_identical_logits_whatever_shares_the_bat
         assert all(torch.equal(a, b) for a, b in zip(alone, together[i], strict=True)), f"request {i}"
 
 
+def test_batch_invariance_holds_at_a_published_models_widths_with_fp32_weights_only(monkeypatch):
+    """At SmolLM2-135M's widths (dim 576, MLP 1,536, 9 / 3 heads) and up to 10 requests decoding together (160
+    query rows a step): each request's logits equal its run alone, to the bit, in fp32. bf16 gemms give a row other
+    bits past 32 rows (all 8 requests differed when the engine allowed it), so the engine refuses bf16 weights."""
+    if not platform_is_batch_invariant():
+        pytest.skip("this CPU's gemm/SDPA kernels lack the row invariance measured on torch 2.13 x86")
+    model = sharp_random_model(**{**SHAPE, "dim": 576, "n_heads": 9, "n_kv_heads": 3, "ffn_dim": 1536})
+    trace = logits_trace(monkeypatch)
+    prompts = [p + [1] * (30 - len(p)) for p in prompts_for(8, seed=3, longest=30)]
+    params = [greedy(14 + 2 * i) for i in range(len(prompts))]
+    engine = Engine(model, EngineConfig(kv_blocks=200, block_size=4, prefill_chunk=8, max_batch_size=10,
+                                        batch_invariant=True))
+    run(engine, prompts, params)
+    together = [trace.pop(i) for i in range(len(prompts))]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        run(Engine(model, EngineConfig(kv_blocks=32, block_size=4, batch_invariant=True)), [p], sp)
+        assert all(torch.equal(a, b) for a, b in zip(trace.pop(0), together[i], strict=True)), f"request {i}"
+    with pytest.raises(ValueError, match="batch_invariant needs fp32 weights, not bfloat16"):
+        Engine(model.to(torch.bfloat16), EngineConfig(kv_blocks=32, block_size=4, batch_invariant=True))
+
+
 def test_padding_rows_of_a_decode_bucket_change_no_token_or_logprob():
     """A decode step pads its batch to the next bucket (5 rows to 8, 3 to 4) with rows of 0 new tokens that write
     only the pool's scratch slot: each request's tokens and logprobs, greedy and seeded, equal its run alone (1

@@ -467,6 +467,10 @@ def test_generation_dtype_auto_is_bf16_only_where_native_and_for_a_model_big_eno
             assert inference_dtype("auto", cpu, parameters)[0] == want, (native, parameters)
             assert inference_dtype("fp32", cpu, parameters) == (torch.float32, "--dtype")
             assert inference_dtype("bf16", cpu, parameters) == (torch.bfloat16, "--dtype")
+            # batch invariance holds in fp32 only (tests/test_engine.py): auto gives it fp32, bf16 is refused
+            assert inference_dtype("auto", cpu, parameters, batch_invariant=True)[0] == torch.float32
+    with pytest.raises(ValueError, match="--dtype bf16 and --batch-invariant cannot be combined"):
+        inference_dtype("bf16", cpu, 135_000_000, batch_invariant=True)
     with pytest.raises(ValueError, match="--dtype fp16: expected auto, fp32 or bf16"):
         inference_dtype("fp16", cpu, 10)
     # counted from the checkpoint's config (on a bf16-native CPU): the demo's model (0.66M) stays fp32, 6.7M go bf16

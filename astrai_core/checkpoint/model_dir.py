@@ -190,7 +190,9 @@ def load_model(
     return model.to(device, dtype).eval(), tokenizer, cfg
 
 
-def inference_dtype_of(ckpt_dir: str | os.PathLike, choice: str, device: torch.device) -> tuple[torch.dtype, str]:
+def inference_dtype_of(ckpt_dir: str | os.PathLike, choice: str, device: torch.device,
+                       batch_invariant: bool = False) -> tuple[torch.dtype, str]:
     """(dtype, why) that --dtype `choice` gives the checkpoint's model on `device` (runtime.device.inference_dtype),
     from its config.json alone, before any weight is read."""
-    return inference_dtype(choice, device, estimated_params(read_model_config(Path(ckpt_dir) / "config.json")))
+    return inference_dtype(choice, device, estimated_params(read_model_config(Path(ckpt_dir) / "config.json")),
+                           batch_invariant)

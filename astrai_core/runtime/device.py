@@ -85,10 +85,16 @@ def check_dtype_choice(choice: str) -> None:
         raise ValueError(f"--dtype {choice}: expected auto, fp32 or bf16")
 
 
-def inference_dtype(choice: str, device: torch.device, parameters: int) -> tuple[torch.dtype, str]:
+def inference_dtype(choice: str, device: torch.device, parameters: int,
+                    batch_invariant: bool = False) -> tuple[torch.dtype, str]:
     """(the dtype a model of `parameters` weights generates in on `device`, why) for --dtype `choice`: fp32, bf16,
-    or auto (bf16 where native from BF16_FROM_PARAMETERS parameters, else fp32). ValueError for anything else."""
+    or auto (bf16 where native from BF16_FROM_PARAMETERS parameters, else fp32; fp32 for an engine that is
+    `batch_invariant`, whose bit-identity needs it: engine/runner.py Runner). ValueError for anything else."""
     check_dtype_choice(choice)
+    if batch_invariant and choice == "bf16":
+        raise ValueError("--dtype bf16 and --batch-invariant cannot be combined: batch invariance needs fp32 weights")
+    if batch_invariant:
+        return torch.float32, "--batch-invariant needs fp32"
     if choice in INFERENCE_DTYPES:
         return INFERENCE_DTYPES[choice], "--dtype"
     if not bf16_native(device):

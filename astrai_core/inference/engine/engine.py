@@ -118,6 +118,9 @@ class Engine:
     def __init__(self, model: Transformer, config: EngineConfig | None = None) -> None:
         self.model, self.config = model.eval(), config or EngineConfig()
         cfg = self.config
+        if cfg.batch_invariant and (dtype := next(model.parameters()).dtype) != torch.float32:
+            raise ValueError(f"batch_invariant needs fp32 weights, not {str(dtype).removeprefix('torch.')}: bf16 gemms "
+                             "give a row other bits as the batch grows past 32 rows (runner.Runner)")
         self.packed_linears = pack_linears(model) if cfg.pack_weights and can_pack(model) else 0
         self.context_length = min(cfg.max_model_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
         self.vocab_size = model.cfg.vocab_size

@@ -179,6 +179,8 @@ class Runner:
     * at least MIN_QUERIES query positions per row (a decode gets 15 padding queries, never stored) and
       MIN_KEYS keys, so every gemm (batch x queries token rows in the linear layers, queries in attention) has
       rows enough to be row-invariant. The padding costs a decode step 16x its rows.
+    * fp32 weights (Engine refuses others): bf16 gemms give a row other bits past 32 rows even at 16 queries a row
+      (SmolLM2's widths, 1 and 2 threads, the Xeon with AMX).
     Not covered: MoE experts see as many rows as the batch routes to them. And generate() itself runs single
     rows (gemv) and SDPA's flash kernel, so the engine matches its tokens, not its last bits.
     Cost (bench/engine.py's small shape, 300 requests, 1 thread; bench/batch_invariant_padding_report.json): 4,248
