@@ -13,6 +13,7 @@ Kubernetes' restart policy) starts a fresh server.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 
 import uvicorn
@@ -41,5 +42,13 @@ def run(app: FastAPI, engine: EngineClient, host: str, port: int) -> int:
 
     engine.after_step.append(watch)
     watch()  # it may have died before the listener was in place
-    server.run()
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again under the handler it found:
+    # Python's default would end the process there (status -15, the engine never stopped), so it finds a no-op one.
+    stopped = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        engine.after_step.remove(watch)  # the engine is stopped next (launch.serve): that is no death
+        for sig, handler in stopped.items():
+            signal.signal(sig, handler)
     return ENGINE_DIED if died.is_set() else 0

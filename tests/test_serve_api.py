@@ -800,6 +800,31 @@ def test_a_killed_engine_process_ends_the_open_requests_and_the_server_exits_non
     assert len(died) == 1 and "exit code -9" in died[0] and "exiting with status 1" in died[0], log
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_servers_process_group_is_a_clean_stop(served, tmp_path, sig):
+    """`kill -- -PGID`, systemd's stop (every process of the unit) and Ctrl-C reach the engine's process too, in
+    any order: the server still stops as asked, with status 0 and no "engine died" line (which would have a
+    supervisor restart what its operator stopped). The engine process leaves with its parent, which stops it (or
+    with the pipe's end if the parent is killed)."""
+    proc, url = _start_server(["--model", str(served["ckpt"])], tmp_path)
+    try:
+        ps = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(proc.pid)], capture_output=True, text=True)
+        children = [int(line.split()[0]) for line in ps.stdout.splitlines() if "spawn_main" in line]
+        assert len(children) == 1, ps.stdout
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL_ID, "prompt": "the king", "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200
+        os.kill(children[0], sig)  # the child first: the order a group signal may arrive in
+        time.sleep(0.5)
+        os.kill(proc.pid, sig)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        _stop_server(proc)
+    log = (tmp_path / f"server-{url.rsplit(':', 1)[1]}.log").read_text()
+    assert "the engine died" not in log and "Traceback" not in log, log
+    assert not any(Path(f"/proc/{pid}").exists() for pid in children)
+
+
 def test_serve_from_mlflow_registry(served, tmp_path, monkeypatch):
     import mlflow
 

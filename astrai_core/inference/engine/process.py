@@ -87,7 +87,10 @@ def _child(commands, events, checkpoint: str, config: EngineConfig, device: str,
     """The engine's process: load the model, run Engine's loop on this (the main) thread, the thread that loaded
     it (Engine.run says why), and obey commands on a thread of their own until Stop or the parent goes away (EOF
     on the command pipe)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops this process
+    # Ctrl-C, `kill -- -PGID` and systemd's stop reach the whole group: the parent stops this process (Stop), and
+    # a parent that is gone ends it too (EOF on the pipe); SIGKILL still works.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from astrai_core.checkpoint.model_dir import load_model
 
     torch.set_num_threads(threads)
