@@ -59,7 +59,7 @@ def profile(engine: Engine, batch: int, steps: int, params: Callable[[int], Samp
         engine.submit([1 + i % 100, 2, 3, 4, 5, 6, 7, 8], params(i), lambda *a: None)
     for _ in range(3):  # the prefill and the first decodes
         engine.step()
-    attr = "compiled" if runner.graphs is not None else "_forward"
+    attr = "compiled" if runner.graphs else "_forward"
     originals = {"schedule": scheduler.schedule, "postprocess": scheduler.postprocess, "run": runner.run,
                  attr: getattr(runner, attr)}
     scheduler.schedule = timed(spent["schedule"], originals["schedule"])

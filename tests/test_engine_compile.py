@@ -63,6 +63,26 @@ def test_compiled_steps_equal_generate_and_meet_their_graphs_guards(compiled, gu
     assert eager_calls and all(keys == 1 for T, keys in eager_calls), eager_calls
 
 
+def test_decode_steps_run_their_graph_while_the_prefill_graph_is_still_building(compiled, monkeypatch):
+    """warm_up builds the decode graph first and steps use it at once: with only that graph built, decode steps
+    (of more than one key) run it and prefill chunks the eager forward; tokens equal generate() alone."""
+    model, engine = compiled
+    if engine.runner.regional or engine.model.cfg.n_experts:
+        pytest.skip("one variant is enough")
+    monkeypatch.setattr(engine.runner, "graphs", {"decode": engine.runner.graphs["decode"]})
+    calls: dict[str, list[tuple[int, int]]] = {"eager": [], "compiled": []}
+    for name, attr in (("eager", "_forward"), ("compiled", "compiled")):
+        fn = getattr(engine.runner, attr)
+        monkeypatch.setattr(engine.runner, attr, lambda *a, fn=fn, name=name: calls[name].append(
+            (a[0].shape[1], len(a[4]))) or fn(*a))
+    prompts = prompts_for(5, seed=8)
+    params = [greedy(capped(p, 12)) for p in prompts]
+    for p, sp, c in zip(prompts, params, run(engine, prompts, params)):
+        assert c.tokens == solo(model, p, sp.max_tokens), p
+    assert calls["compiled"] and all(T == 1 for T, _ in calls["compiled"]), calls["compiled"]
+    assert any(T > 1 for T, _ in calls["eager"]) and all(T > 1 or keys == 1 for T, keys in calls["eager"])
+
+
 def test_compiled_logprobs_equal_a_plain_forward_within_1e_4(compiled):
     model, engine = compiled
     prompt = prompts_for(1, seed=11, longest=30)[0] + [3] * 10
@@ -134,7 +154,7 @@ def test_steps_run_eager_while_the_graphs_compile_in_the_background_then_compile
     model = model_for("default")
     engine = Engine(model, EngineConfig(kv_blocks=128, block_size=4, prefill_chunk=16, max_batch_size=6,
                                         compile=True, compile_in_background=True))
-    assert engine.stats()["compile_seconds"] is None and engine.runner.graphs is None  # building
+    assert engine.stats()["compile_seconds"] is None and not engine.runner.graphs  # building
     prompts = prompts_for(6, seed=4)
     params = [greedy(capped(p, 20)) for p in prompts]
     while_compiling = run(engine, prompts, params)
@@ -142,6 +162,7 @@ def test_steps_run_eager_while_the_graphs_compile_in_the_background_then_compile
     while engine.stats()["compile_seconds"] is None:
         assert time.monotonic() < deadline, "the graphs were not built in 600 s"
         time.sleep(0.5)
+    assert engine.runner.graph_seconds["decode"] <= engine.runner.graph_seconds["prefill"]  # decode's first
     compiled_calls = []
     graphs = engine.runner.compiled
     monkeypatch.setattr(engine.runner, "compiled", lambda *a: compiled_calls.append(1) or graphs(*a))
@@ -168,5 +189,5 @@ def test_compiled_graphs_call_the_prepacked_projections(name):
     params = [greedy(capped(p, 12)) for p in prompts]
     plain = run(Engine(copy.deepcopy(model), config), prompts, params)
     engine = Engine(model, EngineConfig(**{**config.__dict__, "pack_weights": True}))
-    assert engine.stats()["packed_linears"] > 0 and engine.runner.graphs is not None
+    assert engine.stats()["packed_linears"] > 0 and set(engine.runner.graphs) == {"decode", "prefill"}
     assert [c.tokens for c in run(engine, prompts, params)] == [c.tokens for c in plain]

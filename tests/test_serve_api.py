@@ -436,7 +436,8 @@ def test_a_default_server_answers_at_once_and_compiles_in_the_background(served,
         _greedy_completions_equal_generate(served, url)
     finally:
         _stop_server(proc)
-    assert re.search(r"engine steps compiled in [0-9.]+ s \(in the background\)", log.read_text())
+    assert re.search(r"engine steps compiled in [0-9.]+ s \(in the background; decode steps ran compiled from [0-9.]+ s\)",
+                     log.read_text())
 
 
 def test_prefix_cache_hits_show_in_metrics(server, oai):

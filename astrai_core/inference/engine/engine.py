@@ -62,8 +62,8 @@ class EngineConfig:
     # Inductor may reorder float operations: logits can differ from eager's in the last bits
     # (tests/test_engine_compile.py bounds them). Off here; `astrai serve` turns it on, in the background.
     compile: bool = False
-    # With compile: build the graphs on a thread of their own while the steps run eager, and switch to them once
-    # all are built (stats()["compile_seconds"] is None until then), instead of at Engine construction.
+    # With compile: build the graphs on a thread of their own while the steps run eager, and switch to each once
+    # it is built (stats()["compile_seconds"] is None until all are), instead of at Engine construction.
     compile_in_background: bool = False
     # The model's weights stay as they are while the engine lives (a served model's; not GRPO's policy): its bf16
     # projections run on weights prepacked for oneDNN (packed.py; a CPU with bf16 kernels), bit-identical to
@@ -162,7 +162,7 @@ class Engine:
         self.ttft_sum, self.ttft_count, self.ttft_recent = 0.0, 0, deque(maxlen=TTFT_KEPT)
 
     def _compile(self) -> None:
-        """Build the compiled graphs (Runner.warm_up); the steps use them from the next one on. In the background,
+        """Build the compiled graphs (Runner.warm_up); the steps use each from the next one on. In the background,
         a failure (no C++ compiler, say) leaves the steps eager and says so on stderr, as the end does."""
         background, start = self.config.compile_in_background, time.perf_counter()
         try:
@@ -175,8 +175,9 @@ class Engine:
             return
         self.compile_seconds = round(time.perf_counter() - start, 1)
         if background:
-            print(f"astrai: engine steps compiled in {self.compile_seconds} s (in the background); they run compiled "
-                  f"from now on", file=sys.stderr, flush=True)
+            print(f"astrai: engine steps compiled in {self.compile_seconds} s (in the background; decode steps ran "
+                  f"compiled from {self.runner.graph_seconds['decode']} s); they run compiled from now on",
+                  file=sys.stderr, flush=True)
 
     # --- any thread -------------------------------------------------------------------------------------------
 

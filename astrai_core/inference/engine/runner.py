@@ -17,6 +17,7 @@ import importlib
 import inspect
 import json
 import sys
+import time
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -170,6 +171,11 @@ class DecodeBuffers:
         return inputs
 
 
+def step_kind(idx: torch.Tensor) -> str:
+    """The graph a step's (rows, new tokens) ids run: "decode" for one new token per row, else "prefill"."""
+    return "prefill" if idx.shape[1] > 1 else "decode"
+
+
 class Runner:
     """batch_invariant: every position's arithmetic is the same whatever else the forward computes: other rows,
     a decode or a prefill chunk (so chunk sizes, preemption and recompute, and prefix blocks computed by another
@@ -196,10 +202,17 @@ class Runner:
         self.decode_buffers = DecodeBuffers(slots)
         # EngineConfig.compile: decode steps and prefill chunks run _forward as torch.compile'd graphs (warm_up).
         self.compile = compile
-        # the compiled graphs of _forward by kind of step ("decode", "prefill"), set by warm_up once both are built
-        self.graphs: dict[str, Callable] | None = None
+        # the compiled graphs of _forward by kind of step ("decode", "prefill"), each added by warm_up once built,
+        # and the seconds from warm_up's start to then
+        self.graphs: dict[str, Callable] = {}
+        self.graph_seconds: dict[str, float] = {}
         # not tried with experts (their routing's data-dependent shapes)
         self.regional = compile and model.cfg.n_layers >= REGIONAL_FROM_LAYERS and not model.cfg.n_experts
+
+    def __getstate__(self) -> dict:
+        """What pickling keeps of a Runner: torch pickles the step's inputs (this Runner among them) with a graph's
+        saved guards, and the decode graph, built already when the prefill graph is traced, cannot be pickled."""
+        return {**self.__dict__, "graphs": {}}
 
     def warm_up(self) -> None:
         """Build the graphs now, not in the first requests' steps (Engine calls it at construction, or on a thread
@@ -209,9 +222,12 @@ class Runner:
         2 and its eager 1-key steps) and, for prefill, new tokens. Rows of 0 tokens write only the pool's scratch
         slot. Each graph is loaded from GRAPH_DIR when it was saved there for this model and source code, else
         traced, compiled and saved. A model of REGIONAL_FROM_LAYERS layers or more is traced with each Block as one
-        nested compile region (not saved: torch 2.13 cannot load such a graph's guards)."""
+        nested compile region (not saved: torch 2.13 cannot load such a graph's guards). The decode graph comes
+        first and steps use it as soon as it is built (from a background thread, while the prefill graph compiles):
+        decode steps are most of a served request's time."""
         if not self.compile:
             return
+        start = time.perf_counter()
         if self.regional:
             blocks_as_regions(self.model)
         # the guards torch can save (its own rule), less those that derive from one it cannot: a nested region's
@@ -221,7 +237,7 @@ class Runner:
         def saved_guards(entries):
             return [not (g.is_global or g.guard_type in unsaved or set(g.derived_guard_types or ()) & set(unsaved))
                     for g in entries]
-        dev, graphs = self.device, {}
+        dev = self.device
         with torch.inference_mode():
             for kind, T in (("decode", 1), ("prefill", 3)):
                 idx, starts, counts, tables = (torch.zeros(shape, dtype=torch.long, device=dev)  # distinct tensors:
@@ -247,8 +263,8 @@ class Runner:
                         graph.save_compiled_function(str(path))
                 graph(*example)
                 graph.disable_guard_check()  # run() checks them when CHECK_GUARDS
-                graphs[kind] = graph
-        self.graphs = graphs  # last: a step (maybe on another thread) takes them only once both are built
+                self.graphs[kind] = graph  # last: a step (maybe on another thread) takes it from its next one
+                self.graph_seconds[kind] = round(time.perf_counter() - start, 1)
 
     def graph_path(self, kind: str) -> Path:
         """Where the graph of a kind of step is saved: named by what shapes it (torch, the model's configuration
@@ -265,7 +281,7 @@ class Runner:
     def compiled(self, idx: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, tables: torch.Tensor,
                  keys: torch.Tensor) -> torch.Tensor:
         """_forward through the graph of the step's kind."""
-        graph = self.graphs["prefill" if idx.shape[1] > 1 else "decode"]
+        graph = self.graphs[step_kind(idx)]
         if CHECK_GUARDS and not graph.guard_check(self, idx, starts, counts, tables, keys):
             raise RuntimeError(f"a step's inputs do not meet its graph's guards: rows {idx.shape[0]}, new tokens "
                                f"{idx.shape[1]}, keys {len(keys)}, table width {tables.shape[1]}")
@@ -286,8 +302,8 @@ class Runner:
         else:
             idx, starts, counts, tables, S = self.prefill_inputs(batch, T)
         keys = torch.arange(max(S, MIN_KEYS) if self.batch_invariant else S, device=dev)
-        # compiled, but for a 1-token prompt's step (1 key: a graph of its own)
-        if self.graphs is not None and S > 1:
+        # compiled once its kind's graph is built, but for a 1-token prompt's step (1 key: a graph of its own)
+        if step_kind(idx) in self.graphs and S > 1:
             forward, mode = self.compiled, contextlib.nullcontext()
         else:
             forward = self._forward
