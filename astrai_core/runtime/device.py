@@ -91,9 +91,9 @@ def inference_dtype(choice: str, device: torch.device, parameters: int,
     or auto (bf16 where native from BF16_FROM_PARAMETERS parameters, else fp32; fp32 for an engine that is
     `batch_invariant`, whose bit-identity needs it: engine/runner.py Runner). ValueError for anything else."""
     check_dtype_choice(choice)
-    if batch_invariant and choice == "bf16":
-        raise ValueError("--dtype bf16 and --batch-invariant cannot be combined: batch invariance needs fp32 weights")
     if batch_invariant:
+        if choice == "bf16":
+            raise ValueError("--dtype bf16 and --batch-invariant cannot be combined: batch invariance needs fp32 weights")
         return torch.float32, "--batch-invariant needs fp32"
     if choice in INFERENCE_DTYPES:
         return INFERENCE_DTYPES[choice], "--dtype"
