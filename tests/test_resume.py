@@ -329,6 +329,32 @@ def rank_pid(cfg: TrainConfig, rank: int) -> int | None:
 
 
 @pytest.mark.integration
+def test_a_rank_whose_launcher_dies_while_it_starts_never_trains(core_tiny_data, tmp_path):
+    """torchrun killed while its rank still imports torch, before the rank can ask the kernel to kill it with its
+    launcher: the rank ends instead of training alone and writing outputs (CI, 2026-12-03: a rank of bench/gpu.py
+    outlived its SIGKILLed launcher)."""
+    cfg = make_cfg(core_tiny_data, tmp_path / "out", max_steps=40)
+    proc = torchrun(cfg, nproc=1)
+    deadline = time.monotonic() + 60
+    while True:  # the rank: its interpreter started, torch's libraries being loaded, not yet at init_distributed
+        ranks = [pid for pid in run_pids(cfg) if pid != proc.pid]
+        try:
+            if ranks and b"libtorch_cpu" in Path(f"/proc/{ranks[0]}/maps").read_bytes():
+                break
+        except OSError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, "no rank started"
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 120
+    while run_pids(cfg) and time.monotonic() < deadline:  # orphaned, it would train its 40 steps and write
+        time.sleep(0.1)
+    assert not run_pids(cfg)
+    assert not Path(cfg.out_dir).exists() and find_resumable(cfg.checkpoints) is None
+
+
+@pytest.mark.integration
 def test_dead_rank_restarts_group_which_resumes(reference, core_tiny_data, tmp_path):
     cfg = make_cfg(core_tiny_data, tmp_path / "out", **RUN)
     proc = torchrun(cfg, "--max-restarts=3")

@@ -38,6 +38,7 @@ from astrai_core.runtime.device import Dist, resolve_device
 from astrai_core.runtime.errors import TrainingError
 from astrai_core.runtime.io import write_json
 from astrai_core.runtime.proc import stream_process
+from astrai_core.training import PARENT_AT_START
 
 if TYPE_CHECKING:
     from astrai_core.training.config import TrainConfig
@@ -70,11 +71,14 @@ def rank_error(line: str) -> str | None:
 def die_with_launcher() -> None:
     """torchrun starts each rank in a session of its own, so SIGKILL of the launcher's process group (a stage
     killed, a job cancelled) would leave the ranks training and writing outputs: on Linux, ask the kernel to
-    SIGKILL this rank when the torchrun agent that started it dies."""
+    SIGKILL this rank when the torchrun agent that started it dies. An agent that died before the request (killed
+    while this rank imported torch) is never reported: then this rank ends itself, as the kernel would have."""
     if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     pr_set_pdeathsig = 1  # from <sys/prctl.h>
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != PARENT_AT_START:  # adopted: the agent is gone
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def init_distributed(backend: str = "auto", device: str = "auto", timeout: float | None = None) -> Dist:
