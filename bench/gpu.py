@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -107,7 +108,8 @@ def train_config(shape: dict, data: dict, out_dir: Path, steps: int, **kw) -> Tr
         "model": shape["model"], "train_data": data["train"], "tokenizer": data["tokenizer"], "out_dir": str(out_dir),
         "seq_len": shape["seq_len"], "batch_size": shape["batch_size"], "max_steps": steps, "log_every": 10**6,
         "eval_every": 0, "checkpoint_every": 0, "optim": {"lr": 3e-4, "min_lr": 3e-5, "warmup_steps": 1},
-        "compile_cache_dir": str(ROOT / ".cache" / "torchinductor"), **kw})
+        "compile_cache_dir": str(ROOT / ".cache" / "torchinductor"),
+        "dtype": "bf16" if torch.cuda.is_available() else "fp32", **kw})  # autocast as the peer's
 
 
 def ours(shape: dict, data: dict, root: Path, steps: int, compile: bool) -> float:
@@ -192,9 +194,10 @@ def _torchrun(config: Path, nproc: int) -> subprocess.Popen:
            "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv}/store", "--rdzv-conf=store_type=file",
            f"--rdzv-id={uuid.uuid4().hex}", "--local-addr=127.0.0.1", "-m", "astrai_core.training.train",
            "--config", str(config)]
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))  # packages carried there kept
     CHILDREN.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}))
+                                     env={**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}))
     return CHILDREN[-1]
 
 
@@ -281,6 +284,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes: checks the script, measures nothing")
     parser.add_argument("--out", type=Path, default=None, help="default: bench/gpu_report.json (smoke: none)")
+    parser.add_argument("--sections", default="training,distributed,engine", help="the sections to run, in order")
     args = parser.parse_args()
     if not args.smoke and not torch.cuda.is_available():  # a CPU against a GPU's peak would be a number, not a measure
         sys.exit("bench/gpu.py: no CUDA device here (torch.cuda.is_available() is false): it measures a GPU; "
@@ -298,15 +302,22 @@ def main() -> None:
     report["peak_dtype"] = str(dtype)
     with tempfile.TemporaryDirectory(prefix="astrai-gpu-bench-") as tmp:
         sink = out or Path(tmp) / "report.json"  # smoke without --out: printed, not kept
-        for section, run in (("training", lambda: training(cfg, device, report["peak_flops"], Path(tmp))),
-                             ("distributed", lambda: distributed(device, Path(tmp))),
-                             ("engine", lambda: engine(cfg, device))):
+        sections = {"training": lambda: training(cfg, device, report["peak_flops"], Path(tmp)),
+                    "distributed": lambda: distributed(device, Path(tmp)), "engine": lambda: engine(cfg, device)}
+        for section in args.sections.split(","):
+            run = sections[section]
             t0 = time.perf_counter()
-            report[section] = run()
+            try:
+                report[section] = run()
+            except Exception as e:  # a device's first run: one section's failure keeps the others' measurements
+                traceback.print_exc()
+                report[section] = {"error": f"{type(e).__name__}: {e}"}
             report[f"{section}_seconds"] = round(time.perf_counter() - t0, 1)
             write(report, sink)
     print(json.dumps(report, indent=1))
     print(f"wrote {sink}" if out else "--smoke: the report above is not kept (--out FILE keeps it)")
+    if failed := [section for section in args.sections.split(",") if "error" in report[section]]:
+        sys.exit(f"bench/gpu.py: {', '.join(failed)} failed (the report says why)")
 
 
 if __name__ == "__main__":
