@@ -174,6 +174,23 @@ def test_demo_build_is_deterministic(corpus, tmp_path):
     assert (a / "sft_train.jsonl").read_bytes() != (c / "sft_train.jsonl").read_bytes()
 
 
+def test_dpo_and_grpo_can_each_be_given_their_own_tasks(corpus, tmp_path):
+    # Two stages taught the same tasks share their headroom: each gets its own tasks, train and held-out alike,
+    # SFT keeps every task in turns, and no item is dealt to two kinds.
+    out = tmp_path / "chat"
+    write_records(ChatDataParams(**SMALL, dpo_tasks=["word_count", "last_word"], grpo_tasks=["speech_count"]),
+                  corpus, out)
+    for split in ("train", "test"):
+        assert [r["task"] for r in load(out / f"dpo_{split}.jsonl")][:4] == ["word_count", "last_word"] * 2
+        assert {r["task"] for r in load(out / f"dpo_{split}.jsonl")} == {"word_count", "last_word"}
+        assert {r["task"] for r in load(out / f"grpo_{split}.jsonl")} == {"speech_count"}
+        assert set([r["task"] for r in load(out / f"sft_{split}.jsonl")][:5]) == set(TASKS), split  # in turns
+        prompts = [p for kind in KINDS for p in prompts_of(out / f"{kind}_{split}.jsonl")]
+        assert len(prompts) == len(set(prompts))
+    with pytest.raises(ValidationError, match="(?s)grpo_tasks.*unknown demo task 'speech_counts'; one of: first_speaker"):
+        ChatDataParams(grpo_tasks=["speech_counts"])
+
+
 def test_max_chars_is_enforced(corpus, tmp_path):
     stats = write_records(ChatDataParams(**SMALL, max_chars=220), corpus, tmp_path / "chat")
     for kind in KINDS:

@@ -59,8 +59,23 @@ class ChatDataParams(Strict):
     # forgetting language modeling while fine-tuning; 0: none. The replay windows are distinct: they repeat only
     # when SFT runs more than one pass over sft_train.h5 (then they are memorized and forgetting returns).
     sft_replay: float = Field(0.8, ge=0.0, lt=1.0)
+    # The demo tasks (tasks/chat/demo_tasks.py TASKS) the DPO pairs and the GRPO prompts are drawn from, train and
+    # held-out alike (each stage is scored on what it trains); [] = every task. SFT always has every task. Two stages
+    # taught the same tasks share their headroom: whichever runs second finds the first took it (docs/measured.md).
+    dpo_tasks: list[str] = []
+    grpo_tasks: list[str] = []
     seed: int = 0
     on_bad_record: Literal["skip", "stop"] = "skip"
+
+    @field_validator("dpo_tasks", "grpo_tasks")
+    @classmethod
+    def _known_tasks(cls, names: list[str]) -> list[str]:
+        from tasks.chat.demo_tasks import TASKS
+
+        unknown = [n for n in names if n not in TASKS]
+        if unknown:
+            raise ValueError(f"unknown demo task {unknown[0]!r}; one of: {', '.join(TASKS)}")
+        return names
 
 
 class PackParams(Strict):

@@ -45,6 +45,7 @@ import json
 import math
 import random
 from collections import Counter
+from itertools import zip_longest
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +55,7 @@ from astrai_core.runtime.errors import AstraiError
 from astrai_core.runtime.io import atomic_path, sha256_file, write_json
 from astrai_core.runtime.progress import advance, expect
 from astrai_core.tokenizer.chat import ChatFormat, load_chat
-from tasks.chat.demo_tasks import items
+from tasks.chat.demo_tasks import Item, items
 from tasks.chat.plays import Speech, read_plays
 from tasks.chat.records import KINDS, check_record, read_records
 from tasks.run.schema import DEMO, ChatDataParams, Params
@@ -72,8 +73,10 @@ def demo_sizes(params: ChatDataParams) -> dict[str, dict[str, int]]:
 def derive_demo(plays: dict[str, dict[str, list[Speech]]], params: ChatDataParams, kinds: tuple[str, ...]
                 ) -> tuple[dict[str, dict[str, list[dict]]], Counter]:
     """{split: {kind: records}} of the demo kinds from the train and test plays, and why items were skipped.
-    Each split's items (the tasks taking turns) are dealt out in order: DPO pairs, then GRPO prompts, then SFT."""
+    Each split's items (the tasks taking turns) are dealt out in order, each item once: DPO pairs, then GRPO prompts,
+    then SFT, each kind taking the next items of its tasks (chat_data.dpo_tasks, .grpo_tasks; SFT every task)."""
     sizes = demo_sizes(params)
+    tasks = {"dpo": set(params.dpo_tasks), "grpo": set(params.grpo_tasks), "sft": set()}  # empty: every task
     out: dict[str, dict[str, list[dict]]] = {}
     skipped: Counter = Counter()
     train_prompts: set[str] = set()
@@ -81,19 +84,32 @@ def derive_demo(plays: dict[str, dict[str, list[Speech]]], params: ChatDataParam
         pool = items(plays[split], f"{params.seed}:chat_data:{split}", exclude=train_prompts)
         if split == "train":
             train_prompts = {item.prompt for item in pool}
-        out[split], i = {}, 0
+        out[split], dealt = {}, [False] * len(pool)
         for kind in ("dpo", "grpo", "sft"):
             if kind not in kinds:
                 continue
             records = out[split][kind] = []
-            while len(records) < sizes[split][kind] and i < len(pool):
-                record, i = pool[i].record(kind), i + 1
+            left = [i for i, item in enumerate(pool) if not dealt[i] and (not tasks[kind] or item.task in tasks[kind])]
+            for i in in_turns(pool, left):
+                if len(records) == sizes[split][kind]:
+                    break
+                record, dealt[i] = pool[i].record(kind), True
                 problem = check_record(record, kind, params.max_chars)[1]
                 if problem is None:
                     records.append(record)
                 else:
                     skipped[f"{kind}: {problem.split(':')[0]}"] += 1  # "longer than the context: N characters ..."
     return out, skipped
+
+
+def in_turns(pool: list[Item], left: list[int]) -> list[int]:
+    """The indices `left` of pool's items in an order where their tasks take turns, each task's items in pool order:
+    a kind dealt after another took some tasks' items still gets every task evenly. Of a pool already in turns
+    (items()) from which a prefix was dealt, the rest in its own order."""
+    by_task: dict[str, list[int]] = {}
+    for i in left:
+        by_task.setdefault(pool[i].task, []).append(i)
+    return [i for turn in zip_longest(*by_task.values()) for i in turn if i is not None]
 
 
 # --- the stage ------------------------------------------------------------------------------------------------------
