@@ -63,6 +63,11 @@ def main() -> None:
             params = load_params(args.params)
     except AstraiError as e:
         sys.exit(f"bench/task_accuracy.py: error: {e}")
+    for need in (args.root / CHAT / "grpo_test.jsonl", args.root / PACKED / "test.h5",
+                 *(ckpt / "tokenizer.json" for ckpt in args.checkpoints)):
+        if not need.is_file():
+            sys.exit(f"bench/task_accuracy.py: error: {need}: no such file (--root: a run's checkout; each "
+                     "checkpoint: a model directory)")
     p = params.evaluate
     questions = read_jsonl(args.root / CHAT / "grpo_test.jsonl")[: p.task_examples]
     tokens, n_chars, _ = read_test_tokens(args.root / PACKED / "test.h5", args.checkpoints[0], p.max_tokens)
