@@ -41,6 +41,14 @@ class TokenizerParams(Strict):
     min_frequency: PositiveInt = 2
 
 
+def known(names: list[str], choices, what: str) -> list[str]:
+    """names, or a ValueError naming the first one that is not among choices (a validator's message)."""
+    unknown = [n for n in names if n not in choices]
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown[0]!r}; one of: {', '.join(choices)}")
+    return names
+
+
 DEMO = "demo"  # chat_data: derive the records from the plays
 
 
@@ -72,10 +80,7 @@ class ChatDataParams(Strict):
     def _known_tasks(cls, names: list[str]) -> list[str]:
         from tasks.chat.demo_tasks import TASKS
 
-        unknown = [n for n in names if n not in TASKS]
-        if unknown:
-            raise ValueError(f"unknown demo task {unknown[0]!r}; one of: {', '.join(TASKS)}")
-        return names
+        return known(names, TASKS, "demo task")
 
 
 class PackParams(Strict):
@@ -161,10 +166,7 @@ class EvaluateParams(Strict):
     def _known_tasks(cls, names: list[str]) -> list[str]:
         from tasks.evaluation.lm_eval_data import FILES
 
-        unknown = [n for n in names if n not in FILES]
-        if unknown:
-            raise ValueError(f"unknown lm-eval task {unknown[0]!r}; one of: {', '.join(FILES)}")
-        return names
+        return known(names, FILES, "lm-eval task")
 
     @model_validator(mode="after")
     def _pass_k_fits(self) -> "EvaluateParams":
