@@ -189,6 +189,8 @@ def test_dpo_and_grpo_can_each_be_given_their_own_tasks(corpus, tmp_path):
         assert len(prompts) == len(set(prompts))
     with pytest.raises(ValidationError, match="(?s)grpo_tasks.*unknown demo task 'speech_counts'; one of: first_speaker"):
         ChatDataParams(grpo_tasks=["speech_counts"])
+    with pytest.raises(ValidationError, match="dpo_tasks picks demo tasks, but chat_data.dpo is a file"):
+        ChatDataParams(dpo="mine.jsonl", dpo_tasks=["word_count"])  # a user's file has its own tasks
 
 
 def test_max_chars_is_enforced(corpus, tmp_path):

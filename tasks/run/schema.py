@@ -82,6 +82,14 @@ class ChatDataParams(Strict):
 
         return known(names, TASKS, "demo task")
 
+    @model_validator(mode="after")
+    def _tasks_of_demo_records(self) -> "ChatDataParams":
+        for kind in ("dpo", "grpo"):
+            if getattr(self, f"{kind}_tasks") and getattr(self, kind) != DEMO:
+                raise ValueError(f"{kind}_tasks picks demo tasks, but chat_data.{kind} is a file "
+                                 f"({getattr(self, kind)}): remove {kind}_tasks or set {kind}: demo")
+        return self
+
 
 class PackParams(Strict):
     batch_documents: PositiveInt = 64  # documents encoded per batch, at most
